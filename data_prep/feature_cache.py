@@ -1,0 +1,392 @@
+"""The feature cache: the target's final hidden states + token ids + loss masks, on disk.
+
+Layout of a cache directory::
+
+    shards/{part}-{k:05d}.safetensors   one shard = many records, concatenated along tokens (no padding)
+    parts/{part}.json                   what one writer (one rank / `--shard i/n`) has committed
+    manifest.json                       merged summary of all parts, rewritten by every `close()`
+
+A shard holds ``hidden`` [N, H] (bf16 / fp16 / fp32, or int8 with ``scales`` [N] fp16 per row),
+``input_ids`` [N] int32, ``loss_mask`` [N] uint8 and ``offsets`` [R+1] int64 (record r owns rows
+offsets[r]:offsets[r+1]). Bytes per token = H*b + 5 (+2 for int8 scales), against 2H + 16 for
+the reference layout (fp16 hidden + int64 ids + int64 mask per file).
+
+The part manifests are the source of truth: several writers (ranks) can fill one directory at
+once, each appending its own part, and a writer re-opened on an existing directory continues
+where it stopped, skipping record ids already committed by ANY part. A shard is committed only
+after its file is fully written (atomic rename) and the part manifest names it with its sha256;
+records still in the in-memory buffer when a run dies are simply redone on the next run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from bisect import bisect_right
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT_NAME = "eagle2-feature-cache"
+FORMAT_VERSION = 1
+CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8}
+DEFAULT_SHARD_BYTES = 512 * 2**20
+
+
+class FeatureCacheError(RuntimeError):
+    """A cache directory is missing, corrupt, truncated or inconsistent; the message names the file."""
+
+
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """On-disk bytes per cached token for `dtype` (hidden row + int32 id + uint8 mask [+ fp16 scale])."""
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"unknown cache dtype {dtype!r}; choose one of {sorted(CACHE_DTYPES)}")
+    row = hidden_size * CACHE_DTYPES[dtype].itemsize
+    return row + 4 + 1 + (2 if dtype == "int8" else 0)
+
+
+def reference_bytes_per_token(hidden_size: int) -> int:
+    """Bytes per token of the reference EAGLE layout: fp16 hidden + int64 input id + int64 loss mask."""
+    return 2 * hidden_size + 8 + 8
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def quantize_int8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: hidden [T, H] float -> (q [T, H] int8, scales [T] fp16)."""
+    x = hidden.float()
+    scales = (x.abs().amax(dim=-1) / 127.0).clamp(min=1e-8).to(torch.float16)  # [T]
+    q = torch.round(x / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)  # [T, H]
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+# --------------------------------------------------------------------------- manifests
+def _load_parts(out_dir: Path) -> dict[str, dict]:
+    parts = {}
+    pdir = out_dir / "parts"
+    if pdir.is_dir():
+        for p in sorted(pdir.glob("*.json")):
+            try:
+                parts[p.stem] = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise FeatureCacheError(f"part manifest {p} is corrupt ({e}); delete it and its shards to redo that part") from None
+    return parts
+
+
+def _check_meta_consistent(parts: dict[str, dict], out_dir: Path) -> None:
+    first = None
+    for name, part in parts.items():
+        key = (part["meta"], part["dtype"])
+        if first is None:
+            first = (name, key)
+        elif key != first[1]:
+            raise FeatureCacheError(
+                f"cache {out_dir}: part {name!r} has meta/dtype {key} but part {first[0]!r} has {first[1]}; "
+                "one cache directory must hold features of one target in one dtype"
+            )
+
+
+def merge_manifests(out_dir: str | Path) -> dict:
+    """Merge every part manifest of `out_dir` into one manifest dict (does not write it)."""
+    out_dir = Path(out_dir)
+    parts = _load_parts(out_dir)
+    if not parts:
+        raise FeatureCacheError(f"{out_dir} is not a feature cache (no parts/*.json); run the `cache` stage first")
+    _check_meta_consistent(parts, out_dir)
+    any_part = next(iter(parts.values()))
+    shards = [s for name in sorted(parts) for s in parts[name]["shards"]]
+    num_tokens = sum(s["num_tokens"] for s in shards)
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        **any_part["meta"],
+        "dtype": any_part["dtype"],
+        "num_records": sum(s["num_records"] for s in shards),
+        "num_tokens": num_tokens,
+        "num_loss_tokens": sum(s["num_loss_tokens"] for s in shards),
+        "bytes_on_disk": sum(s["bytes"] for s in shards),
+        "parts": sorted(parts),
+        "shards": shards,
+    }
+    hidden = any_part["meta"].get("hidden_size")
+    if hidden is not None:
+        manifest["bytes_per_token"] = bytes_per_token(int(hidden), any_part["dtype"])
+        manifest["reference_bytes_per_token"] = reference_bytes_per_token(int(hidden))
+    if any_part["dtype"] == "int8":
+        sq_err = sum(p["quant"]["sum_sq_err"] for p in parts.values())
+        sq = sum(p["quant"]["sum_sq"] for p in parts.values())
+        manifest["quantization"] = {
+            "method": "int8 symmetric, per-row absmax scale (fp16)",
+            "relative_rmse": (sq_err / sq) ** 0.5 if sq > 0 else 0.0,
+            "max_abs_error": max(p["quant"]["max_abs_err"] for p in parts.values()),
+        }
+    return manifest
+
+
+# --------------------------------------------------------------------------- writer
+class FeatureCacheWriter:
+    """Append records to a feature cache; resumable and safe for one writer per `part`.
+
+    `meta` must hold at least ``target``, ``config_hash``, ``hidden_size`` (and usually ``vocab_size``);
+    re-opening a directory written with a different meta or dtype raises.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        meta: dict,
+        dtype: str = "bfloat16",
+        part: str = "part0",
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ):
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"unknown cache dtype {dtype!r}; choose one of {sorted(CACHE_DTYPES)}")
+        for key in ("target", "config_hash", "hidden_size"):
+            if key not in meta:
+                raise ValueError(f"FeatureCacheWriter meta needs {key!r} (got keys {sorted(meta)})")
+        if not part or "/" in part or part.startswith("."):
+            raise ValueError(f"bad part name {part!r}")
+        self.out_dir = Path(out_dir)
+        self.meta = json.loads(json.dumps(meta))  # plain JSON types, so comparisons with reloads are exact
+        self.dtype = dtype
+        self.part = part
+        self.max_shard_bytes = max_shard_bytes
+        (self.out_dir / "shards").mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "parts").mkdir(parents=True, exist_ok=True)
+        self.hidden_size = int(meta["hidden_size"])
+
+        parts = _load_parts(self.out_dir)
+        for name, p in parts.items():
+            if p["meta"] != self.meta or p["dtype"] != dtype:
+                raise FeatureCacheError(
+                    f"cache {self.out_dir} part {name!r} was written with meta={p['meta']} dtype={p['dtype']}, "
+                    f"now meta={self.meta} dtype={dtype}; use a new output directory for a different target/dtype"
+                )
+        self._done_ids: set[str] = {i for p in parts.values() for s in p["shards"] for i in s["ids"]}
+        self._state = parts.get(part) or {
+            "meta": self.meta,
+            "dtype": dtype,
+            "shards": [],
+            "quant": {"sum_sq_err": 0.0, "sum_sq": 0.0, "max_abs_err": 0.0},
+        }
+        self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self._buffer_bytes = 0
+        self._closed = False
+
+    def __contains__(self, record_id: str) -> bool:
+        """True when `record_id` is already committed (by any part) or buffered here."""
+        return record_id in self._done_ids
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return sum(s["num_tokens"] for s in self._state["shards"])
+
+    def add(self, record_id: str, input_ids: torch.Tensor, hidden: torch.Tensor, loss_mask: torch.Tensor) -> bool:
+        """Buffer one record (no padding). Returns False (and stores nothing) if the id is already cached."""
+        if self._closed:
+            raise FeatureCacheError("FeatureCacheWriter.add after close()")
+        record_id = str(record_id)
+        if record_id in self._done_ids:
+            return False
+        input_ids = torch.as_tensor(input_ids).reshape(-1)
+        loss_mask = torch.as_tensor(loss_mask).reshape(-1)
+        T = input_ids.shape[0]
+        if T == 0:
+            raise ValueError(f"record {record_id!r}: empty input_ids")
+        if hidden.dim() != 2 or hidden.shape != (T, self.hidden_size):
+            raise ValueError(f"record {record_id!r}: hidden has shape {tuple(hidden.shape)}, expected ({T}, {self.hidden_size})")
+        if loss_mask.shape[0] != T:
+            raise ValueError(f"record {record_id!r}: loss_mask has {loss_mask.shape[0]} entries for {T} tokens")
+        hidden = hidden.detach().cpu()
+        scales = None
+        if self.dtype == "int8":
+            q, scales = quantize_int8(hidden)
+            err = (dequantize_int8(q, scales) - hidden.float())  # [T, H]
+            quant = self._state["quant"]
+            quant["sum_sq_err"] += float(err.double().pow(2).sum())
+            quant["sum_sq"] += float(hidden.double().pow(2).sum())
+            quant["max_abs_err"] = max(quant["max_abs_err"], float(err.abs().max()))
+            stored = q
+        else:
+            stored = hidden.to(CACHE_DTYPES[self.dtype])
+        self._buffer.append((record_id, input_ids.to(torch.int32).cpu(), stored.contiguous(), loss_mask.to(torch.uint8).cpu(), scales))
+        self._done_ids.add(record_id)
+        self._buffer_bytes += T * bytes_per_token(self.hidden_size, self.dtype)
+        if self._buffer_bytes >= self.max_shard_bytes:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write the buffered records as one shard and commit it to the part manifest."""
+        if not self._buffer:
+            return
+        ids = [b[0] for b in self._buffer]
+        lengths = [int(b[1].shape[0]) for b in self._buffer]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        tensors = {
+            "hidden": torch.cat([b[2] for b in self._buffer]),  # [N, H]
+            "input_ids": torch.cat([b[1] for b in self._buffer]),  # [N] int32
+            "loss_mask": torch.cat([b[3] for b in self._buffer]),  # [N] uint8
+            "offsets": offsets,  # [R+1]
+        }
+        if self.dtype == "int8":
+            tensors["scales"] = torch.cat([b[4] for b in self._buffer])  # [N] fp16
+        index = len(self._state["shards"])
+        name = f"{self.part}-{index:05d}.safetensors"
+        path = self.out_dir / "shards" / name
+        tmp = path.with_name(name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": FORMAT_NAME, "dtype": self.dtype})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._state["shards"].append(
+            {
+                "file": f"shards/{name}",
+                "sha256": sha256_file(path),
+                "bytes": path.stat().st_size,
+                "num_records": len(ids),
+                "num_tokens": int(offsets[-1]),
+                "num_loss_tokens": int(tensors["loss_mask"].sum()),
+                "ids": ids,
+                "lengths": lengths,
+            }
+        )
+        _write_json_atomic(self.out_dir / "parts" / f"{self.part}.json", self._state)
+        self._buffer, self._buffer_bytes = [], 0
+
+    def close(self) -> dict:
+        """Flush, then write the merged manifest.json; returns it."""
+        self.flush()
+        if not (self.out_dir / "parts" / f"{self.part}.json").exists():
+            _write_json_atomic(self.out_dir / "parts" / f"{self.part}.json", self._state)  # an empty part still records meta
+        self._closed = True
+        manifest = merge_manifests(self.out_dir)
+        _write_json_atomic(self.out_dir / "manifest.json", manifest)
+        return manifest
+
+    def __enter__(self) -> "FeatureCacheWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an exception, commit what is complete (it is valid data) but do not write manifest.json
+        # from a half-finished run twice; a rerun resumes from the part manifests.
+        if exc_type is None:
+            self.close()
+        else:
+            self.flush()
+
+
+# --------------------------------------------------------------------------- reader
+class FeatureCacheReader:
+    """Random access to a feature cache. Verifies every shard (size + sha256) on open.
+
+    ``r[i]`` -> {"id", "input_ids" LongTensor[T], "hidden_states" FloatTensor[T, H] float32,
+    "loss_mask" LongTensor[T]}; ``r.lengths`` for length-grouped batching; ``r.manifest``.
+    `verify="sha256"` (default) hashes every shard, `"size"` only checks sizes (fast, for huge caches).
+    """
+
+    def __init__(self, out_dir: str | Path, verify: str = "sha256"):
+        if verify not in ("sha256", "size"):
+            raise ValueError(f"verify must be 'sha256' or 'size', got {verify!r}")
+        self.out_dir = Path(out_dir)
+        if not self.out_dir.is_dir():
+            raise FeatureCacheError(f"feature cache {self.out_dir} does not exist")
+        self.manifest = merge_manifests(self.out_dir)
+        self.dtype = self.manifest["dtype"]
+        self._shards = self.manifest["shards"]
+        for s in self._shards:
+            self._verify_shard(s, verify)
+        self.ids: list[str] = [i for s in self._shards for i in s["ids"]]
+        self.lengths: list[int] = [n for s in self._shards for n in s["lengths"]]
+        dup = len(self.ids) - len(set(self.ids))
+        if dup:
+            raise FeatureCacheError(f"feature cache {self.out_dir} holds {dup} duplicated record ids")
+        self._starts = []  # global record index where each shard starts
+        total = 0
+        for s in self._shards:
+            self._starts.append(total)
+            total += s["num_records"]
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, list[int]] = {}
+
+    def _verify_shard(self, shard: dict, verify: str) -> None:
+        path = self.out_dir / shard["file"]
+        if not path.exists():
+            raise FeatureCacheError(f"feature cache shard {path} is missing (listed in the manifest)")
+        size = path.stat().st_size
+        if size != shard["bytes"]:
+            raise FeatureCacheError(
+                f"feature cache shard {path} is truncated or altered: {size} bytes on disk, manifest says {shard['bytes']}"
+            )
+        if verify == "sha256":
+            digest = sha256_file(path)
+            if digest != shard["sha256"]:
+                raise FeatureCacheError(
+                    f"feature cache shard {path} is corrupt: sha256 {digest[:16]}... does not match the manifest "
+                    f"({shard['sha256'][:16]}...); delete the shard and its entry in parts/ and rerun the cache stage"
+                )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _open(self, k: int):
+        if k not in self._handles:
+            path = self.out_dir / self._shards[k]["file"]
+            try:
+                handle = safe_open(str(path), framework="pt")
+                self._offsets[k] = handle.get_tensor("offsets").tolist()
+            except Exception as e:  # safetensors raises its own error types; name the shard
+                raise FeatureCacheError(f"cannot read feature cache shard {path}: {e}") from e
+            self._handles[k] = handle
+        return self._handles[k]
+
+    def __getitem__(self, i: int) -> dict:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"record index {i} out of range for a cache of {len(self)} records")
+        k = bisect_right(self._starts, i) - 1
+        handle = self._open(k)
+        j = i - self._starts[k]
+        a, b = self._offsets[k][j], self._offsets[k][j + 1]
+        hidden = handle.get_slice("hidden")[a:b]
+        if self.dtype == "int8":
+            hidden = dequantize_int8(hidden, handle.get_slice("scales")[a:b])
+        return {
+            "id": self.ids[i],
+            "input_ids": handle.get_slice("input_ids")[a:b].long(),
+            "hidden_states": hidden.float(),
+            "loss_mask": handle.get_slice("loss_mask")[a:b].long(),
+        }
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __getstate__(self):  # DataLoader workers re-open shards lazily
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
