@@ -1,0 +1,107 @@
+"""The target adapter: one HF causal LM, its final features AND logits, a preallocated KV cache,
+tree verification in one forward (tree mask + per-node position ids).
+
+Never mutates the wrapped model: the cache is passed to every forward call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eagle.kv_cache import PreallocatedKVCache
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+class Target:
+    """Wraps `AutoModelForCausalLM`: `forward` returns final hidden states (the LM-head input)."""
+
+    def __init__(self, model: nn.Module, capacity: int):
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in ("sdpa", None):
+            # Bool 4D tree masks are only interpreted correctly by sdpa; eager adds them as floats.
+            raise ValueError(
+                f"target uses attn_implementation={impl!r}; tree verification needs 'sdpa' "
+                "(load the model with attn_implementation='sdpa')"
+            )
+        self.model = model
+        self.config = cfg
+        self.body = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.hidden_size = cfg.hidden_size
+        self.sliding_window = self._uniform_sliding_window(cfg)
+        self.cache = PreallocatedKVCache(self.num_layers, capacity)
+
+    @staticmethod
+    def _uniform_sliding_window(cfg) -> int | None:
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if not window:
+            return None
+        if layer_types is None or all(t == "sliding_attention" for t in layer_types):
+            return int(window)
+        if all(t != "sliding_attention" for t in layer_types):
+            return None
+        raise NotImplementedError("targets mixing sliding-window and full-attention layers are not supported yet")
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def length(self) -> int:
+        """Positions held in the KV cache."""
+        return self.cache.length
+
+    def reset(self, capacity: int | None = None) -> None:
+        if capacity is not None and capacity > self.cache.capacity:
+            self.cache = PreallocatedKVCache(self.num_layers, capacity)
+        self.cache.reset()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run n new tokens after the cached prefix and append their K/V.
+
+        input_ids [1, n]; position_ids [n] (default: consecutive after the prefix);
+        tree_mask [n, n] bool among the new tokens (default: causal). Returns hidden [1, n, H].
+        """
+        n = input_ids.shape[1]
+        past = self.cache.length
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=input_ids.device)
+        mask = None
+        if n > 1 or self.sliding_window is not None:
+            mask = self._mask(past, n, position_ids, tree_mask)
+        out = self.body(input_ids=input_ids, position_ids=position_ids[None], attention_mask=mask,
+                        past_key_values=self.cache, use_cache=True)
+        return out.last_hidden_state
+
+    def _mask(self, past: int, n: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+        dev = position_ids.device
+        if tree_mask is None:
+            tree_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # [n, n] causal
+        mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev), tree_mask], dim=1)  # [n, past + n]
+        if self.sliding_window is not None:
+            key_pos = torch.cat([torch.arange(past, device=dev), position_ids])  # [past + n]
+            mask &= (position_ids[:, None] - key_pos[None, :]) < self.sliding_window
+        return mask[None, None]  # [1, 1, n, past + n]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on features [..., H] -> float32 logits [..., V]."""
+        return self.lm_head(hidden).float()
+
+    def keep(self, start: int, path: torch.Tensor) -> None:
+        """Compact the KV cache to the accepted tree path (node indices relative to `start`)."""
+        self.cache.keep(start, path)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
