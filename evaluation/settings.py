@@ -1,9 +1,57 @@
-"""Recipe section `eval` (owned by evaluation/)."""
+"""Recipe section `eval` (owned by evaluation/). Every evaluation default lives here, once.
+
+Tree shapes are NOT defaulted here: methods start from the recipe's `decoding` section
+(eagle/decoding_config.py) and override single fields, e.g. "eagle2:total_token=30,depth=4".
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class EvalSettings:
-    pass
+    # --- what to evaluate -------------------------------------------------------------
+    head_path: str = ""  # draft head folder or hub id; "" = {output_dir}/head
+    compare_head: str = ""  # a second head: every speculative method also runs with it ("NAME[B]")
+    output_dir: str = ""  # reports go here; "" = {output_dir}/eval
+    # --- prompts ----------------------------------------------------------------------
+    # questions: *.jsonl[.gz] in the MT-bench/Spec-Bench schema (question_id, category, turns),
+    # *.txt with one prompt per line, "paragraphs:FILE" (opening sentences of blank-line separated
+    # paragraphs), or "hf:DATASET[:CONFIG]" (see hf_* keys).
+    questions: str = ""
+    num_questions: int = 0  # 0 = all (after the category filter)
+    categories: list[str] = field(default_factory=list)  # [] = all categories
+    paragraph_sentences: int = 1  # "paragraphs:" sources: sentences kept per paragraph
+    paragraph_from_end: bool = True  # "paragraphs:" sources: take paragraphs from the END of the file
+    hf_split: str = "test"
+    hf_column: str = "turns"  # a list-of-strings column (turns) or a string column (one turn)
+    hf_category_column: str = ""  # "" = one category named after the dataset
+    turn_separator: str = "\n"  # raw-text prompts (no chat template): joins history and the next turn
+    # --- decoding ---------------------------------------------------------------------
+    methods: list[str] = field(default_factory=lambda: ["vanilla", "chain", "eagle1", "eagle2"])
+    max_new_tokens: int = 256
+    max_length: int = 0  # prompt + generated limit; 0 = the target's max_position_embeddings
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    warmup: int = 1  # warm-up generations per method before anything is timed
+    # --- statistics -------------------------------------------------------------------
+    bootstrap_samples: int = 5000
+    confidence_level: float = 0.95
+    calibration_bins: int = 10
+    save_outputs: bool = True  # answers.jsonl with every method's decoded text and token ids
+    # --- tree auto-tuning (`autotune` command) -----------------------------------------
+    tune_total_tokens: list[int] = field(default_factory=lambda: [10, 20, 30, 45, 60, 80])
+    tune_depths: list[int] = field(default_factory=lambda: [3, 4, 5, 6, 7, 8])
+    tune_top_ks: list[int] = field(default_factory=lambda: [4, 6, 8, 10])
+    tune_prompts: int = 4
+    tune_max_new_tokens: int = 96
+    tune_repeats: int = 1  # timed passes per setting (the median is used)
+    tune_save: bool = True  # write tree_config.json next to the head (when it is a local folder)
+    # --- distribution test at T > 0 (`chi2` command) ------------------------------------
+    chi2_method: str = "eagle2"
+    chi2_samples: int = 400  # samples per method
+    chi2_positions: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # 0-based generated positions
+    chi2_temperature: float = 1.0
+    chi2_alpha: float = 0.01  # family-wise, Bonferroni-corrected over positions
+    chi2_min_expected: float = 5.0  # rarer tokens are pooled into one "other" cell

@@ -1,0 +1,92 @@
+"""Decoding methods compared in one evaluation run.
+
+A method spec is `NAME[:key=value,...]`:
+  vanilla  - `EaModel.naivegenerate` (same target implementation and KV cache)
+  chain    - DecodingConfig mode "chain"
+  eagle1   - mode "static" (EAGLE-1 choice tree)
+  eagle2   - mode "dynamic" (EAGLE-2 tree)
+  tuned    - the head's tree_config.json (written by the `autotune` command)
+The keys override fields of the base DecodingConfig (the recipe's `decoding` section), e.g.
+"eagle2:total_token=30,depth=4,top_k=8" or "chain:chain_length=3".
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle.decoding_config import DecodingConfig
+
+METHOD_MODES = {"vanilla": "vanilla", "chain": "chain", "eagle1": "static", "eagle2": "dynamic"}
+TREE_CONFIG_FILENAME = "tree_config.json"  # next to a head: DecodingConfig fields as JSON
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str  # unique name in reports, e.g. "eagle2" or "eagle2:total_token=30" or "eagle2[B]"
+    decoding: DecodingConfig
+    head: str = "A"  # which loaded head drafts ("A" = eval.head_path, "B" = eval.compare_head)
+
+    @property
+    def is_vanilla(self) -> bool:
+        return self.decoding.mode == "vanilla"
+
+
+def parse_method(spec: str, base: DecodingConfig, head_dir: Path | None = None) -> Method:
+    """`NAME[:key=value,...]` -> Method (see the module docstring)."""
+    name, _, args = spec.partition(":")
+    name = name.strip()
+    if name == "tuned":
+        decoding = load_tree_config(head_dir)
+    elif name in METHOD_MODES:
+        decoding = dataclasses.replace(base, mode=METHOD_MODES[name])
+    else:
+        raise ValueError(f"unknown method {spec!r}: expected one of {[*METHOD_MODES, 'tuned']}[:key=value,...]")
+    valid = {f.name: f.type for f in dataclasses.fields(DecodingConfig)}
+    changes = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in valid or key == "mode":
+            raise ValueError(f"method {spec!r}: bad override {item!r}; valid keys: {sorted(set(valid) - {'mode'})}")
+        default = getattr(base, key)
+        changes[key] = type(default)(value) if not isinstance(default, bool) else value.lower() in ("1", "true")
+    decoding = dataclasses.replace(decoding, **changes).validate()
+    return Method(label=spec.strip(), decoding=decoding)
+
+
+def parse_methods(specs: list[str], base: DecodingConfig, head_dir: Path | None = None,
+                  compare_head: bool = False) -> list[Method]:
+    """Parse every spec; vanilla is always present and first (the baseline of every speedup).
+    With `compare_head`, every speculative method is repeated with head B as "LABEL[B]"."""
+    methods = [parse_method(s, base, head_dir) for s in specs]
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"duplicate methods in {labels}")
+    vanilla = [m for m in methods if m.is_vanilla] or [Method("vanilla", dataclasses.replace(base, mode="vanilla"))]
+    spec_methods = [m for m in methods if not m.is_vanilla]
+    if compare_head:
+        spec_methods += [dataclasses.replace(m, label=f"{m.label}[B]", head="B") for m in spec_methods]
+    return vanilla[:1] + spec_methods
+
+
+def load_tree_config(head_dir: Path | None) -> DecodingConfig:
+    """The DecodingConfig saved next to a head by `autotune`."""
+    if head_dir is None:
+        raise ValueError("method 'tuned' needs a local head folder holding tree_config.json")
+    path = Path(head_dir) / TREE_CONFIG_FILENAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run `python evaluation/main.py autotune ...` first")
+    data = json.loads(path.read_text())
+    valid = {f.name for f in dataclasses.fields(DecodingConfig)}
+    unknown = set(data) - valid
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(valid)}")
+    return DecodingConfig(**data).validate()
+
+
+def save_tree_config(head_dir: Path, decoding: DecodingConfig) -> Path:
+    """Write `decoding` as tree_config.json next to the head (EaModel reads it when present)."""
+    path = Path(head_dir) / TREE_CONFIG_FILENAME
+    path.write_text(json.dumps(dataclasses.asdict(decoding), indent=2) + "\n")
+    return path

@@ -1,0 +1,143 @@
+"""PNG figures of an evaluation run (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from evaluation.autotune import TuneResult  # noqa: E402
+from evaluation.calibration import Calibration  # noqa: E402
+from evaluation.metrics import OVERALL, MethodSummary  # noqa: E402
+
+
+def safe_name(label: str) -> str:
+    """A method label as a file-name fragment."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
+
+
+def _grouped_bars(summaries: list[MethodSummary], metric: str, title: str, ylabel: str, path: Path,
+                  reference: float | None = None) -> Path:
+    methods = list(dict.fromkeys(s.method for s in summaries))
+    categories = [c for c in dict.fromkeys(s.category for s in summaries) if c != OVERALL] + [OVERALL]
+    by = {(s.method, s.category): getattr(s, metric) for s in summaries}
+    width = 0.8 / len(methods)
+    x = np.arange(len(categories))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) * max(1, len(methods)) / 2 + 2), 4.2))
+    for i, m in enumerate(methods):
+        vals, lo, hi = [], [], []
+        for c in categories:
+            est = by.get((m, c))
+            v = est.value if est is not None else np.nan
+            vals.append(v)
+            lo.append(v - est.low if est is not None and est.low is not None else 0.0)
+            hi.append(est.high - v if est is not None and est.high is not None else 0.0)
+        ax.bar(x + (i - (len(methods) - 1) / 2) * width, vals, width, yerr=[lo, hi], capsize=2, label=m)
+    if reference is not None:
+        ax.axhline(reference, color="k", lw=0.8, ls="--")
+    ax.set_xticks(x, categories, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_tau(summaries: list[MethodSummary], path: Path) -> Path:
+    return _grouped_bars(summaries, "tau", "Acceptance length tau per category (95% CI)",
+                         "tokens per target forward", path, reference=1.0)
+
+
+def plot_speedup(summaries: list[MethodSummary], path: Path) -> Path:
+    usable = [s for s in summaries if s.speedup is not None]
+    return _grouped_bars(usable, "speedup", "Speedup vs vanilla per category (95% CI)", "x vanilla tokens/s", path,
+                         reference=1.0)
+
+
+def plot_depth_acceptance(summaries: list[MethodSummary], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summaries:
+        if s.category != OVERALL or not s.depth_acceptance:
+            continue
+        d = [a.depth for a in s.depth_acceptance]
+        ax.plot(d, [a.rate for a in s.depth_acceptance], marker="o", label=s.method)
+    ax.set_xlabel("draft depth d")
+    ax.set_ylabel("P(accept depth d | depths < d accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Per-depth acceptance rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_calibration(calibrations: dict[str, Calibration], title: str, path: Path) -> Path:
+    """Reliability diagram (top) and node counts per bin (bottom) for each quantity."""
+    qs = list(calibrations)
+    fig, axes = plt.subplots(2, len(qs), figsize=(5 * len(qs), 6), height_ratios=[3, 1], squeeze=False)
+    for j, q in enumerate(qs):
+        cal = calibrations[q]
+        top, bottom = axes[0, j], axes[1, j]
+        full = [b for b in cal.bins if b.count]
+        top.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--", label="perfect calibration")
+        top.plot([b.mean_confidence for b in full], [b.acceptance_rate for b in full], marker="o",
+                 label="observed")
+        for b in full:
+            top.annotate(str(b.count), (b.mean_confidence, b.acceptance_rate), fontsize=7, xytext=(3, -9),
+                         textcoords="offset points")
+        top.set_xlim(0, 1)
+        top.set_ylim(0, 1.02)
+        top.set_ylabel("observed acceptance rate")
+        top.set_title(f"{q}: ECE {cal.ece:.3f}, r {cal.pearson_r:.2f} (binned {cal.binned_pearson_r:.2f})", fontsize=9)
+        top.legend(fontsize=8, loc="upper left")
+        top.grid(alpha=0.3)
+        centers = [(b.low + b.high) / 2 for b in cal.bins]
+        bottom.bar(centers, [b.count for b in cal.bins], width=(cal.bins[0].high - cal.bins[0].low) * 0.9)
+        bottom.set_yscale("log")
+        bottom.set_xlim(0, 1)
+        bottom.set_xlabel(f"draft confidence ({q})")
+        bottom.set_ylabel("nodes")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_autotune(result: TuneResult, path: Path) -> Path:
+    """tokens/s over (depth, total_token), one panel per top_k; the best point is starred."""
+    top_ks = sorted({p.top_k for p in result.points})
+    depths = sorted({p.depth for p in result.points})
+    totals = sorted({p.total_token for p in result.points})
+    fig, axes = plt.subplots(1, len(top_ks), figsize=(3.6 * len(top_ks) + 1, 3.6), squeeze=False)
+    vmax = max(p.tokens_per_s for p in result.points)
+    vmin = min(p.tokens_per_s for p in result.points)
+    im = None
+    for j, k in enumerate(top_ks):
+        ax = axes[0, j]
+        grid = np.full((len(depths), len(totals)), np.nan)  # [D, T]
+        for p in result.points:
+            if p.top_k == k:
+                grid[depths.index(p.depth), totals.index(p.total_token)] = p.tokens_per_s
+        im = ax.imshow(grid, origin="lower", aspect="auto", vmin=vmin, vmax=vmax, cmap="viridis")
+        ax.set_xticks(range(len(totals)), totals)
+        ax.set_yticks(range(len(depths)), depths)
+        ax.set_xlabel("total_token")
+        ax.set_ylabel("depth")
+        ax.set_title(f"top_k = {k}")
+        b = result.best
+        if b is not None and b.top_k == k:
+            ax.plot(totals.index(b.total_token), depths.index(b.depth), marker="*", color="red", ms=14)
+    fig.colorbar(im, ax=axes[0, :].tolist(), label=f"tokens/s (vanilla {result.vanilla_tokens_per_s:.1f})")
+    fig.suptitle("EAGLE-2 tree auto-tuning surface")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,216 @@
+"""Write an evaluation's results: report.json (every number), report.md (tables), PNG figures."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evaluation import plots
+from evaluation.autotune import TuneResult
+from evaluation.bootstrap import Estimate
+from evaluation.calibration import Calibration
+from evaluation.losslessness import DistributionTest, GreedyCheck
+from evaluation.metrics import OVERALL, Comparison, MethodSummary, committed_in_rounds, rounds_of
+from evaluation.runner import BenchmarkRun
+
+
+@dataclass
+class EvalReport:
+    meta: dict  # target, head, chat format, generation arguments, methods, hardware
+    run: BenchmarkRun
+    summaries: list[MethodSummary]
+    comparisons: list[Comparison]
+    greedy: GreedyCheck | None  # None at T > 0
+    calibration: dict[str, dict[str, Calibration]] = field(default_factory=dict)  # method -> quantity -> Calibration
+
+    def to_dict(self) -> dict:
+        return {
+            "meta": self.meta,
+            "summaries": [s.to_dict() for s in self.summaries],
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "losslessness": self.greedy.to_dict() if self.greedy else None,
+            "calibration": {m: {q: c.to_dict() for q, c in cals.items()} for m, cals in self.calibration.items()},
+            "skipped": self.run.skipped,
+            "turns": [{"question_id": r.question_id, "category": r.category, "turn": r.turn, "method": r.method,
+                       "prompt_tokens": len(r.prompt_ids), "new_tokens": r.new_tokens, "wall_s": r.wall_s,
+                       "rounds": len(rounds_of(r)), "committed_in_rounds": committed_in_rounds(r),
+                       "accept_lengths": [int(x.accept_length) for x in rounds_of(r)]} for r in self.run.results],
+        }
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ci(e: Estimate | None, digits: int = 2) -> str:
+    if e is None:
+        return "–"
+    if e.low is None:
+        return _num(e.value, digits)
+    return f"{_num(e.value, digits)} [{_num(e.low, digits)}, {_num(e.high, digits)}]"
+
+
+def markdown(report: EvalReport, figures: dict[str, str]) -> str:
+    """The report's tables as Markdown (figures: caption -> relative PNG path)."""
+    m = report.meta
+    overall = [s for s in report.summaries if s.category == OVERALL]
+    methods = [s.method for s in overall]
+    categories = [c for c in dict.fromkeys(s.category for s in report.summaries) if c != OVERALL]
+    by = {(s.method, s.category): s for s in report.summaries}
+    max_depth = max((len(s.depth_acceptance) for s in overall), default=0)
+    lines = [f"# Evaluation: {m.get('title', 'EAGLE decoding')}", ""]
+    for k in ("target", "head", "compare_head", "questions", "chat_format", "dtype", "generation", "hardware", "command"):
+        if m.get(k):
+            lines.append(f"- **{k}**: `{m[k]}`" if not isinstance(m[k], dict) else
+                         f"- **{k}**: " + ", ".join(f"{a}={b}" for a, b in m[k].items()))
+    lines += ["", "tau = tokens committed per target forward (vanilla = 1.00); speedup = tokens/s over vanilla's on the "
+              "same prompts; brackets: paired bootstrap 95% CI over questions; alpha_d = P(depth-d token accepted | "
+              "depths < d accepted).", "", "## Overall", ""]
+    head = "| method | tau | tokens/s | speedup | " + " | ".join(f"alpha_{d}" for d in range(1, max_depth + 1)) + " |"
+    lines += [head, "|" + "---|" * (4 + max_depth)]
+    for s in overall:
+        alphas = [_num(a.rate) for a in s.depth_acceptance] + ["–"] * (max_depth - len(s.depth_acceptance))
+        lines.append(f"| {s.method} | {_ci(s.tau)} | {_ci(s.tokens_per_s, 1)} | {_ci(s.speedup)} | " + " | ".join(alphas) + " |")
+    lines += ["", f"Methods: " + "; ".join(f"`{k}` = {v}" for k, v in m.get("methods", {}).items()), ""]
+    for title, attr in (("tau per category", "tau"), ("Speedup per category", "speedup")):
+        lines += [f"## {title[0].upper() + title[1:]}", "", "| category | " + " | ".join(methods) + " |",
+                  "|" + "---|" * (1 + len(methods))]
+        for c in categories + [OVERALL]:
+            cells = [_ci(getattr(by[(mm, c)], attr)) if (mm, c) in by else "–" for mm in methods]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if report.comparisons:
+        lines += ["## Paired comparisons", "", "| a | b | tau(a) - tau(b) | tokens/s(a) / tokens/s(b) |", "|---|---|---|---|"]
+        lines += [f"| {c.a} | {c.b} | {_ci(c.tau_difference)} | {_ci(c.speed_ratio)} |" for c in report.comparisons]
+        lines.append("")
+    lines += ["## Losslessness", ""]
+    if report.greedy is None:
+        lines.append("T > 0: outputs are random; run `python evaluation/main.py chi2 ...` for the distribution test.")
+    else:
+        g = report.greedy
+        lines.append(f"Greedy outputs compared with vanilla token by token: {g.compared} turns, "
+                     f"{len(g.mismatches)} mismatch(es) -> **{'LOSSLESS' if g.lossless else 'NOT LOSSLESS'}**.")
+        if g.mismatches:
+            lines += ["", "| question | turn | method | first diverging position | vanilla token | method token | lengths |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {x.question_id} | {x.turn} | {x.method} | {x.position} | {x.expected} | {x.got} | "
+                      f"{x.vanilla_tokens} / {x.method_tokens} |" for x in g.mismatches[:50]]
+            if len(g.mismatches) > 50:
+                lines.append(f"\n... {len(g.mismatches) - 50} more in report.json")
+    lines.append("")
+    if report.calibration:
+        lines += ["## Calibration (draft confidence vs acceptance)", "",
+                  "| method | quantity | nodes | ECE | Pearson r (nodes) | Pearson r (bins) |", "|---|---|---|---|---|---|"]
+        for meth, cals in report.calibration.items():
+            for q, c in cals.items():
+                note = f" ({c.note})" if c.note else ""
+                lines.append(f"| {meth} | {q}{note} | {c.nodes} | {_num(c.ece, 3)} | {_num(c.pearson_r)} | "
+                             f"{_num(c.binned_pearson_r)} |")
+        lines.append("")
+    lines += ["## Where the time goes (seconds, overall)", "", "| method | total | prefill | draft | verify | commit |",
+              "|---|---|---|---|---|---|"]
+    for s in overall:
+        p = s.phase_seconds
+        lines.append(f"| {s.method} | {_num(s.seconds)} | {_num(p.get('prefill_s'))} | {_num(p.get('draft_s'))} | "
+                     f"{_num(p.get('verify_s'))} | {_num(p.get('commit_s'))} |")
+    lines.append("")
+    if report.run.skipped:
+        lines += [f"## Skipped turns ({len(report.run.skipped)})", ""]
+        lines += [f"- {s['question_id']} turn {s['turn']} ({s['method']}): {s['reason']}" for s in report.run.skipped[:30]]
+        lines.append("")
+    if figures:
+        lines += ["## Figures", ""] + [f"![{cap}]({path})" for cap, path in figures.items()] + [""]
+    return "\n".join(lines)
+
+
+def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
+    """report.json, report.md and the PNGs in `out_dir`; returns name -> path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"tau": plots.plot_tau(report.summaries, out_dir / "tau_by_category.png")}
+    if any(s.speedup is not None for s in report.summaries):
+        paths["speedup"] = plots.plot_speedup(report.summaries, out_dir / "speedup_by_category.png")
+    if any(s.depth_acceptance for s in report.summaries):
+        paths["depth_acceptance"] = plots.plot_depth_acceptance(report.summaries, out_dir / "depth_acceptance.png")
+    for meth, cals in report.calibration.items():
+        if any(c.nodes for c in cals.values()):
+            paths[f"calibration {meth}"] = plots.plot_calibration(
+                cals, f"Calibration: {meth}", out_dir / f"calibration_{plots.safe_name(meth)}.png")
+    paths["json"] = out_dir / "report.json"
+    paths["json"].write_text(json.dumps(_finite(report.to_dict()), indent=1, default=_json_default) + "\n")
+    figures = {k: p.name for k, p in paths.items() if p.suffix == ".png"}
+    paths["markdown"] = out_dir / "report.md"
+    paths["markdown"].write_text(markdown(report, figures))
+    return paths
+
+
+def write_answers(run: BenchmarkRun, decode, path: Path) -> Path:
+    """answers.jsonl: one line per (question, turn, method) with the generated text and token ids."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in run.results:
+            f.write(json.dumps({"question_id": r.question_id, "category": r.category, "turn": r.turn,
+                                "method": r.method, "text": decode(r.output_ids), "output_ids": r.output_ids}) + "\n")
+    return path
+
+
+def write_autotune_report(result: TuneResult, meta: dict, out_dir: Path) -> dict[str, Path]:
+    """autotune.json, autotune.md (the whole surface, fastest first) and autotune_surface.png."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"png": plots.plot_autotune(result, out_dir / "autotune_surface.png"), "json": out_dir / "autotune.json"}
+    paths["json"].write_text(json.dumps(_finite({"meta": meta, **result.to_dict()}), indent=1, default=_json_default) + "\n")
+    b = result.best
+    lines = ["# EAGLE-2 tree auto-tuning", ""]
+    lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
+    lines += ["", f"Best: total_token={b.total_token}, depth={b.depth}, top_k={b.top_k}; vanilla "
+              f"{result.vanilla_tokens_per_s:.1f} tokens/s.", "",
+              "| total_token | depth | top_k | tokens/s | speedup | tau |", "|---|---|---|---|---|---|"]
+    for p in sorted(result.points, key=lambda p: -p.tokens_per_s):
+        lines.append(f"| {p.total_token} | {p.depth} | {p.top_k} | {p.tokens_per_s:.1f} | {p.speedup:.2f} | {p.tau:.2f} |")
+    if result.skipped:
+        lines += ["", f"Skipped {len(result.skipped)} grid points the tree builder cannot make (see autotune.json)."]
+    lines += ["", "![surface](autotune_surface.png)", ""]
+    paths["markdown"] = out_dir / "autotune.md"
+    paths["markdown"].write_text("\n".join(lines))
+    return paths
+
+
+def write_chi2_report(tests: list[DistributionTest], meta: dict, out_dir: Path) -> dict[str, Path]:
+    """chi2.json and chi2.md: per method and position, statistic, dof, p-value, verdict."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "chi2.json", "markdown": out_dir / "chi2.md"}
+    paths["json"].write_text(json.dumps(_finite({"meta": meta, "tests": [t.to_dict() for t in tests]}), indent=1,
+                                        default=_json_default) + "\n")
+    lines = ["# Distribution test at T > 0 (chi-squared homogeneity vs vanilla)", ""]
+    lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
+    for t in tests:
+        lines += ["", f"## {t.method}: {'PASS' if t.passed else 'FAIL'} ({t.samples} samples per method, T={t.temperature}, "
+                  f"family-wise alpha {t.alpha}, Bonferroni over {len(t.positions)} positions)", "",
+                  "| position | chi2 | dof | cells | p-value |", "|---|---|---|---|---|"]
+        lines += [f"| {p.position} | {p.statistic:.2f} | {p.dof} | {p.cells} | {p.p_value:.4f} |" for p in t.positions]
+    paths["markdown"].write_text("\n".join(lines) + "\n")
+    return paths
+
+
+def _json_default(o):
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def _finite(o):
+    """NaN / inf -> None (strict JSON has no NaN), recursively."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o

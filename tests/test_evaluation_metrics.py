@@ -1,0 +1,197 @@
+"""evaluation/: metrics, bootstrap CIs, calibration, losslessness helpers and reports on hand-built runs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eagle.stats import GenerationStats, RoundStats
+from evaluation.bootstrap import paired_bootstrap, ratio_ci, ratio_difference_ci, ratio_of_ratios_ci
+from evaluation.calibration import calibrate, collect_nodes, reliability
+from evaluation.losslessness import check_greedy, chi2_homogeneity, first_divergence
+from evaluation.metrics import OVERALL, compare, depth_acceptance, summarize
+from evaluation.report import EvalReport, write_report
+from evaluation.runner import BenchmarkRun, TurnResult
+
+
+def spec_round(accept: int, tree_depth: int = 5, new_tokens: int | None = None) -> RoundStats:
+    """A chain-shaped round: one node per depth 1..tree_depth, the first `accept` accepted."""
+    depth = torch.arange(1, tree_depth + 1)
+    prob = torch.full((tree_depth,), 0.8)
+    return RoundStats(accept_length=accept, new_tokens=accept + 1 if new_tokens is None else new_tokens,
+                      node_depth=depth, node_prob=prob, node_path_prob=prob.cumprod(0), node_accepted=depth <= accept,
+                      draft_s=0.01, verify_s=0.02, commit_s=0.001)
+
+
+def vanilla_round() -> RoundStats:
+    empty = torch.zeros(0)
+    return RoundStats(0, 1, empty.long(), empty, empty, empty.bool())
+
+
+def turn(qid, cat, method, n_new, wall, rounds, t=0) -> TurnResult:
+    stats = GenerationStats(prompt_tokens=3, new_tokens=n_new, prefill_s=0.001, total_s=wall, rounds=rounds)
+    return TurnResult(qid, cat, t, method, [1, 2, 3], list(range(n_new)), wall, stats)
+
+
+@pytest.fixture
+def hand_run() -> list[TurnResult]:
+    """q1 (cat a): vanilla 10 tokens / 2.0 s, eagle2 10 tokens / 0.5 s in rounds accepting 3 and 4.
+    q2 (cat b): vanilla 6 tokens / 1.0 s, eagle2 6 tokens / 0.5 s in rounds accepting 1 and 2.
+    The first token of every turn comes from the prefill and belongs to no round."""
+    return [
+        turn("q1", "a", "vanilla", 10, 2.0, [vanilla_round() for _ in range(9)]),
+        turn("q1", "a", "eagle2", 10, 0.5, [spec_round(3), spec_round(4)]),
+        turn("q2", "b", "eagle2", 6, 0.5, [spec_round(1), spec_round(2)]),
+        turn("q2", "b", "vanilla", 6, 1.0, [vanilla_round() for _ in range(5)]),
+    ]
+
+
+def test_hand_checked_metrics(hand_run):
+    by = {(s.method, s.category): s for s in summarize(hand_run, n_resamples=200)}
+    assert by[("vanilla", OVERALL)].tau.value == pytest.approx(1.0)
+    assert by[("vanilla", OVERALL)].speedup.value == pytest.approx(1.0)
+    e = by[("eagle2", OVERALL)]
+    assert e.tau.value == pytest.approx((4 + 5 + 2 + 3) / 4)  # 3.5
+    assert e.tokens_per_s.value == pytest.approx(16 / 1.0)
+    assert e.speedup.value == pytest.approx(16 / 1.0 / (16 / 3.0))  # 3.0
+    assert by[("eagle2", "a")].tau.value == pytest.approx(4.5)
+    assert by[("eagle2", "a")].speedup.value == pytest.approx((10 / 0.5) / (10 / 2.0))  # 4
+    assert by[("eagle2", "b")].speedup.value == pytest.approx((6 / 0.5) / (6 / 1.0))  # 2
+    assert by[("eagle2", "b")].speedup.low is None  # one question: no interval
+    assert (e.questions, e.turns, e.new_tokens, e.rounds) == (2, 2, 16, 4)
+    # accept lengths 3, 4, 1, 2 of 5-deep drafts: alpha_d = #(>= d) / #(>= d-1)
+    assert [(a.reached, a.accepted) for a in e.depth_acceptance] == [(4, 4), (4, 3), (3, 2), (2, 1), (1, 0)]
+    assert [a.rate for a in e.depth_acceptance] == pytest.approx([1.0, 0.75, 2 / 3, 0.5, 0.0])
+    assert e.phase_seconds["verify_s"] == pytest.approx(4 * 0.02)
+    assert by[("vanilla", OVERALL)].depth_acceptance == []
+
+
+def test_depth_acceptance_only_counts_rounds_whose_draft_reached_the_depth():
+    r = [turn("q", "c", "chain", 8, 1.0, [spec_round(2, tree_depth=2), spec_round(1, tree_depth=3),
+                                        spec_round(3, tree_depth=3)])]
+    acc = depth_acceptance(r)
+    # depth 3 is reached only by rounds with a 3-deep draft AND depths 1..2 accepted: the last round
+    assert [(a.depth, a.reached, a.accepted) for a in acc] == [(1, 3, 3), (2, 3, 2), (3, 1, 1)]
+
+
+def test_paired_comparison_of_two_settings(hand_run):
+    other = [turn("q1", "a", "eagle2:small", 10, 1.0, [spec_round(1)] * 4 + [spec_round(0)]),
+             turn("q2", "b", "eagle2:small", 6, 1.0, [spec_round(0)] * 5)]
+    c = compare(hand_run + other, "eagle2", "eagle2:small", n_resamples=300)
+    assert c.tau_difference.value == pytest.approx(3.5 - (4 * 2 + 1 + 5 * 1) / 10)
+    assert c.speed_ratio.value == pytest.approx((16 / 1.0) / (16 / 2.0))
+    assert c.tau_difference.low <= c.tau_difference.value <= c.tau_difference.high
+
+
+def test_bootstrap_known_cases():
+    rng = np.random.default_rng(0)
+    # constant ratio: the interval collapses on it
+    e = ratio_ci(np.full(20, 6.0), np.full(20, 2.0))
+    assert (e.value, e.low, e.high) == pytest.approx((3.0, 3.0, 3.0))
+    # mean of N(10, 2^2), n = 400: percentile CI ~ mean +- 1.96 * sd / sqrt(n)
+    x = rng.normal(10, 2, 400)
+    e = paired_bootstrap([x, np.ones(400)], lambda a, b: a / b, n_resamples=4000)
+    half = 1.96 * x.std(ddof=1) / 20
+    assert e.value == pytest.approx(x.mean())
+    assert e.low == pytest.approx(x.mean() - half, abs=0.03)
+    assert e.high == pytest.approx(x.mean() + half, abs=0.03)
+    # pairing: prompts vary 100x in length, but the method is always exactly 2x faster -> CI [2, 2]
+    tokens = rng.integers(5, 500, 30).astype(float)
+    vanilla_s = tokens / 10 * rng.uniform(0.5, 2.0, 30)
+    e = ratio_of_ratios_ci(tokens, vanilla_s / 2, tokens, vanilla_s)
+    assert (e.low, e.high) == pytest.approx((2.0, 2.0))
+    # a difference that is zero by construction
+    d = ratio_difference_ci(tokens, vanilla_s, tokens, vanilla_s)
+    assert (d.value, d.low, d.high) == pytest.approx((0.0, 0.0, 0.0))
+    # an interval that must exclude zero: A accepts 1 more token per round on every prompt
+    rounds = rng.integers(5, 50, 30).astype(float)
+    d = ratio_difference_ci(3 * rounds, rounds, 2 * rounds + rng.normal(0, 0.5, 30), rounds)
+    assert 0 < d.low < 1.0 < d.high < 1.2
+    with pytest.raises(ValueError, match="differ in length"):
+        paired_bootstrap([np.ones(3), np.ones(4)], lambda a, b: a / b)
+
+
+def test_calibration_on_constructed_data():
+    # hand case: bins [0, .1) and [.9, 1]: |0.5 - 0.05| and |1 - 0.95|, 2 nodes each
+    cal = reliability(np.array([0.05, 0.05, 0.95, 0.95]), np.array([0, 1, 1, 1]), n_bins=10)
+    assert cal.ece == pytest.approx((2 * 0.45 + 2 * 0.05) / 4)
+    assert [b.count for b in cal.bins] == [2, 0, 0, 0, 0, 0, 0, 0, 0, 2]
+    assert cal.pearson_r == pytest.approx(np.corrcoef([0.05, 0.05, 0.95, 0.95], [0, 1, 1, 1])[0, 1])
+    # confidence 1.0 lands in the last bin, 0.0 in the first
+    edge = reliability(np.array([0.0, 1.0]), np.array([0, 1]), n_bins=4)
+    assert [b.count for b in edge.bins] == [1, 0, 0, 1]
+    # perfectly calibrated draws: small ECE, binned r ~ 1; anti-calibrated: large ECE, r < 0
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0, 1, 50_000)
+    good = reliability(conf, rng.uniform(0, 1, conf.shape) < conf)
+    assert good.ece < 0.015 and good.binned_pearson_r > 0.99 and 0.5 < good.pearson_r < 0.65
+    bad = reliability(conf, rng.uniform(0, 1, conf.shape) < 1 - conf)
+    assert bad.ece > 0.4 and bad.pearson_r < -0.5
+    # constant outcome: r undefined, not a crash
+    assert np.isnan(reliability(conf[:10], np.zeros(10)).pearson_r)
+
+
+def test_calibration_node_prob_conditions_on_the_parent():
+    depth = torch.tensor([1, 1, 2, 2])
+    rd = RoundStats(accept_length=1, new_tokens=2, node_depth=depth, node_prob=torch.tensor([0.9, 0.1, 0.6, 0.3]),
+                    node_path_prob=torch.tensor([0.9, 0.1, 0.54, 0.03]),
+                    node_accepted=torch.tensor([True, False, False, False]))
+    nodes = collect_nodes([rd])
+    assert nodes["path_prob"][0].tolist() == pytest.approx([0.9, 0.1, 0.54, 0.03])
+    assert nodes["node_prob"][0].tolist() == pytest.approx([0.9, 0.1])  # no parent info: depth 1 only
+    assert "depth-1" in calibrate([rd])["node_prob"].note
+    rd.node_parent = torch.tensor([-1, -1, 0, 1])  # node 2's parent (0) was accepted, node 3's (1) was not
+    nodes = collect_nodes([rd])
+    assert nodes["node_prob"][0].tolist() == pytest.approx([0.9, 0.1, 0.6])
+    assert calibrate([rd])["node_prob"].note == ""
+
+
+def test_first_divergence_and_greedy_check(hand_run):
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+    assert check_greedy(hand_run).lossless
+    lossy = turn("q1", "a", "eagle1", 10, 0.7, [spec_round(4)] * 2)
+    lossy.output_ids[6] = 99
+    later = turn("q1", "a", "eagle1", 10, 0.7, [spec_round(4)] * 2, t=1)  # after the mismatch: not reported
+    later.output_ids[0] = 77
+    hist = [r for r in hand_run] + [lossy, later, turn("q1", "a", "vanilla", 10, 2.0, [vanilla_round()] * 9, t=1)]
+    check = check_greedy(hist)
+    assert not check.lossless and check.compared == 3
+    (m,) = check.mismatches
+    assert (m.question_id, m.turn, m.method, m.position, m.expected, m.got) == ("q1", 0, "eagle1", 6, 6, 99)
+
+
+def test_chi2_homogeneity():
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    same = chi2_homogeneity(rng.choice(4, 2000, p=p), rng.choice(4, 2000, p=p))
+    assert same[2] > 0.01
+    q = np.array([0.4, 0.35, 0.2, 0.05])
+    diff = chi2_homogeneity(rng.choice(4, 2000, p=p), rng.choice(4, 2000, p=q))
+    assert diff[2] < 1e-4
+    # rare tokens are pooled: 3 singletons become one "other" cell
+    stat, dof, pv, cells = chi2_homogeneity(np.array([0] * 50 + [7]), np.array([0] * 50 + [8, 9]))
+    assert cells == 2 and dof == 1
+    assert chi2_homogeneity(np.zeros(10, int), np.zeros(10, int)) == (0.0, 0, 1.0, 1)
+
+
+def test_report_files(hand_run, tmp_path):
+    summaries = summarize(hand_run, n_resamples=100)
+    rounds = [rd for r in hand_run if r.method == "eagle2" for rd in r.stats.rounds]
+    report = EvalReport(meta={"target": "t", "methods": {"vanilla": "naive", "eagle2": "dynamic"}},
+                        run=BenchmarkRun(hand_run), summaries=summaries,
+                        comparisons=[compare(hand_run, "eagle2", "vanilla", n_resamples=100)],
+                        greedy=check_greedy(hand_run), calibration={"eagle2": calibrate(rounds)})
+    paths = write_report(report, tmp_path)
+    for name in ("tau_by_category.png", "speedup_by_category.png", "depth_acceptance.png", "calibration_eagle2.png",
+                 "report.json", "report.md"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "report.json").read_text())  # strict JSON (NaN -> null)
+    overall = {s["method"]: s for s in data["summaries"] if s["category"] == OVERALL}
+    assert overall["eagle2"]["tau"]["value"] == pytest.approx(3.5)
+    assert len(data["turns"]) == 4 and data["losslessness"]["lossless"]
+    md = paths["markdown"].read_text()
+    assert "| eagle2 | 3.50" in md and "LOSSLESS" in md and "calibration_eagle2.png" in md
