@@ -1,0 +1,299 @@
+"""`EaModel`: the EAGLE-style API over a target LLM and a draft head.
+
+The decode loop (`_rounds`) reads top to bottom: commit -> draft_tree -> verify -> accept -> keep.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle.decoding_config import DecodingConfig
+from eagle.draft import Drafter
+from eagle.head import EagleHead
+from eagle.sampling import SamplingParams, sample_token, target_probs
+from eagle.static_trees import static_choices
+from eagle.stats import GenerationStats, RoundStats
+from eagle.target import Target
+from eagle.tree import StaticTreeSpec, chain_choices
+from eagle.verify import verify_greedy, verify_sampling
+
+TREE_CONFIG_NAME = "tree_config.json"  # auto-tuned DecodingConfig saved next to a head by evaluation
+
+
+@dataclass(frozen=True)
+class StopRule:
+    eos_ids: tuple[int, ...]
+    budget: int  # new tokens allowed: min(max_new_tokens, max_length - prompt_len)
+
+
+class EaModel(nn.Module):
+    """Target + draft head. `eagenerate` is lossless w.r.t. `naivegenerate` (same target code path)."""
+
+    def __init__(self, base_model: nn.Module, ea_layer: EagleHead, decoding: DecodingConfig | None = None):
+        super().__init__()
+        self.base_model = base_model.eval()
+        self.ea_layer = ea_layer.eval()
+        self.decoding = (decoding or DecodingConfig()).validate(vocab_size=ea_layer.config.vocab_size)
+        self._check_compatible()
+        self.target = Target(base_model, capacity=0)
+        self.drafter = Drafter(ea_layer, self.target.lm_head, capacity=0)
+        self.tokenizer = None
+
+    def _check_compatible(self) -> None:
+        t = self.base_model.config.get_text_config() if hasattr(self.base_model.config, "get_text_config") else self.base_model.config
+        h = self.ea_layer.config
+        if h.hidden_size != t.hidden_size:
+            raise ValueError(f"head hidden_size={h.hidden_size} does not match the target's hidden_size={t.hidden_size}")
+        vocab = self.base_model.get_output_embeddings().weight.shape[0]
+        if h.vocab_size != vocab:
+            raise ValueError(f"head vocab_size={h.vocab_size} does not match the target's vocabulary ({vocab})")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, base_model_path: str, ea_model_path: str, total_token: int | None = None,
+                        depth: int | None = None, top_k: int | None = None, torch_dtype: torch.dtype | str = "auto",
+                        device_map=None, tree_mode: str | None = None, static_tree="mc_sim_7b_63",
+                        chain_length: int | None = None, attn_implementation: str = "sdpa", **model_kwargs) -> "EaModel":
+        """Load a target (HF id or folder) and a head (ours or a released `yuhuili/EAGLE-*`).
+
+        Tree settings: explicit arguments > `tree_config.json` saved next to the head by the
+        auto-tuner > DecodingConfig defaults (60 / 5 / 10).
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch_dtype, device_map=device_map,
+                                                    attn_implementation=attn_implementation, **model_kwargs)
+        head = EagleHead.from_pretrained(ea_model_path, dtype=base.dtype, device=base.get_output_embeddings().weight.device)
+        decoding = load_tree_config(ea_model_path)
+        overrides = {"total_token": total_token, "depth": depth, "top_k": top_k, "mode": tree_mode,
+                     "chain_length": chain_length}
+        decoding = replace(decoding, **{k: v for k, v in overrides.items() if v is not None})
+        if static_tree != "mc_sim_7b_63" or decoding.mode == "static":
+            decoding = replace(decoding, static_choices=static_tree) if isinstance(static_tree, str) else decoding
+        model = cls(base, head, decoding)
+        model._static_override = None if isinstance(static_tree, str) else static_choices(static_tree)
+        try:
+            model.tokenizer = AutoTokenizer.from_pretrained(base_model_path)
+        except (OSError, ValueError):  # a target folder without a tokenizer is usable with token ids
+            model.tokenizer = None
+        return model
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ public API
+    def eagenerate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0, top_k: float = 0.0,
+                   max_new_tokens: int = 512, max_length: int = 2048, log: bool = False, eos_token_id=None,
+                   decoding: DecodingConfig | None = None, generator: torch.Generator | None = None,
+                   return_stats: bool = False):
+        """Speculative generation. Returns ids [1, T + new]; with log=True (ids, new_tokens, rounds);
+        with return_stats=True (ids, GenerationStats)."""
+        return self._collect(input_ids, decoding or self.decoding, temperature, top_p, top_k, max_new_tokens,
+                             max_length, log, eos_token_id, generator, return_stats)
+
+    def naivegenerate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0,
+                      top_k: float = 0.0, max_new_tokens: int = 512, max_length: int = 2048, log: bool = False,
+                      eos_token_id=None, generator: torch.Generator | None = None, return_stats: bool = False):
+        """Vanilla autoregressive decoding on the same Target implementation and KV cache."""
+        return self._collect(input_ids, replace(self.decoding, mode="vanilla"), temperature, top_p, top_k,
+                             max_new_tokens, max_length, log, eos_token_id, generator, return_stats)
+
+    def ea_generate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0, top_k: float = 0.0,
+                    max_new_tokens: int = 512, max_length: int = 2048, eos_token_id=None,
+                    decoding: DecodingConfig | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+        """Streaming: yields the ids generated so far ([1, T + new]) after every round."""
+        ids = input_ids
+        for new, _ in self._rounds(input_ids, decoding or self.decoding,
+                                   SamplingParams(temperature, top_p, int(top_k)),
+                                   self._stop_rule(input_ids, max_new_tokens, max_length, eos_token_id),
+                                   generator, collect=False):
+            ids = torch.cat([ids, new[None]], dim=1)
+            yield ids
+
+    def naive_generate(self, input_ids: torch.Tensor, **kwargs) -> Iterator[torch.Tensor]:
+        """Streaming vanilla decoding."""
+        kwargs["decoding"] = replace(self.decoding, mode="vanilla")
+        return self.ea_generate(input_ids, **kwargs)
+
+    # ------------------------------------------------------------------ internals
+    def _collect(self, input_ids, decoding, temperature, top_p, top_k, max_new_tokens, max_length, log, eos_token_id,
+                 generator, return_stats):
+        stop = self._stop_rule(input_ids, max_new_tokens, max_length, eos_token_id)
+        stats = GenerationStats(prompt_tokens=input_ids.shape[1])
+        t0 = time.perf_counter()
+        chunks = [input_ids[0]]
+        for new, rs in self._rounds(input_ids, decoding, SamplingParams(temperature, top_p, int(top_k)), stop,
+                                    generator, collect=return_stats, stats=stats):
+            chunks.append(new)
+            if rs is not None:
+                stats.rounds.append(rs)
+        rounds = len(chunks) - 2 if len(chunks) > 1 else 0  # yields after the prefill's token
+        ids = torch.cat(chunks)[None]
+        stats.new_tokens = ids.shape[1] - input_ids.shape[1]
+        stats.total_s = time.perf_counter() - t0
+        if return_stats:
+            return ids, stats
+        if log:
+            counted = stats.new_tokens - 1 if stats.new_tokens else 0  # tokens from verification rounds
+            return ids, counted, rounds
+        return ids
+
+    def _stop_rule(self, input_ids: torch.Tensor, max_new_tokens: int, max_length: int, eos_token_id) -> StopRule:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must have shape [1, T] (batch size 1), got {tuple(input_ids.shape)}")
+        n = input_ids.shape[1]
+        if n == 0:
+            raise ValueError("empty prompt: input_ids has no tokens")
+        if n >= max_length:
+            raise ValueError(f"prompt has {n} tokens, which is not shorter than max_length={max_length}")
+        if int(input_ids.max()) >= self.target.vocab_size or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids contain ids outside the vocabulary [0, {self.target.vocab_size})")
+        if eos_token_id is None:
+            gen = getattr(self.base_model, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None) if gen is not None else None
+            if eos_token_id is None:
+                eos_token_id = getattr(self.base_model.config, "eos_token_id", None)
+        eos = () if eos_token_id is None else tuple(int(e) for e in (
+            eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]))
+        return StopRule(eos_ids=eos, budget=min(int(max_new_tokens), max_length - n))
+
+    def _tree_spec(self, decoding: DecodingConfig) -> StaticTreeSpec | None:
+        if decoding.mode == "chain":
+            return StaticTreeSpec.from_choices(chain_choices(decoding.chain_length))
+        if decoding.mode == "static":
+            override = getattr(self, "_static_override", None)
+            return StaticTreeSpec.from_choices(override or static_choices(decoding.static_choices))
+        return None
+
+    def _max_tree_nodes(self, decoding: DecodingConfig, spec: StaticTreeSpec | None) -> tuple[int, int]:
+        """(target nodes per verification, draft KV slots per round)."""
+        if decoding.mode == "vanilla":
+            return 1, 0
+        if spec is not None:
+            return spec.size, spec.size
+        return decoding.total_token, decoding.depth * decoding.top_k
+
+    @torch.no_grad()
+    def _rounds(self, input_ids: torch.Tensor, decoding: DecodingConfig, sampling: SamplingParams, stop: StopRule,
+                generator: torch.Generator | None, collect: bool, stats: GenerationStats | None = None
+                ) -> Iterator[tuple[torch.Tensor, RoundStats | None]]:
+        """Prefill, then one (commit, draft, verify, accept, keep) round per iteration.
+
+        Yields (new tokens [n], RoundStats or None). The first yield is the prefill's token.
+        """
+        decoding.validate(vocab_size=self.target.vocab_size)
+        spec = self._tree_spec(decoding)
+        tree_nodes, draft_slots = self._max_tree_nodes(decoding, spec)
+        prompt_len = input_ids.shape[1]
+        self.target.reset(capacity=prompt_len + stop.budget + tree_nodes + 1)
+        self.drafter.reset(capacity=prompt_len + stop.budget + draft_slots + 2)
+        if stop.budget <= 0:
+            return
+        eos = torch.tensor(stop.eos_ids, dtype=torch.long, device=input_ids.device)
+
+        t = time.perf_counter()
+        hidden = self.target.forward(input_ids)  # prefill: [1, T, H]
+        root = self._choose(self.target.logits(hidden[0, -1:]), sampling, generator)  # [1]
+        if stats is not None:
+            stats.prefill_s = time.perf_counter() - t
+        produced = 1
+        yield root, None
+        if produced >= stop.budget or bool(torch.isin(root, eos).any()):
+            return
+        vanilla = decoding.mode == "vanilla"
+        feats, next_ids = hidden, torch.cat([input_ids[:, 1:], root[None]], dim=1)  # what the draft must commit
+        while True:
+            t0 = time.perf_counter()
+            prefix = self.target.length
+            if vanilla:
+                hidden = self.target.forward(root[None])  # [1, 1, H]
+                t1 = time.perf_counter()
+                token = self._choose(self.target.logits(hidden[0]), sampling, generator)
+                path, new, tree = None, token, None
+            else:
+                draft_feat = self.drafter.extend(feats, next_ids)  # commit: [1, H]
+                if spec is None:
+                    tree = self.drafter.draft_dynamic(root, draft_feat, decoding.total_token, decoding.depth,
+                                                      decoding.top_k)
+                else:
+                    tree = self.drafter.draft_static(root, draft_feat, spec)
+                t1 = time.perf_counter()
+                hidden = self.target.forward(tree.tokens[None], tree.position_ids(prefix), tree.attention_mask())
+                logits = self.target.logits(hidden[0])  # verify: [N, V]
+                if sampling.greedy:
+                    path, bonus = verify_greedy(tree, logits)
+                else:
+                    path, bonus = verify_sampling(tree, target_probs(logits, sampling), generator)
+                self.target.keep(prefix, path)  # KV of the accepted path only
+                new = torch.cat([tree.tokens[path[1:]], bonus])  # accept: [a + 1]
+            t2 = time.perf_counter()
+            # stops: first EOS (inclusive), token budget
+            cut = new.numel()
+            hit = torch.isin(new, eos).nonzero()
+            if hit.numel():
+                cut = int(hit[0]) + 1
+            cut = min(cut, stop.budget - produced)
+            done = cut < new.numel() or hit.numel() > 0 or produced + cut >= stop.budget
+            new = new[:cut]
+            produced += cut
+            rs = None
+            if collect:
+                rs = self._round_stats(tree, path, cut, t1 - t0, t2 - t1, time.perf_counter() - t2)
+            yield new, rs
+            if done:
+                return
+            if not vanilla:
+                feats, next_ids = hidden[:, path], new[None]  # the draft commits the accepted positions next round
+            root = new[-1:]
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+        """[1, V] logits -> [1] next token (argmax, or a draw from the processed distribution)."""
+        if sampling.greedy:
+            return logits[0].argmax(-1, keepdim=True)
+        return sample_token(target_probs(logits[0], sampling), generator)
+
+    @staticmethod
+    def _round_stats(tree, path, committed: int, draft_s: float, verify_s: float, commit_s: float) -> RoundStats:
+        if tree is None:  # vanilla
+            empty = torch.zeros(0)
+            return RoundStats(accept_length=0, new_tokens=committed, node_depth=empty.long(), node_prob=empty,
+                              node_path_prob=empty, node_accepted=empty.bool(), draft_s=0.0, verify_s=draft_s,
+                              commit_s=verify_s + commit_s)
+        accepted = torch.zeros(tree.size, dtype=torch.bool)
+        accepted[path.cpu()] = True
+        return RoundStats(
+            accept_length=path.numel() - 1,
+            new_tokens=committed,
+            node_depth=tree.depth[1:].cpu(),
+            node_prob=tree.prob[1:].float().cpu(),
+            node_path_prob=tree.path_logprob[1:].float().exp().cpu(),
+            node_accepted=accepted[1:],
+            draft_s=draft_s,
+            verify_s=verify_s,
+            commit_s=commit_s,
+        )
+
+
+def load_tree_config(head_path: str | Path) -> DecodingConfig:
+    """DecodingConfig saved next to a head by the auto-tuner, else the defaults."""
+    p = Path(head_path) / TREE_CONFIG_NAME
+    if not p.exists():
+        return DecodingConfig()
+    data = json.loads(p.read_text())
+    known = set(asdict(DecodingConfig()))
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{p}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    return DecodingConfig(**data).validate()
+
+
+def save_tree_config(head_path: str | Path, decoding: DecodingConfig) -> Path:
+    p = Path(head_path) / TREE_CONFIG_NAME
+    p.write_text(json.dumps(asdict(decoding), indent=2) + "\n")
+    return p

@@ -1,0 +1,51 @@
+"""Target-side sampling settings and the logits -> probabilities transform.
+
+Vanilla and speculative decoding share `target_probs`, so both sample from the SAME distribution.
+Order follows transformers' `generate`: temperature, then top-k, then top-p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 0.0  # 0 or >= 1 = off (EAGLE API convention)
+    top_k: int = 0  # 0 = off
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.top_p < 0:
+            raise ValueError(f"top_p={self.top_p} must be >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] float logits -> [..., V] probabilities after temperature / top-k / top-p."""
+    logits = logits.float() / params.temperature
+    vocab = logits.shape[-1]
+    if params.top_k and params.top_k < vocab:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < params.top_p < 1:
+        sorted_logits, idx = logits.sort(dim=-1, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)  # ascending
+        drop_sorted = cum <= (1 - params.top_p)
+        drop_sorted[..., -1] = False  # keep at least the most likely token
+        drop = drop_sorted.scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw from [V] probabilities -> [1] int64."""
+    return torch.multinomial(probs, 1, generator=generator)

@@ -1,0 +1,155 @@
+"""Draft trees: the structure verified by the target in one forward.
+
+Node 0 is the root (the last committed token, not yet in the target's KV cache); nodes are
+ordered so that parents precede children. All tensors are 1-D over nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] int64
+    parents: torch.Tensor  # [N] int64, parents[0] = -1, parents[i] < i
+    depth: torch.Tensor  # [N] int64, root 0
+    prob: torch.Tensor  # [N] float32, draft prob of the token given its parent (root 1.0)
+    path_logprob: torch.Tensor  # [N] float32, cumulative draft log-prob root->node (root 0)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    def attention_mask(self) -> torch.Tensor:
+        """[N, N] bool: node i sees node j iff j is i or an ancestor of i."""
+        n = self.size
+        mask = torch.eye(n, dtype=torch.bool, device=self.tokens.device)  # [N, N]
+        parents = self.parents.tolist()
+        for i in range(1, n):  # parents precede children: row of the parent is final
+            mask[i] |= mask[parents[i]]
+        return mask
+
+    def position_ids(self, prefix_len: int) -> torch.Tensor:
+        """[N] target position of each node: the root sits right after the cached prefix."""
+        return self.depth + prefix_len
+
+    def retrieve_paths(self) -> torch.Tensor:
+        """[L, max_depth + 1] node indices root..leaf, -1 padded, one row per leaf (leaves in node order)."""
+        n = self.size
+        is_parent = torch.zeros(n, dtype=torch.bool)
+        is_parent[self.parents[1:].cpu()] = True
+        leaves = (~is_parent).nonzero().flatten().tolist()
+        width = int(self.depth.max()) + 1
+        paths = torch.full((len(leaves), width), -1, dtype=torch.long)
+        parents = self.parents.tolist()
+        depth = self.depth.tolist()
+        for row, leaf in enumerate(leaves):
+            node = leaf
+            while node >= 0:
+                paths[row, depth[node]] = node
+                node = parents[node]
+        return paths.to(self.tokens.device)
+
+    def children(self) -> list[list[int]]:
+        """Children of every node in node order (= rank order for the trees built here)."""
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+
+def rerank_tree(
+    root_token: int | torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_logprob: torch.Tensor,
+    cand_path_logprob: torch.Tensor,
+    cand_parent: torch.Tensor,
+    total_token: int,
+) -> DraftTree:
+    """EAGLE-2 rerank: keep the total_token - 1 candidates with the highest path value.
+
+    Candidates must be listed parents-before-children (as drafting generates them level by level);
+    cand_parent indexes candidates (-1 = root). Path values never increase along a path and ties
+    go to the lower candidate index, so every kept node's parent is kept: the result is a tree.
+    """
+    m = cand_tokens.numel()
+    keep_n = min(total_token - 1, m)
+    order = torch.sort(cand_path_logprob, descending=True, stable=True).indices[:keep_n]  # [K]
+    keep = torch.sort(order).values  # [K] candidate ids, parents first
+    node_of = torch.full((m + 1,), -1, dtype=torch.long, device=cand_tokens.device)  # cand id -> node, slot m = root
+    node_of[m] = 0
+    node_of[keep] = torch.arange(1, keep_n + 1, device=cand_tokens.device)
+    parent_cand = cand_parent[keep].clone()  # [K]
+    parent_cand[parent_cand < 0] = m
+    parents = node_of[parent_cand]  # [K]
+    if bool((parents < 0).any()):
+        raise AssertionError("rerank produced an orphan node: candidate values increase along a path")
+    dev = cand_tokens.device
+    parents = torch.cat([torch.tensor([-1], device=dev), parents])
+    depth = torch.zeros(keep_n + 1, dtype=torch.long, device=dev)
+    par = parents.tolist()
+    for i in range(1, keep_n + 1):
+        depth[i] = depth[par[i]] + 1
+    root = torch.as_tensor(root_token, device=dev).reshape(1).long()
+    return DraftTree(
+        tokens=torch.cat([root, cand_tokens[keep].long()]),
+        parents=parents,
+        depth=depth,
+        prob=torch.cat([torch.ones(1, device=dev), cand_logprob[keep].float().exp()]),
+        path_logprob=torch.cat([torch.zeros(1, device=dev), cand_path_logprob[keep].float()]),
+    )
+
+
+@dataclass
+class StaticTreeSpec:
+    """An EAGLE-1 tree given by child-rank paths, e.g. [0, 1] = 2nd child of the 1st child of the root.
+
+    Nodes (excluding the root) are sorted by depth, then lexicographically; node i+1 <-> choices[i].
+    """
+
+    choices: list[tuple[int, ...]]
+    parents: torch.Tensor  # [N] node index of each node's parent (root included, -1)
+    ranks: torch.Tensor  # [N] child rank of each node (root 0)
+    depth: torch.Tensor  # [N]
+    ancestors: torch.Tensor  # [N, N] bool, ancestor-or-self
+
+    @classmethod
+    def from_choices(cls, choices: list[list[int]] | list[tuple[int, ...]]) -> "StaticTreeSpec":
+        ch = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+        if not ch:
+            raise ValueError("a static tree needs at least one choice path")
+        index = {(): 0}
+        for i, c in enumerate(ch, start=1):
+            index[c] = i
+        parents, ranks, depth = [-1], [0], [0]
+        for c in ch:
+            if any(r < 0 for r in c):
+                raise ValueError(f"static tree choice {list(c)} has a negative rank")
+            if c[:-1] not in index:
+                raise ValueError(f"static tree choice {list(c)} has no parent path {list(c[:-1])} in the list")
+            parents.append(index[c[:-1]])
+            ranks.append(c[-1])
+            depth.append(len(c))
+        tree = DraftTree(tokens=torch.zeros(len(parents), dtype=torch.long), parents=torch.tensor(parents),
+                         depth=torch.tensor(depth), prob=torch.ones(len(parents)), path_logprob=torch.zeros(len(parents)))
+        return cls(choices=ch, parents=tree.parents, ranks=torch.tensor(ranks), depth=tree.depth,
+                   ancestors=tree.attention_mask())
+
+    @property
+    def size(self) -> int:
+        return self.parents.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.ranks.max())
+
+
+def chain_choices(length: int) -> list[tuple[int, ...]]:
+    """A chain of `length` draft tokens as a static tree: [0], [0, 0], ..."""
+    return [(0,) * d for d in range(1, length + 1)]
