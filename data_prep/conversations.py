@@ -1,0 +1,235 @@
+"""Load conversations (ShareGPT, OpenAI messages, Alpaca; local files or HF datasets), validate every
+record, and normalise it to ``{"id": str, "messages": [{"role": system|user|assistant, "content": str}]}``.
+
+Invalid records are never dropped silently: each goes to the rejects file with a one-line reason and
+the report states ``kept + rejected = input``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+FORMATS = ("auto", "sharegpt", "openai", "alpaca")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "system": "system"}
+OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+
+
+class RecordError(ValueError):
+    """One input record is invalid; str(e) is the one-line reject reason."""
+
+
+@dataclass
+class LoadResult:
+    kept: list[dict] = field(default_factory=list)
+    rejects: list[dict] = field(default_factory=list)  # {"index", "id", "reason", "record"}
+    num_input: int = 0
+
+    def report(self, source: str) -> dict:
+        reasons = Counter(r["reason"].split(":")[0] for r in self.rejects)
+        return {"source": source, "input": self.num_input, "kept": len(self.kept), "rejected": len(self.rejects),
+                "reject_reasons": dict(reasons.most_common())}
+
+
+# --------------------------------------------------------------------------- reading raw records
+def iter_raw_records(source: str, hf_subset: str | None = None, hf_split: str = "train") -> Iterator[tuple[Any, str | None]]:
+    """Yield (record, parse_error) per input record. JSONL lines that do not parse give (line text, reason)."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line), None
+                except json.JSONDecodeError as e:
+                    yield line.rstrip("\n")[:200], f"bad JSON line {lineno}: {e.msg}"
+    elif path.is_file() and path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); for one record per line use a .jsonl file") from None
+        if isinstance(data, dict):  # {"data": [...]} / {"train": [...]}: take the single list value
+            lists = [v for v in data.values() if isinstance(v, list)]
+            if len(lists) != 1:
+                raise ValueError(f"{path}: expected a JSON list of records (or an object with one list), got keys {sorted(data)}")
+            data = lists[0]
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+        for rec in data:
+            yield rec, None
+    else:
+        import datasets  # local parquet/csv/arrow files or a hub dataset id
+
+        if path.exists():
+            kind = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".json": "json"}.get(path.suffix)
+            if kind is None:
+                raise ValueError(f"data.source {source!r}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv, arrow)")
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        else:
+            try:
+                ds = datasets.load_dataset(source, name=hf_subset, split=hf_split)
+            except Exception as e:
+                raise ValueError(f"data.source {source!r} is neither a local file nor a loadable HF dataset: {e}") from e
+        for rec in ds:
+            yield rec, None
+
+
+# --------------------------------------------------------------------------- validation
+def _content(turn: dict, key: str, i: int) -> str:
+    value = turn.get(key)
+    if not isinstance(value, str):
+        raise RecordError(f"non-string content: turn {i} {key!r} is {type(value).__name__}")
+    if not value.strip():
+        raise RecordError(f"empty content: turn {i}")
+    return value
+
+
+def _from_sharegpt(rec: dict) -> list[dict]:
+    turns = rec["conversations"]
+    if not isinstance(turns, list):
+        raise RecordError(f"bad conversations: expected a list, got {type(turns).__name__}")
+    messages = []
+    if isinstance(rec.get("system"), str) and rec["system"].strip():
+        messages.append({"role": "system", "content": rec["system"]})
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RecordError(f"bad turn: turn {i} is {type(turn).__name__}, not an object")
+        role_key, content_key = ("from", "value") if "from" in turn else ("role", "content")
+        role = turn.get(role_key)
+        if role not in SHAREGPT_ROLES:
+            raise RecordError(f"unknown role: {role!r} in turn {i} (known: {sorted(SHAREGPT_ROLES)})")
+        messages.append({"role": SHAREGPT_ROLES[role], "content": _content(turn, content_key, i)})
+    return messages
+
+
+def _from_openai(rec: dict) -> list[dict]:
+    turns = rec["messages"]
+    if not isinstance(turns, list):
+        raise RecordError(f"bad messages: expected a list, got {type(turns).__name__}")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RecordError(f"bad turn: turn {i} is {type(turn).__name__}, not an object")
+        role = turn.get("role")
+        if role not in OPENAI_ROLES:
+            raise RecordError(f"unknown role: {role!r} in turn {i} (known: {sorted(OPENAI_ROLES)})")
+        messages.append({"role": OPENAI_ROLES[role], "content": _content(turn, "content", i)})
+    return messages
+
+
+def _from_alpaca(rec: dict) -> list[dict]:
+    instruction = _content(rec, "instruction", 0)
+    extra = rec.get("input") or ""
+    if not isinstance(extra, str):
+        raise RecordError(f"non-string content: 'input' is {type(extra).__name__}")
+    user = instruction if not extra.strip() else f"{instruction}\n\n{extra}"
+    messages = []
+    if isinstance(rec.get("system"), str) and rec["system"].strip():
+        messages.append({"role": "system", "content": rec["system"]})
+    messages.append({"role": "user", "content": user})
+    output = rec.get("output")
+    if output is not None and not (isinstance(output, str) and not output.strip()):
+        messages.append({"role": "assistant", "content": _content(rec, "output", 1)})
+    return messages
+
+
+def detect_format(rec: dict) -> str:
+    if "conversations" in rec:
+        return "sharegpt"
+    if "messages" in rec:
+        return "openai"
+    if "instruction" in rec:
+        return "alpaca"
+    raise RecordError(f"unknown record format: keys {sorted(rec)[:8]} (need conversations, messages or instruction)")
+
+
+def check_turn_order(messages: list[dict]) -> None:
+    """Optional leading system turn, then user/assistant alternating, starting with user."""
+    if not messages:
+        raise RecordError("empty conversation: no turns")
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    if not any(m["role"] == "user" for m in body):
+        raise RecordError("no user turn")
+    offset = len(messages) - len(body)
+    for i, m in enumerate(body):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != want:
+            where = "system turn not first" if m["role"] == "system" else f"expected {want}, got {m['role']}"
+            raise RecordError(f"bad turn order: turn {i + offset}: {where}")
+
+
+def normalize_record(rec: Any, fmt: str = "auto", system_prompt: str | None = None) -> list[dict]:
+    """Validate one raw record and return its messages; raises RecordError with the reject reason."""
+    if not isinstance(rec, dict):
+        raise RecordError(f"not an object: record is {type(rec).__name__}")
+    if fmt not in FORMATS:
+        raise ValueError(f"data.format must be one of {FORMATS}, got {fmt!r}")
+    kind = detect_format(rec) if fmt == "auto" else fmt
+    required = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction"}[kind]
+    if required not in rec:
+        raise RecordError(f"missing key: {required!r} (format {kind})")
+    messages = {"sharegpt": _from_sharegpt, "openai": _from_openai, "alpaca": _from_alpaca}[kind](rec)
+    check_turn_order(messages)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def record_id(rec: Any, index: int, prefix: str) -> str:
+    if isinstance(rec, dict):
+        for key in ("id", "conversation_id", "question_id"):
+            if rec.get(key) is not None and str(rec[key]).strip():
+                return str(rec[key])
+    return f"{prefix}-{index}"
+
+
+def load_conversations(
+    source: str,
+    fmt: str = "auto",
+    max_records: int | None = None,
+    system_prompt: str | None = None,
+    hf_subset: str | None = None,
+    hf_split: str = "train",
+) -> LoadResult:
+    """Read + validate every record of `source`; kept + rejected == input, in input order."""
+    if not source:
+        raise ValueError("data.source is empty: set it to a .json/.jsonl file or a HF dataset id (data.source=...)")
+    prefix = Path(source).stem if Path(source).exists() else source.replace("/", "_")
+    result = LoadResult()
+    seen: set[str] = set()
+    for index, (rec, parse_error) in enumerate(iter_raw_records(source, hf_subset, hf_split)):
+        if max_records is not None and index >= max_records:
+            break
+        result.num_input += 1
+        rid = record_id(rec, index, prefix)
+        try:
+            if parse_error:
+                raise RecordError(parse_error)
+            if rid in seen:
+                raise RecordError(f"duplicate id: {rid!r} already used by an earlier record")
+            messages = normalize_record(rec, fmt, system_prompt)
+        except RecordError as e:
+            result.rejects.append({"index": index, "id": rid, "reason": str(e), "record": rec})
+            continue
+        seen.add(rid)
+        result.kept.append({"id": rid, "messages": messages})
+    return result
+
+
+def write_jsonl(path: Path, records) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")  # several ranks may write the same file
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

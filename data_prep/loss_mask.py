@@ -1,0 +1,139 @@
+"""Tokenise a conversation with its exact assistant-only loss mask, from the tokenizer's chat template.
+
+Two ways, never hand-tuned offsets:
+- the template has ``{% generation %}`` markers: transformers' ``return_assistant_tokens_mask``;
+- otherwise prefix templating: for assistant turn i, the text rendered for ``messages[:i]`` with the
+  generation prompt and the text rendered for ``messages[:i+1]`` are both prefixes of the full
+  conversation's text; the characters between them (minus trailing template whitespace, which the
+  model never generates) are the reply + end-of-turn token. Tokens overlapping that span get mask 1.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+MASK_MODES = ("auto", "generation", "prefix")
+
+
+class TemplateMaskError(ValueError):
+    """The chat template cannot give an exact mask for this conversation."""
+
+
+def has_generation_markers(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "{% generation" in template or "{%- generation" in template
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Full rendered text and the [start, end) character span of every assistant reply (prefix templating)."""
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not full.startswith(before) or not full.startswith(through) or len(through) < len(before):
+            raise TemplateMaskError(
+                f"chat template is not prefix-stable at turn {i}: rendering the first turns is not a prefix of the "
+                "whole conversation; use a template with {% generation %} markers (target.chat_template=...)"
+            )
+        end = len(through.rstrip())
+        spans.append((len(before), max(end, len(before))))
+    return full, spans
+
+
+def tokenize_with_mask(tokenizer, messages: list[dict], mode: str = "auto") -> tuple[list[int], list[int]]:
+    """input_ids and loss_mask (1 = assistant reply or its end-of-turn token) for one conversation."""
+    if mode not in MASK_MODES:
+        raise ValueError(f"mask mode must be one of {MASK_MODES}, got {mode!r}")
+    if mode == "generation" or (mode == "auto" and has_generation_markers(tokenizer)):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, add_generation_prompt=False
+        )
+        ids = list(out["input_ids"])
+        mask = [int(x) for x in out["assistant_masks"]]
+        return ids, mask
+    full, spans = assistant_char_spans(tokenizer, messages)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = []
+    for start, end in enc["offset_mapping"]:
+        inside = end > start and any(start < s_end and end > s_start for s_start, s_end in spans)
+        mask.append(int(inside))
+    return ids, mask
+
+
+@dataclass
+class TokenizeStats:
+    input: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    dropped_length_limited: int = 0
+    dropped_no_loss_tokens: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    rejects: list[dict] = field(default_factory=list)
+
+    def report(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "rejects"}
+        d["accounting"] = (
+            f"kept {self.kept} + dropped {self.input - self.kept} "
+            f"(overlong {self.dropped_overlong}, length-limited {self.dropped_length_limited}, "
+            f"no loss tokens {self.dropped_no_loss_tokens}) = input {self.input}"
+        )
+        return d
+
+
+def tokenize_records(records, tokenizer, max_length: int, overlong: str = "truncate", drop_length_limited: bool = False,
+                     mode: str = "auto"):
+    """Tokenise normalised records; returns (tokenized list, TokenizeStats). Every drop is counted."""
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"data.overlong must be 'truncate' or 'drop', got {overlong!r}")
+    stats, out = TokenizeStats(), []
+    for rec in records:
+        stats.input += 1
+        if rec.get("length_limited") and drop_length_limited:
+            stats.dropped_length_limited += 1
+            stats.rejects.append({"id": rec["id"], "reason": "length limited: generation hit max_new_tokens"})
+            continue
+        try:
+            ids, mask = tokenize_with_mask(tokenizer, rec["messages"], mode)
+        except TemplateMaskError as e:
+            raise TemplateMaskError(f"record {rec['id']!r}: {e}") from None
+        if len(ids) > max_length:
+            if overlong == "drop":
+                stats.dropped_overlong += 1
+                stats.rejects.append({"id": rec["id"], "reason": f"overlong: {len(ids)} tokens > max_length {max_length}"})
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            stats.truncated += 1
+        if sum(mask) == 0:
+            stats.dropped_no_loss_tokens += 1
+            stats.rejects.append({"id": rec["id"], "reason": "no loss tokens: no assistant token within max_length"})
+            continue
+        stats.kept += 1
+        stats.tokens += len(ids)
+        stats.loss_tokens += sum(mask)
+        out.append({"id": rec["id"], "input_ids": ids, "loss_mask": mask})
+    return out, stats
+
+
+def render_masked(tokenizer, input_ids: list[int], loss_mask: list[int], color: bool | None = None) -> str:
+    """The decoded sample with trained-on (mask 1) runs highlighted: green background on a tty, else ⟦...⟧."""
+    if color is None:
+        color = sys.stdout.isatty()
+    pieces, start = [], 0
+    for t in range(1, len(input_ids) + 1):
+        if t == len(input_ids) or loss_mask[t] != loss_mask[start]:
+            text = tokenizer.decode(input_ids[start:t], skip_special_tokens=False)
+            if loss_mask[start]:
+                text = f"\x1b[30;42m{text}\x1b[0m" if color else f"⟦{text}⟧"
+            pieces.append(text)
+            start = t
+    return "".join(pieces)
