@@ -1,0 +1,29 @@
+"""Test-wide settings: CPU only, no network services, ../shared optional."""
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")  # online wandb hangs ~90 s without network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("EAGLE_SHARED_DIR", REPO_ROOT.parent / "shared"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if SHARED.is_dir():
+        return
+    skip = pytest.mark.skip(reason=f"needs ../shared assets ({SHARED} is absent)")
+    for item in items:
+        if "shared" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """Path of ../shared (tests using it must be marked `shared`)."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is absent")
+    return SHARED
