@@ -1,0 +1,145 @@
+"""evaluation/: prompt sources, chat formatting (template and raw text) and method specs."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from eagle.decoding_config import DecodingConfig
+from evaluation.chat_format import ChatFormat
+from evaluation.methods import load_tree_config, parse_method, parse_methods, save_tree_config
+from evaluation.questions import QuestionError, load_questions
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def char_tokenizer(with_template: bool) -> PreTrainedTokenizerFast:
+    """Byte-level characters as tokens (256 ids) + <s>, </s>; optional chat template."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    from tokenizers import decoders, processors
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    if with_template:
+        fast.chat_template = TEMPLATE
+    return fast
+
+
+def write_jsonl(path, rows, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_question_file_multi_turn_and_filters(tmp_path):
+    rows = [{"question_id": 81, "category": "writing", "turns": ["Write.", "Rewrite it."], "reference": ["r"]},
+            {"question_id": 82, "category": "math", "turns": ["1+1?"]},
+            {"question_id": 83, "category": "", "turns": ["Hi"]}]
+    qs = load_questions(str(write_jsonl(tmp_path / "bench.jsonl", rows)))
+    assert [q.question_id for q in qs] == ["81", "82", "83"]
+    assert qs[0].turns == ["Write.", "Rewrite it."] and qs[0].reference == ["r"]
+    assert qs[2].category == "bench"  # empty category -> the file's name
+    assert [q.question_id for q in load_questions(str(tmp_path / "bench.jsonl"), categories=["math"])] == ["82"]
+    assert len(load_questions(str(tmp_path / "bench.jsonl"), num_questions=2)) == 2
+    gz = load_questions(str(write_jsonl(tmp_path / "b.jsonl.gz", rows, gz=True)))
+    assert gz[0].turns == qs[0].turns
+
+
+def test_bad_question_records_are_named(tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question_id": 1, "turns": ["ok"]}, {"question_id": 2, "turns": []}])
+    with pytest.raises(QuestionError, match=r"bad.jsonl:2 \(question_id=2\)"):
+        load_questions(str(bad))
+    (tmp_path / "nokey.jsonl").write_text('{"category": "x", "turns": ["a"]}\n')
+    with pytest.raises(QuestionError, match="nokey.jsonl:1: record lacks \\['question_id'\\]"):
+        load_questions(str(tmp_path / "nokey.jsonl"))
+    with pytest.raises(QuestionError, match="no prompt source"):
+        load_questions("")
+    with pytest.raises(QuestionError, match="does not exist"):
+        load_questions(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(QuestionError, match="no question in categories"):
+        load_questions(str(write_jsonl(tmp_path / "ok.jsonl", [{"question_id": 1, "turns": ["a"]}])), categories=["zzz"])
+
+
+def test_plain_prompt_file_and_paragraph_openings(tmp_path):
+    (tmp_path / "prompts.txt").write_text("Once upon a time\n\n  \nThe cat\\nsat\n")
+    qs = load_questions(str(tmp_path / "prompts.txt"))
+    assert [q.turns for q in qs] == [["Once upon a time"], ["The cat\nsat"]]
+    assert qs[0].category == "prompts"
+    corpus = tmp_path / "stories.txt"
+    corpus.write_text("First one. It ends.\n\nSecond story here! More text.\n\n\"Hi,\" said Tom. He ran.\n")
+    qs = load_questions(f"paragraphs:{corpus}")
+    assert [q.turns[0] for q in qs] == ['"Hi," said Tom.', "Second story here!", "First one."]  # from the end
+    qs = load_questions(f"paragraphs:{corpus}", paragraph_sentences=2, paragraph_from_end=False, num_questions=1)
+    assert qs[0].turns[0] == "First one. It ends." and qs[0].question_id == "stories-p0"
+
+
+def test_hf_dataset_source(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"prompt": ["a?", "b?"], "kind": ["x", "y"]})
+    # load_dataset on a local folder of data files: the same call users make with a hub id
+    (tmp_path / "hub").mkdir()
+    ds.to_json(tmp_path / "hub" / "train.jsonl")
+    qs = load_questions(f"hf:{tmp_path / 'hub'}", hf_split="train", hf_column="prompt", hf_category_column="kind")
+    assert [(q.category, q.turns) for q in qs] == [("x", ["a?"]), ("y", ["b?"])]
+    with pytest.raises(QuestionError, match="no column 'turns'"):
+        load_questions(f"hf:{tmp_path / 'hub'}", hf_split="train")
+
+
+def test_chat_template_multi_turn_feeds_the_answer_back():
+    tok = char_tokenizer(with_template=True)
+    fmt = ChatFormat(tok)
+    assert fmt.name == "chat_template"
+    first = fmt.first_prompt("Hi")
+    assert tok.decode(first) == "<user>Hi</s><assistant>"  # no doubled BOS
+    second = fmt.next_prompt(first, tok("Hello!", add_special_tokens=False)["input_ids"], [("Hi", "Hello!")], "More")
+    assert tok.decode(second) == "<user>Hi</s><assistant>Hello!</s><user>More</s><assistant>"
+
+
+def test_raw_text_without_template_continues_from_the_own_tokens():
+    tok = char_tokenizer(with_template=False)
+    fmt = ChatFormat(tok, turn_separator="\n")
+    assert fmt.name == "raw_text"
+    first = fmt.first_prompt("Once")
+    assert first[0] == tok.bos_token_id and tok.decode(first[1:]) == "Once"
+    answer = [5, 6, 7]
+    second = fmt.next_prompt(first, answer, [("Once", "x")], "Then")
+    assert second[: len(first) + 3] == first + answer
+    assert tok.decode(second[len(first) + 3:]) == "\nThen"
+    # a template passed explicitly (e.g. a shipped one) wins over the tokenizer's absence of one
+    assert ChatFormat(tok, chat_template=TEMPLATE).name == "chat_template"
+
+
+def test_method_specs(tmp_path):
+    base = DecodingConfig(total_token=60, depth=5, top_k=10)
+    assert parse_method("eagle2", base).decoding.mode == "dynamic"
+    assert parse_method("eagle1", base).decoding.mode == "static"
+    m = parse_method("eagle2:total_token=30,depth=4", base)
+    assert (m.label, m.decoding.total_token, m.decoding.depth, m.decoding.top_k) == ("eagle2:total_token=30,depth=4", 30, 4, 10)
+    assert parse_method("chain:chain_length=3", base).decoding.chain_length == 3
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("medusa", base)
+    with pytest.raises(ValueError, match="bad override 'width=3'"):
+        parse_method("eagle2:width=3", base)
+    with pytest.raises(ValueError, match="top_k=0"):
+        parse_method("eagle2:top_k=0", base)
+    methods = parse_methods(["eagle2", "chain"], base, compare_head=True)
+    assert [(m.label, m.head) for m in methods] == [("vanilla", "A"), ("eagle2", "A"), ("chain", "A"),
+                                                    ("eagle2[B]", "B"), ("chain[B]", "B")]
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_methods(["eagle2", "eagle2"], base)
+    with pytest.raises(FileNotFoundError, match="autotune"):
+        parse_method("tuned", base, tmp_path)
+    save_tree_config(tmp_path, DecodingConfig(total_token=24, depth=4, top_k=6))
+    assert load_tree_config(tmp_path) == DecodingConfig(total_token=24, depth=4, top_k=6)
+    assert parse_method("tuned", base, tmp_path).decoding.total_token == 24
