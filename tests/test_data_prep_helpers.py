@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -71,3 +72,12 @@ def write_sharegpt(path: Path, n: int, multi_turn_every: int = 3) -> Path:
         recs.append({"id": f"c{i}", "conversations": conv})
     path.write_text(json.dumps(recs))
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run fastest single-threaded, and 2 busy cores make multi-threaded torch crawl."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

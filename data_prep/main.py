@@ -1,0 +1,338 @@
+"""Data preparation, driven by a recipe: load -> regenerate -> tokenize -> cache.
+
+    python data_prep/main.py --recipe tiny [key=value ...] [all|load|regenerate|tokenize|cache|inspect]
+                             [--shard i/n] [--inspect N]
+
+Outputs go to ``{output_dir}/data/``:
+    conversations.jsonl, rejects.jsonl, load_report.json     validated, normalised input
+    regenerated/part-*.jsonl (+ settings.json)              target-regenerated conversations (resumable)
+    tokenized.jsonl, tokenize_rejects.jsonl, tokenize_report.json
+    features/                                                the feature cache (data_prep.feature_cache)
+    report.json                                              every stage's counts and throughput
+
+Several processes: `torchrun --nproc_per_node N data_prep/main.py ...` (ranks share the work and wait
+for each other between stages), or independent jobs with `--shard i/n` (each does its share of
+regenerate/cache; tokenize runs once all regeneration shards are done).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
+from data_prep.tokenized import TOKENIZED_FILE, load_tokenized, write_tokenized  # noqa: E402
+
+STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
+
+
+# --------------------------------------------------------------------------- run context
+class Run:
+    """The recipe, the data directory and this process's shard."""
+
+    def __init__(self, cfg, shard: int, num_shards: int, distributed: bool, progress: bool):
+        self.cfg = cfg
+        self.data_dir = Path(cfg.output_dir) / "data"
+        self.shard, self.num_shards = shard, num_shards
+        self.distributed = distributed
+        self.progress = progress
+        self._tokenizer = None
+        self._model = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.shard == 0 or not self.distributed
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from data_prep.target import load_target_tokenizer
+
+            self._tokenizer = load_target_tokenizer(self.cfg.target)
+        return self._tokenizer
+
+    def model(self):
+        if self._model is None:
+            from data_prep.target import load_target_model, pick_device
+
+            self._model = load_target_model(self.cfg.target, pick_device(self.cfg.data.device))
+        return self._model
+
+    def log(self, msg: str) -> None:
+        prefix = f"[data_prep {self.shard}/{self.num_shards}]" if self.num_shards > 1 else "[data_prep]"
+        print(f"{prefix} {msg}", flush=True)
+
+    def update_report(self, key: str, value: dict) -> None:
+        """Merge one stage's numbers into report.json (per-shard keys avoid races between ranks)."""
+        path = self.data_dir / "report.json"
+        report = json.loads(path.read_text()) if path.exists() else {}
+        report[key] = value
+        tmp = path.with_name(f"report.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard must look like i/n (e.g. 0/4), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard {text}: need 0 <= i < n")
+    return i, n
+
+
+# --------------------------------------------------------------------------- stages
+def stage_load(run: Run) -> list[dict]:
+    d = run.cfg.data
+    result = load_conversations(d.source, d.format, d.max_records, d.system_prompt, d.hf_subset, d.hf_split)
+    report = result.report(d.source)
+    if run.is_main:  # with --shard every job writes the same content (atomic replace)
+        write_jsonl(run.data_dir / "conversations.jsonl", result.kept)
+        write_jsonl(run.data_dir / "rejects.jsonl", result.rejects)
+        (run.data_dir / "load_report.json").write_text(json.dumps(report, indent=1))
+        run.update_report("load", report)
+    run.log(f"load {d.source}: kept {report['kept']} + rejected {report['rejected']} = input {report['input']}"
+            + (f"  reasons {report['reject_reasons']} (see {run.data_dir / 'rejects.jsonl'})" if report["rejected"] else ""))
+    if not result.kept:
+        raise SystemExit(f"no valid conversation in {d.source}; see {run.data_dir / 'rejects.jsonl'}")
+    return result.kept
+
+
+def generation_settings(run: Run):
+    from data_prep.regenerate import GenerationSettings
+
+    d = run.cfg.data
+    return GenerationSettings(max_new_tokens=d.max_new_tokens, do_sample=d.do_sample, temperature=d.temperature,
+                              top_p=d.top_p, seed=run.cfg.seed)
+
+
+def make_backend(run: Run):
+    from data_prep.chat_template import stop_token_ids
+    from data_prep.regenerate import HFBackend, OpenAIBackend
+    from data_prep.target import resolve_target_path
+
+    d = run.cfg.data
+    settings = generation_settings(run)
+    if d.backend == "hf":
+        model, tok = run.model(), run.tokenizer()
+        stops = sorted(set(stop_token_ids(tok, model.generation_config, run.cfg.target.chat_template))
+                       | {int(i) for i in d.extra_stop_ids})
+        return HFBackend(model, tok, settings, stops, max_prompt_tokens=d.max_length)
+    if d.backend == "openai":
+        return OpenAIBackend(d.api_base, d.api_model or resolve_target_path(run.cfg.target), settings,
+                             api_key=os.environ.get(d.api_key_env), timeout_s=d.api_timeout_s, retries=d.api_retries,
+                             concurrency=d.gen_batch_size)
+    raise ValueError(f"data.backend must be 'hf' or 'openai', got {d.backend!r}")
+
+
+def stage_regenerate(run: Run, conversations: list[dict]) -> None:
+    from dataclasses import asdict
+
+    from data_prep.regenerate import check_settings, regenerate_shard
+
+    d = run.cfg.data
+    out = run.data_dir / "regenerated"
+    check_settings(out, {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template,
+                         "backend": d.backend, "max_length": d.max_length,
+                         "extra_stop_ids": [int(i) for i in d.extra_stop_ids], **asdict(generation_settings(run))})
+    stats = regenerate_shard(conversations, make_backend(run), out, run.shard, run.num_shards, d.gen_batch_size,
+                             run.cfg.seed, progress=run.progress)
+    s = stats.as_dict()
+    run.update_report(f"regenerate_shard{run.shard}of{run.num_shards}", s)
+    run.log(f"regenerate: {s['records_generated']} generated, {s['records_skipped_done']} already done, "
+            f"{s['length_limited']} hit max_new_tokens, {s['stopped_at_max_length']} stopped at max_length; "
+            f"{s['records_per_s']:.2f} records/s, {s['tokens_per_s']:.1f} tokens/s")
+
+
+def regenerated_records(run: Run, conversations: list[dict]) -> tuple[list[dict], list[str]]:
+    """Regenerated records in conversation order, and the ids not regenerated yet."""
+    from data_prep.regenerate import read_parts
+
+    done = read_parts(run.data_dir / "regenerated")
+    ordered = [done[c["id"]] for c in conversations if c["id"] in done]
+    missing = [c["id"] for c in conversations if c["id"] not in done]
+    return ordered, missing
+
+
+def stage_tokenize(run: Run, conversations: list[dict]) -> None:
+    from data_prep.loss_mask import tokenize_records
+
+    d = run.cfg.data
+    if d.regenerate:
+        records, missing = regenerated_records(run, conversations)
+        if missing:
+            raise SystemExit(f"regeneration is incomplete: {len(missing)} of {len(conversations)} conversations missing "
+                             f"(e.g. {missing[:3]}); run the regenerate stage for every shard first")
+    else:
+        records = conversations
+    if d.on_length_limit not in ("keep", "drop"):
+        raise ValueError(f"data.on_length_limit must be 'keep' or 'drop', got {d.on_length_limit!r}")
+    tokenized, stats = tokenize_records(records, run.tokenizer(), d.max_length, d.overlong,
+                                        drop_length_limited=d.on_length_limit == "drop")
+    write_tokenized(run.data_dir / TOKENIZED_FILE, tokenized)
+    write_jsonl(run.data_dir / "tokenize_rejects.jsonl", stats.rejects)
+    report = stats.report()
+    report["length_limited_kept"] = sum(bool(r.get("length_limited")) for r in records) - stats.dropped_length_limited
+    (run.data_dir / "tokenize_report.json").write_text(json.dumps(report, indent=1))
+    run.update_report("tokenize", report)
+    run.log(f"tokenize: {report['accounting']}; truncated {stats.truncated}; {stats.tokens:,} tokens, "
+            f"{stats.loss_tokens:,} trained on")
+    if not tokenized:
+        raise SystemExit(f"no sample left after tokenisation; see {run.data_dir / 'tokenize_rejects.jsonl'}")
+
+
+def stage_inspect(run: Run, n: int) -> None:
+    from data_prep.loss_mask import render_masked
+
+    tok = run.tokenizer()
+    for k, rec in enumerate(load_tokenized(run.data_dir / TOKENIZED_FILE)):
+        if k >= n:
+            break
+        trained = sum(rec["loss_mask"])
+        print(f"=== {rec['id']}: {len(rec['input_ids'])} tokens, {trained} trained on (highlighted) ===")
+        print(render_masked(tok, rec["input_ids"], rec["loss_mask"]))
+        print()
+
+
+def file_sha256(path: Path) -> str:
+    from data_prep.feature_cache import sha256_file
+
+    return sha256_file(path)
+
+
+def stage_cache(run: Run) -> None:
+    from data_prep.cache_features import cache_shard, check_disk
+    from data_prep.feature_cache import FeatureCacheWriter, merge_manifests
+    from data_prep.target import resolve_target_path, target_config_hash
+
+    d = run.cfg.data
+    tok_path = run.data_dir / TOKENIZED_FILE
+    records = list(load_tokenized(tok_path))
+    model = run.model()
+    config = model.config
+    meta = {"target": resolve_target_path(run.cfg.target), "config_hash": target_config_hash(config),
+            "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
+            "target_dtype": run.cfg.target.dtype, "tokenized_sha256": file_sha256(tok_path)}
+    out = run.data_dir / "features"
+    writer = FeatureCacheWriter(out, meta, dtype=d.cache_dtype, part=f"shard{run.shard:05d}-of-{run.num_shards:05d}",
+                                max_shard_bytes=d.cache_shard_mb * 2**20)
+    remaining = sum(len(r["input_ids"]) for r in records if r["id"] not in writer)
+    check_disk(out, remaining, meta["hidden_size"], d.cache_dtype, d.disk_headroom_gb)
+    stats = cache_shard(model, records, writer, run.shard, run.num_shards, progress=run.progress)
+    writer.close()
+    s = stats.as_dict()
+    run.update_report(f"cache_shard{run.shard}of{run.num_shards}", s)
+    run.log(f"cache: {s['records_cached']} samples cached, {s['records_skipped_done']} already cached; "
+            f"{s['records_per_s']:.2f} records/s, {s['tokens_per_s']:.1f} tokens/s")
+    run.barrier()
+    if run.is_main:
+        manifest = merge_manifests(out)
+        from data_prep.feature_cache import _write_json_atomic
+
+        _write_json_atomic(out / "manifest.json", manifest)
+        summary = {k: manifest[k] for k in ("dtype", "num_records", "num_tokens", "num_loss_tokens", "bytes_on_disk",
+                                             "bytes_per_token", "reference_bytes_per_token") if k in manifest}
+        if "quantization" in manifest:
+            summary["quantization"] = manifest["quantization"]
+        run.update_report("cache", summary)
+        complete = manifest["num_records"] == len(records)
+        run.log(f"cache {out}: {manifest['num_records']}/{len(records)} samples, {manifest['num_tokens']:,} tokens, "
+                f"{manifest['bytes_per_token']} B/token (reference layout {manifest['reference_bytes_per_token']})"
+                + (f", int8 relative RMSE {manifest['quantization']['relative_rmse']:.2e}" if "quantization" in manifest else "")
+                + ("" if complete else " -- other shards still pending"))
+
+
+# --------------------------------------------------------------------------- entry point
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", required=True, help="recipe name (recipes/NAME.yaml) or path")
+    p.add_argument("--shard", type=parse_shard, default=None, help="i/n: do the i-th of n shares of regenerate/cache")
+    p.add_argument("--inspect", type=int, default=0, metavar="N", help="print N tokenised records, trained-on tokens highlighted")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("rest", nargs="*", help=f"key=value recipe overrides and at most one stage of {STAGES}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from recipes import load_recipe
+
+    args = build_parser().parse_args(argv)
+    overrides = [a for a in args.rest if "=" in a]
+    stages = [a for a in args.rest if "=" not in a]
+    if len(stages) > 1 or (stages and stages[0] not in STAGES):
+        raise SystemExit(f"expected at most one stage out of {STAGES} besides key=value overrides, got {stages}")
+    stage = stages[0] if stages else "all"
+    cfg = load_recipe(args.recipe, overrides)
+
+    distributed = False
+    if args.shard is not None:
+        shard, num_shards = args.shard
+    else:
+        shard, num_shards = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if num_shards > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            distributed = True
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))
+    run = Run(cfg, shard, num_shards, distributed, progress=not args.no_progress)
+    run.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_stages(run, stage, args.inspect)
+    finally:
+        if distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def run_stages(run: Run, stage: str, inspect_n: int) -> None:
+    d = run.cfg.data
+    conv_path = run.data_dir / "conversations.jsonl"
+    if stage in ("all", "load"):
+        conversations = stage_load(run)
+        run.barrier()
+    elif stage in ("regenerate", "tokenize"):
+        if not conv_path.exists():
+            raise SystemExit(f"{conv_path} not found: run the load stage first")
+        conversations = read_jsonl(conv_path)
+
+    if stage == "regenerate" or (stage == "all" and d.regenerate):
+        stage_regenerate(run, conversations)
+        run.barrier()
+
+    if stage == "all" and d.regenerate and not run.distributed and run.num_shards > 1:
+        _, missing = regenerated_records(run, conversations)
+        if missing:
+            run.log(f"shard done; {len(missing)} conversations still pending in other shards. Once all shards finish, "
+                    "run the `tokenize` stage once, then `cache --shard i/n` per shard")
+            return
+
+    if stage in ("all", "tokenize"):
+        if run.is_main:
+            stage_tokenize(run, conversations)
+        run.barrier()
+
+    if inspect_n or stage == "inspect":
+        if run.is_main:
+            stage_inspect(run, inspect_n or 3)
+
+    if stage == "cache" or (stage == "all" and d.cache_features):
+        stage_cache(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Regenerate assistant turns with the target (on-policy data), turn by turn, resumable, sharded.
+
+Every user turn is answered by the target given the conversation so far, where the earlier
+assistant turns are the TARGET's own earlier answers. Conversations of one shard are sorted by
+prompt length and cut into fixed chunks of `batch_size`; a chunk is generated as one batch per turn
+and appended to the shard's part file when all its turns are done. A rerun skips finished ids, and
+because chunks are fixed (and sampling is seeded per chunk) it reproduces an uninterrupted run.
+
+Backends: `HFBackend` (transformers `generate`, batched, left padding) and `OpenAIBackend`
+(an OpenAI-compatible `/v1/chat/completions` server such as vLLM or SGLang).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@dataclass
+class TurnResult:
+    text: str
+    num_tokens: int  # generated tokens (server-reported for the openai backend)
+    hit_length_limit: bool  # generation stopped at max_new_tokens, not at a stop token
+
+
+class HFBackend:
+    """Batched transformers `generate` with left padding; stops at the template's end-of-turn ids."""
+
+    def __init__(self, model, tokenizer, settings: GenerationSettings, stop_ids: list[int], max_prompt_tokens: int):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.stop_ids = stop_ids
+        self.max_prompt_tokens = max_prompt_tokens
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+
+    def prompt_ids(self, history: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.inference_mode()
+    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | None]:
+        """One reply per history (which ends with a user turn); None = prompt longer than max_prompt_tokens."""
+        from transformers import GenerationConfig
+
+        prompts = [self.prompt_ids(h) for h in histories]
+        results: list[TurnResult | None] = [None] * len(histories)
+        todo = [i for i, p in enumerate(prompts) if len(p) < self.max_prompt_tokens]
+        if not todo:
+            return results
+        width = max(len(prompts[i]) for i in todo)
+        input_ids = torch.full((len(todo), width), self.pad_id, dtype=torch.long)  # [B, W] left padded
+        attention_mask = torch.zeros((len(todo), width), dtype=torch.long)
+        for row, i in enumerate(todo):
+            n = len(prompts[i])
+            input_ids[row, width - n:] = torch.tensor(prompts[i])
+            attention_mask[row, width - n:] = 1
+        s = self.settings
+        config = GenerationConfig(
+            max_new_tokens=s.max_new_tokens, do_sample=s.do_sample, temperature=s.temperature if s.do_sample else None,
+            top_p=s.top_p if s.do_sample else None, top_k=0 if s.do_sample else None,
+            eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+        )
+        device = self.model.device
+        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                  generation_config=config)
+        new = out[:, width:].cpu().tolist()  # [B, <= max_new_tokens]
+        stops = set(self.stop_ids)
+        for row, i in enumerate(todo):
+            toks = new[row]
+            end = next((k for k, t in enumerate(toks) if t in stops), None)
+            hit = end is None and len(toks) >= s.max_new_tokens
+            toks = toks if end is None else toks[:end]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True).strip()
+            results[i] = TurnResult(text, len(toks), hit)
+        return results
+
+
+class OpenAIBackend:
+    """Calls an OpenAI-compatible chat completions server; one thread per conversation of a chunk."""
+
+    def __init__(self, api_base: str, model: str, settings: GenerationSettings, api_key: str | None = None,
+                 timeout_s: float = 600.0, retries: int = 3, concurrency: int = 8):
+        self.url = api_base.rstrip("/") + "/chat/completions"
+        self.model, self.settings, self.api_key = model, settings, api_key
+        self.timeout_s, self.retries, self.concurrency = timeout_s, retries, max(1, concurrency)
+
+    def _request(self, history: list[dict]) -> TurnResult:
+        s = self.settings
+        body = {"model": self.model, "messages": history, "max_tokens": s.max_new_tokens,
+                "temperature": s.temperature if s.do_sample else 0.0, "top_p": s.top_p if s.do_sample else 1.0,
+                "seed": s.seed, "n": 1}
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        last_error = None
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    payload = json.loads(resp.read())
+                choice = payload["choices"][0]
+                text = choice["message"]["content"] or ""
+                usage = payload.get("usage") or {}
+                return TurnResult(text.strip(), int(usage.get("completion_tokens", 0)), choice.get("finish_reason") == "length")
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:300].decode(errors="replace")
+                if e.code < 500 and e.code != 429:  # a client error will not fix itself
+                    raise RuntimeError(f"{self.url} answered HTTP {e.code}: {detail}") from None
+                last_error = f"HTTP {e.code}: {detail}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                last_error = str(e)
+            except (KeyError, IndexError, json.JSONDecodeError) as e:
+                raise RuntimeError(f"{self.url} returned a malformed chat completion ({e!r})") from None
+            time.sleep(min(2.0**attempt, 30.0))
+        raise RuntimeError(f"{self.url} failed after {self.retries + 1} attempts: {last_error}")
+
+    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | None]:
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(self._request, histories))
+
+
+# --------------------------------------------------------------------------- resumable driver
+def part_path(out_dir: Path, shard: int, num_shards: int) -> Path:
+    return Path(out_dir) / f"part-{shard:05d}-of-{num_shards:05d}.jsonl"
+
+
+def read_parts(out_dir: Path, own: Path | None = None) -> dict[str, dict]:
+    """All finished records in `out_dir` (any shard layout). A partial last line (a crash mid-write) is
+    ignored, and cut off in `own`, the part file this process appends to."""
+    done: dict[str, dict] = {}
+    if not Path(out_dir).is_dir():
+        return done
+    for path in sorted(Path(out_dir).glob("part-*.jsonl")):
+        data = path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        if own is not None and path == own and len(complete) != len(data):
+            with open(path, "r+b") as f:
+                f.truncate(len(complete))
+        for line in complete.decode("utf-8").splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done.setdefault(rec["id"], rec)
+    return done
+
+
+def check_settings(out_dir: Path, settings: dict) -> None:
+    """Refuse to resume a regeneration made with other settings (it would mix two datasets)."""
+    path = Path(out_dir) / "settings.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != settings:
+            diff = {k: (old.get(k), settings.get(k)) for k in set(old) | set(settings) if old.get(k) != settings.get(k)}
+            raise ValueError(f"{out_dir} was regenerated with other settings {diff} (old, new); "
+                             "delete it or use another output_dir")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"settings.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(settings, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+
+def make_chunks(records: list[dict], batch_size: int) -> list[list[dict]]:
+    """Fixed chunks: records sorted (stably) by first-user-turn length, so a batch pads little."""
+    def first_user_len(rec):
+        return next((len(m["content"]) for m in rec["messages"] if m["role"] == "user"), 0)
+
+    ordered = sorted(records, key=first_user_len)
+    return [ordered[i: i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def regenerate_chunk(chunk: list[dict], backend) -> list[dict]:
+    """Answer every user turn of every conversation in `chunk`, turn by turn, in one batch per turn."""
+    states = []
+    for rec in chunk:
+        msgs = rec["messages"]
+        prefix = [m for m in msgs[:1] if m["role"] == "system"]
+        users = [m for m in msgs if m["role"] == "user"]
+        states.append({"id": rec["id"], "history": list(prefix), "users": users, "next": 0,
+                       "length_limited": False, "stopped_at_max_length": False, "generated_tokens": 0})
+    while True:
+        active = [s for s in states if s["next"] < len(s["users"]) and not s["stopped_at_max_length"]]
+        if not active:
+            break
+        histories = [s["history"] + [s["users"][s["next"]]] for s in active]
+        results = backend.generate_turn(histories)
+        for s, hist, res in zip(active, histories, results):
+            if res is None:  # prompt already at max length: later turns would be truncated away anyway
+                s["stopped_at_max_length"] = True
+                continue
+            s["history"] = hist + [{"role": "assistant", "content": res.text}]
+            s["next"] += 1
+            s["generated_tokens"] += res.num_tokens
+            s["length_limited"] |= res.hit_length_limit
+    out = []
+    for s in states:
+        out.append({"id": s["id"], "messages": s["history"], "length_limited": s["length_limited"],
+                    "stopped_at_max_length": s["stopped_at_max_length"], "generated_tokens": s["generated_tokens"]})
+    return out
+
+
+@dataclass
+class RegenerateStats:
+    records_total: int = 0
+    records_skipped_done: int = 0
+    records_generated: int = 0
+    generated_tokens: int = 0
+    length_limited: int = 0
+    stopped_at_max_length: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["records_per_s"] = self.records_generated / self.seconds if self.seconds else 0.0
+        d["tokens_per_s"] = self.generated_tokens / self.seconds if self.seconds else 0.0
+        return d
+
+
+def regenerate_shard(records: list[dict], backend, out_dir: Path, shard: int, num_shards: int, batch_size: int,
+                     seed: int, progress: bool = True) -> RegenerateStats:
+    """Regenerate this shard's records (index % num_shards == shard), appending to its part file."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    own = part_path(out_dir, shard, num_shards)
+    done = read_parts(out_dir, own=own)
+    mine = [r for i, r in enumerate(records) if i % num_shards == shard]
+    stats = RegenerateStats(records_total=len(mine))
+    stats.records_skipped_done = sum(r["id"] in done for r in mine)
+    start = time.perf_counter()
+    bar = tqdm(total=len(mine), initial=stats.records_skipped_done, desc=f"regenerate {shard}/{num_shards}",
+               disable=not progress, unit="conv")
+    with open(own, "a", encoding="utf-8") as f:
+        for k, chunk in enumerate(make_chunks(mine, batch_size)):
+            todo = [r for r in chunk if r["id"] not in done]
+            if not todo:
+                continue
+            torch.manual_seed(seed * 1_000_003 + shard * 10_007 + k)  # sampling reproducible per chunk
+            for rec in regenerate_chunk(todo, backend):
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                stats.records_generated += 1
+                stats.generated_tokens += rec["generated_tokens"]
+                stats.length_limited += rec["length_limited"]
+                stats.stopped_at_max_length += rec["stopped_at_max_length"]
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(todo))
+    bar.close()
+    stats.seconds = time.perf_counter() - start
+    return stats

@@ -1,0 +1,77 @@
+"""Load the recipe's target (tokenizer with a chat template, frozen model) for data preparation."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# config keys that do not change the features (versions, paths, compute dtype recorded separately)
+_HASH_IGNORED_KEYS = {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype", "use_cache",
+                      "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "output_hidden_states"}
+
+
+def resolve_target_path(target_cfg) -> str:
+    """`target.path`, or the embedded default target when it is ""."""
+    if target_cfg.path:
+        return str(target_cfg.path)
+    try:
+        from quickstart.default_target import ensure_default_target
+    except ImportError as e:
+        raise RuntimeError(
+            "target.path is empty, which means the embedded default target, but quickstart.default_target is not "
+            f"available ({e}); set target.path=<HF id or local folder>"
+        ) from None
+    return str(ensure_default_target())
+
+
+def target_config_hash(config) -> str:
+    """Stable hash of a target's architecture config (the feature cache records it; the trainer can compare)."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    d = {k: v for k, v in d.items() if k not in _HASH_IGNORED_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_target_tokenizer(target_cfg, path: str | None = None):
+    """Tokenizer of the target, with `target.chat_template` installed when set."""
+    from transformers import AutoTokenizer
+
+    from data_prep.chat_template import setup_chat_template
+
+    path = path or resolve_target_path(target_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=target_cfg.revision)
+    setup_chat_template(tokenizer, target_cfg.chat_template, where=f"tokenizer of {path}")
+    return tokenizer
+
+
+def pick_device(device: str) -> torch.device:
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def load_target_model(target_cfg, device: torch.device, path: str | None = None):
+    """The frozen causal LM in eval mode on `device`, in `target.dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    if target_cfg.dtype not in TORCH_DTYPES:
+        raise ValueError(f"target.dtype must be one of {sorted(TORCH_DTYPES)}, got {target_cfg.dtype!r}")
+    path = path or resolve_target_path(target_cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=TORCH_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation,
+        revision=target_cfg.revision,
+    )
+    model.requires_grad_(False)
+    return model.eval().to(device)
+
+
+def base_decoder(model):
+    """The decoder stack whose last_hidden_state feeds lm_head (LlamaForCausalLM.model, etc.)."""
+    base = getattr(model, model.base_model_prefix, None)
+    if base is None or base is model:
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder under {model.base_model_prefix!r}")
+    return base
