@@ -12,14 +12,13 @@ The keys override fields of the base DecodingConfig (the recipe's `decoding` sec
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle.decoding_config import DecodingConfig
+from eagle.ea_model import TREE_CONFIG_NAME, load_tree_config
 
 METHOD_MODES = {"vanilla": "vanilla", "chain": "chain", "eagle1": "static", "eagle2": "dynamic"}
-TREE_CONFIG_FILENAME = "tree_config.json"  # next to a head: DecodingConfig fields as JSON
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ def parse_method(spec: str, base: DecodingConfig, head_dir: Path | None = None) 
     name, _, args = spec.partition(":")
     name = name.strip()
     if name == "tuned":
-        decoding = load_tree_config(head_dir)
+        decoding = load_tuned(head_dir)
     elif name in METHOD_MODES:
         decoding = dataclasses.replace(base, mode=METHOD_MODES[name])
     else:
@@ -70,23 +69,9 @@ def parse_methods(specs: list[str], base: DecodingConfig, head_dir: Path | None 
     return vanilla[:1] + spec_methods
 
 
-def load_tree_config(head_dir: Path | None) -> DecodingConfig:
-    """The DecodingConfig saved next to a head by `autotune`."""
-    if head_dir is None:
-        raise ValueError("method 'tuned' needs a local head folder holding tree_config.json")
-    path = Path(head_dir) / TREE_CONFIG_FILENAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run `python evaluation/main.py autotune ...` first")
-    data = json.loads(path.read_text())
-    valid = {f.name for f in dataclasses.fields(DecodingConfig)}
-    unknown = set(data) - valid
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(valid)}")
-    return DecodingConfig(**data).validate()
-
-
-def save_tree_config(head_dir: Path, decoding: DecodingConfig) -> Path:
-    """Write `decoding` as tree_config.json next to the head (EaModel reads it when present)."""
-    path = Path(head_dir) / TREE_CONFIG_FILENAME
-    path.write_text(json.dumps(dataclasses.asdict(decoding), indent=2) + "\n")
-    return path
+def load_tuned(head_dir: Path | None) -> DecodingConfig:
+    """The DecodingConfig the `autotune` command saved next to a head (an error when there is none)."""
+    if head_dir is None or not (Path(head_dir) / TREE_CONFIG_NAME).exists():
+        raise FileNotFoundError(f"method 'tuned': no {TREE_CONFIG_NAME} in {head_dir}; run "
+                                f"`python evaluation/main.py autotune ...` first")
+    return load_tree_config(head_dir)

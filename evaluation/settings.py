@@ -17,7 +17,8 @@ class EvalSettings:
     # --- prompts ----------------------------------------------------------------------
     # questions: *.jsonl[.gz] in the MT-bench/Spec-Bench schema (question_id, category, turns),
     # *.txt with one prompt per line, "paragraphs:FILE" (opening sentences of blank-line separated
-    # paragraphs), or "hf:DATASET[:CONFIG]" (see hf_* keys).
+    # paragraphs), or "hf:DATASET[:CONFIG]" (see hf_* keys). "" = the embedded default target's
+    # questions_eval.jsonl when target.path is "" (an error otherwise).
     questions: str = ""
     num_questions: int = 0  # 0 = all (after the category filter)
     categories: list[str] = field(default_factory=list)  # [] = all categories
@@ -35,11 +36,14 @@ class EvalSettings:
     top_p: float = 0.0
     top_k: int = 0
     warmup: int = 1  # warm-up generations per method before anything is timed
+    eos_token_ids: list[int] = field(default_factory=list)  # [] = generation config + tokenizer + template stops
+    threads: int = 0  # torch intra-op threads; 0 = torch's default. 1 is far faster on a busy machine
     # --- statistics -------------------------------------------------------------------
     bootstrap_samples: int = 5000
     confidence_level: float = 0.95
     calibration_bins: int = 10
     save_outputs: bool = True  # answers.jsonl with every method's decoded text and token ids
+    fail_on_mismatch: bool = True  # exit code 1 when a T = 0 output differs from vanilla's
     # --- tree auto-tuning (`autotune` command) -----------------------------------------
     tune_total_tokens: list[int] = field(default_factory=lambda: [10, 20, 30, 45, 60, 80])
     tune_depths: list[int] = field(default_factory=lambda: [3, 4, 5, 6, 7, 8])
@@ -48,8 +52,7 @@ class EvalSettings:
     tune_max_new_tokens: int = 96
     tune_repeats: int = 1  # timed passes per setting (the median is used)
     tune_save: bool = True  # write tree_config.json next to the head (when it is a local folder)
-    # --- distribution test at T > 0 (`chi2` command) ------------------------------------
-    chi2_method: str = "eagle2"
+    # --- distribution test at T > 0 (`chi2` command; tests every speculative method) ------
     chi2_samples: int = 400  # samples per method
     chi2_positions: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # 0-based generated positions
     chi2_temperature: float = 1.0

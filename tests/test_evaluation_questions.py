@@ -10,7 +10,8 @@ from transformers import PreTrainedTokenizerFast
 
 from eagle.decoding_config import DecodingConfig
 from evaluation.chat_format import ChatFormat
-from evaluation.methods import load_tree_config, parse_method, parse_methods, save_tree_config
+from eagle.ea_model import save_tree_config
+from evaluation.methods import load_tuned, parse_method, parse_methods
 from evaluation.questions import QuestionError, load_questions
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
@@ -141,5 +142,5 @@ def test_method_specs(tmp_path):
     with pytest.raises(FileNotFoundError, match="autotune"):
         parse_method("tuned", base, tmp_path)
     save_tree_config(tmp_path, DecodingConfig(total_token=24, depth=4, top_k=6))
-    assert load_tree_config(tmp_path) == DecodingConfig(total_token=24, depth=4, top_k=6)
+    assert load_tuned(tmp_path) == DecodingConfig(total_token=24, depth=4, top_k=6)
     assert parse_method("tuned", base, tmp_path).decoding.total_token == 24

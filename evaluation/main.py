@@ -1,0 +1,288 @@
+"""Evaluate a draft head: how much faster, and is it still exactly the target?
+
+    python evaluation/main.py --recipe tiny [key=value ...]                  # bench (default command)
+    python evaluation/main.py --base TARGET --head HEAD [--questions SRC] [key=value ...]
+    python evaluation/main.py autotune --base TARGET --head HEAD [...]       # fastest EAGLE-2 tree -> tree_config.json
+    python evaluation/main.py chi2 --base TARGET --head HEAD eval.chi2_samples=2000   # losslessness at T > 0
+
+bench: every method of `eval.methods` (vanilla, chain, eagle1, eagle2, tuned; any override like
+"eagle2:total_token=30,depth=4,top_k=8") runs on every prompt, interleaved, after a warm-up; the
+report (report.json, report.md, PNGs, answers.jsonl) goes to eval.output_dir (default
+{output_dir}/eval). At T = 0 every output is compared with vanilla's token by token; the exit code
+is 1 on a mismatch (eval.fail_on_mismatch). Keys: `eval.*` (evaluation/settings.py), `decoding.*`
+(the base tree of every method), `target.*`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python evaluation/main.py`: import the evaluation package, not sibling files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch  # noqa: E402
+
+from eagle.decoding_config import DecodingConfig  # noqa: E402
+from evaluation.chat_format import ChatFormat  # noqa: E402
+from evaluation.methods import Method, parse_methods  # noqa: E402
+from evaluation.questions import load_questions  # noqa: E402
+from evaluation.runner import GenerationArgs  # noqa: E402
+
+COMMANDS = ("bench", "autotune", "chi2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("evaluation")
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a command needs, resolved from the recipe and the command line."""
+
+    cfg: object  # the recipe (DictConfig)
+    models: dict  # "A" (and "B" with a compare head) -> EaModel, sharing one target
+    fmt: ChatFormat
+    gen: GenerationArgs
+    base_decoding: DecodingConfig
+    target_path: str
+    head_path: str
+    out_dir: Path
+    argv: list[str] = dataclasses.field(default_factory=list)
+
+
+def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    argv = list(argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "bench"
+    p = argparse.ArgumentParser(prog=f"evaluation/main.py [{'|'.join(COMMANDS)}]", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default=None, help="recipe name (recipes/NAME.yaml) or path; default: schema defaults")
+    p.add_argument("--base", default=None, help="target model folder or hub id (overrides target.path)")
+    p.add_argument("--head", default=None, help="draft head folder or hub id (overrides eval.head_path)")
+    p.add_argument("--compare-head", default=None, help="a second head to compare (overrides eval.compare_head)")
+    p.add_argument("--questions", default=None, help="prompt source (overrides eval.questions)")
+    p.add_argument("--out", default=None, help="report folder (overrides eval.output_dir)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides key=value, e.g. eval.max_new_tokens=128")
+    return command, p.parse_intermixed_args(argv)  # overrides may come before or after the flags
+
+
+def load_config(args: argparse.Namespace):
+    from omegaconf.errors import ValidationError
+
+    from recipes import RecipeError, load_recipe
+
+    overrides = list(args.overrides)
+    for flag, key in (("base", "target.path"), ("head", "eval.head_path"), ("compare_head", "eval.compare_head"),
+                      ("questions", "eval.questions"), ("out", "eval.output_dir")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    try:
+        return load_recipe(args.recipe, overrides)
+    except ValidationError as e:  # a value of the wrong type: name the key
+        raise RecipeError(f"recipe {args.recipe}: {e.msg} (key {e.full_key})") from None
+
+
+def target_folder(cfg) -> str:
+    if cfg.target.path:
+        return str(cfg.target.path)
+    from quickstart.default_target import ensure_default_target
+
+    return str(ensure_default_target())
+
+
+def question_source(cfg) -> str:
+    if cfg.eval.questions:
+        return str(cfg.eval.questions)
+    if not cfg.target.path:
+        from quickstart.default_target import QUESTIONS_FILE, ensure_default_target
+
+        return str(ensure_default_target() / QUESTIONS_FILE)
+    raise ValueError("set eval.questions (or --questions): a .jsonl question file, a .txt prompt file, "
+                     "paragraphs:FILE or hf:DATASET")
+
+
+def build_setup(cfg) -> Setup:
+    """Load the target, head(s) and tokenizer once; every command shares them."""
+    from eagle.ea_model import EaModel
+    from eagle.head import EagleHead
+
+    if cfg.eval.threads > 0:
+        torch.set_num_threads(int(cfg.eval.threads))
+    target_path = target_folder(cfg)
+    head_path = str(cfg.eval.head_path or Path(cfg.output_dir) / "head")
+    if cfg.target.dtype not in DTYPES:
+        raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected one of {sorted(DTYPES)}")
+    model = EaModel.from_pretrained(base_model_path=target_path, ea_model_path=head_path,
+                                    torch_dtype=DTYPES[cfg.target.dtype],
+                                    attn_implementation=cfg.target.attn_implementation,
+                                    revision=cfg.target.revision)
+    base_decoding = DecodingConfig(**{f.name: cfg.decoding[f.name] for f in dataclasses.fields(DecodingConfig)})
+    models = {"A": model}
+    if cfg.eval.compare_head:
+        head_b = EagleHead.from_pretrained(str(cfg.eval.compare_head), dtype=model.base_model.dtype,
+                                           device=model.base_model.get_output_embeddings().weight.device)
+        models["B"] = EaModel(model.base_model, head_b, base_decoding)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{target_path} has no tokenizer: evaluation needs one to encode prompts")
+    template = None
+    if cfg.target.chat_template:
+        from data_prep.chat_template import read_template
+
+        template = read_template(str(cfg.target.chat_template))
+    fmt = ChatFormat(tokenizer, template, str(cfg.eval.turn_separator))
+    eos = list(cfg.eval.eos_token_ids)
+    if not eos:
+        from data_prep.chat_template import stop_token_ids
+
+        eos = stop_token_ids(tokenizer, model.base_model.generation_config, cfg.target.chat_template)
+    max_length = int(cfg.eval.max_length) or int(model.base_model.config.max_position_embeddings)
+    gen = GenerationArgs(max_new_tokens=int(cfg.eval.max_new_tokens), max_length=max_length,
+                         temperature=float(cfg.eval.temperature), top_p=float(cfg.eval.top_p),
+                         top_k=int(cfg.eval.top_k), eos_token_id=[int(e) for e in eos])
+    out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / "eval")
+    return Setup(cfg, models, fmt, gen, base_decoding, target_path, head_path, out_dir)
+
+
+def local_head_dir(head_path: str) -> Path | None:
+    p = Path(head_path)
+    return p if p.is_dir() else None
+
+
+def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
+    return {
+        "title": f"{Path(s.head_path).name} on {Path(s.target_path).name}",
+        "target": s.target_path, "head": s.head_path, "compare_head": str(s.cfg.eval.compare_head or ""),
+        "questions": question_source(s.cfg), "chat_format": s.fmt.name, "dtype": str(s.cfg.target.dtype),
+        "generation": dataclasses.asdict(s.gen),
+        "methods": {m.label: {**dataclasses.asdict(m.decoding), "head": m.head} for m in methods},
+        "hardware": {"machine": platform.machine(), "processor": platform.processor() or "?",
+                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "command": " ".join(["python evaluation/main.py", *s.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def bench(s: Setup) -> int:
+    from evaluation.calibration import calibrate
+    from evaluation.losslessness import check_greedy
+    from evaluation.metrics import compare_all_pairs, summarize
+    from evaluation.report import EvalReport, markdown, write_answers, write_report
+    from evaluation.runner import run_benchmark
+
+    ev = s.cfg.eval
+    methods = parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path), "B" in s.models)
+    questions = load_questions(question_source(s.cfg), num_questions=ev.num_questions, categories=list(ev.categories),
+                               paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
+                               hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)
+    log.info("%d questions (%d turns) x %d methods, chat format %s", len(questions),
+             sum(len(q.turns) for q in questions), len(methods), s.fmt.name)
+    run = run_benchmark(s.models, s.fmt, questions, methods, s.gen, warmup=ev.warmup, seed=s.cfg.seed)
+    if not run.results:
+        raise RuntimeError("every turn was skipped (prompts too long for max_length); see the warnings above")
+    stat_kw = dict(n_resamples=ev.bootstrap_samples, confidence_level=ev.confidence_level, seed=s.cfg.seed)
+    summaries = summarize(run.results, **stat_kw)
+    speculative = [m.label for m in methods if not m.is_vanilla]
+    report = EvalReport(
+        meta=run_meta(s, methods, "bench"), run=run, summaries=summaries,
+        comparisons=compare_all_pairs(run.results, speculative, **stat_kw),
+        greedy=check_greedy(run.results) if s.gen.temperature == 0 else None,
+        calibration={m: calibrate([rd for r in run.results if r.method == m for rd in r.stats.rounds],
+                                  ev.calibration_bins) for m in speculative})
+    paths = write_report(report, s.out_dir)
+    if ev.save_outputs:
+        write_answers(run, s.fmt.decode, s.out_dir / "answers.jsonl")
+    md = markdown(report, {})
+    overall = md[md.index("## Overall"):]
+    print(overall[: overall.find("\n## ", 3)])
+    print(f"report: {paths['markdown']}")
+    if report.greedy is not None and not report.greedy.lossless:
+        for m in report.greedy.mismatches[:10]:
+            print(f"MISMATCH {m.method} question {m.question_id} turn {m.turn}: first divergence at generated "
+                  f"position {m.position} (vanilla {m.expected}, got {m.got})", file=sys.stderr)
+        return 1 if ev.fail_on_mismatch else 0
+    return 0
+
+
+def autotune(s: Setup) -> int:
+    from eagle.ea_model import save_tree_config
+    from evaluation.autotune import autotune_tree, grid
+    from evaluation.report import write_autotune_report
+
+    ev = s.cfg.eval
+    questions = load_questions(question_source(s.cfg), num_questions=ev.tune_prompts, categories=list(ev.categories),
+                               paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
+                               hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)
+    gen = dataclasses.replace(s.gen, max_new_tokens=int(ev.tune_max_new_tokens))
+    prompts = [p for p in (s.fmt.first_prompt(q.turns[0]) for q in questions)
+               if len(p) + gen.max_new_tokens <= gen.max_length]
+    if not prompts:
+        raise ValueError(f"no tuning prompt fits max_length {gen.max_length} with {gen.max_new_tokens} new tokens")
+    configs, skipped = grid(list(ev.tune_total_tokens), list(ev.tune_depths), list(ev.tune_top_ks), s.base_decoding)
+    log.info("autotune: %d settings x %d prompts x %d repeats (%d grid points skipped)", len(configs), len(prompts),
+             ev.tune_repeats, len(skipped))
+    result = autotune_tree(s.models["A"], prompts, configs, gen, repeats=ev.tune_repeats, seed=s.cfg.seed)
+    result.skipped = skipped
+    meta = run_meta(s, [], "autotune")
+    meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "hardware", "command", "date")}
+    meta.update(prompts=len(prompts), max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+                repeats=ev.tune_repeats)
+    paths = write_autotune_report(result, meta, s.out_dir / "autotune")
+    b = result.best
+    best = max(result.points, key=lambda p: p.tokens_per_s)
+    print(f"fastest: total_token={b.total_token} depth={b.depth} top_k={b.top_k}: {best.tokens_per_s:.1f} tokens/s "
+          f"({best.speedup:.2f}x vanilla {result.vanilla_tokens_per_s:.1f}), tau {best.tau:.2f}")
+    head_dir = local_head_dir(s.head_path)
+    if ev.tune_save and head_dir is not None:
+        print(f"saved {save_tree_config(head_dir, b)} (EaModel.from_pretrained uses it when no tree is given)")
+    elif ev.tune_save:
+        print(f"the head {s.head_path} is not a local folder: tree_config.json not saved")
+    print(f"report: {paths['markdown']}")
+    return 0
+
+
+def chi2(s: Setup) -> int:
+    from evaluation.losslessness import distribution_test
+    from evaluation.report import write_chi2_report
+
+    ev = s.cfg.eval
+    methods = parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path), "B" in s.models)
+    question = load_questions(question_source(s.cfg), num_questions=1, categories=list(ev.categories),
+                              paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
+                              hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)[0]
+    prompt = s.fmt.first_prompt(question.turns[0])
+    vanilla = methods[0]
+    tests = []
+    for m in methods[1:]:
+        log.info("chi2: %s vs vanilla, %d samples each", m.label, ev.chi2_samples)
+        tests.append(distribution_test(s.models[m.head], vanilla, m, prompt, positions=list(ev.chi2_positions),
+                                       samples=int(ev.chi2_samples), temperature=float(ev.chi2_temperature),
+                                       max_length=s.gen.max_length, top_p=s.gen.top_p, top_k=s.gen.top_k,
+                                       eos_token_id=s.gen.eos_token_id, alpha=float(ev.chi2_alpha),
+                                       min_expected=float(ev.chi2_min_expected), seed=s.cfg.seed))
+    meta = run_meta(s, methods, "chi2")
+    meta = {k: meta[k] for k in ("target", "head", "chat_format", "dtype", "command", "date")}
+    meta.update(question_id=question.question_id, prompt_tokens=len(prompt))
+    paths = write_chi2_report(tests, meta, s.out_dir / "chi2")
+    for t in tests:
+        worst = min(t.positions, key=lambda p: p.p_value)
+        print(f"{t.method}: {'PASS' if t.passed else 'FAIL'} (smallest p {worst.p_value:.4g} at position {worst.position})")
+    print(f"report: {paths['markdown']}")
+    return 0 if all(t.passed for t in tests) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, args = parse_args(argv)
+    cfg = load_config(args)
+    setup = build_setup(cfg)
+    setup.argv = argv
+    return {"bench": bench, "autotune": autotune, "chi2": chi2}[command](setup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

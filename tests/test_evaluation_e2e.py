@@ -1,0 +1,262 @@
+"""evaluation/ end to end on a tiny random Llama + head: CLI reports, lossy-decoder detection (T = 0 and
+T > 0), auto-tuning, the live tau hook and multi-turn feeding."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from test_evaluation_questions import TEMPLATE, char_tokenizer
+from tiny_models import random_head, tiny_llama
+
+from eagle.decoding_config import DecodingConfig
+from eagle.ea_model import EaModel
+from evaluation.chat_format import ChatFormat
+from evaluation.live import measure_tau
+from evaluation.losslessness import check_greedy, distribution_test
+from evaluation.main import main
+from evaluation.methods import Method, parse_methods
+from evaluation.questions import Question
+from evaluation.runner import GenerationArgs, run_benchmark
+
+VOCAB = 258  # char_tokenizer: <s>, </s> + 256 byte symbols
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: tiny forwards are dominated by thread hand-off on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_llama(vocab_size=VOCAB, eos_token_id=1)
+    return target, random_head(target)
+
+
+@pytest.fixture(scope="module")
+def saved(tiny, tmp_path_factory):
+    """Target (with a chat-template-less tokenizer), head and a 2-turn question file on disk."""
+    root = tmp_path_factory.mktemp("e2e")
+    target, head = tiny
+    target.save_pretrained(root / "target")
+    char_tokenizer(with_template=False).save_pretrained(root / "target")
+    head.save_pretrained(root / "head")
+    rows = [{"question_id": 1, "category": "story", "turns": ["Once upon a time", "And then"]},
+            {"question_id": 2, "category": "story", "turns": ["The dog ran"]},
+            {"question_id": 3, "category": "code", "turns": ["def f(x):"]}]
+    (root / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def cli(saved, *extra):
+    return ["--base", str(saved / "target"), "--head", str(saved / "head"), "--questions", str(saved / "q.jsonl"),
+            "target.dtype=float32", "eval.max_new_tokens=12", "eval.bootstrap_samples=200", "eval.threads=1",
+            "decoding.total_token=12", "decoding.depth=3", "decoding.top_k=4", *extra]
+
+
+def test_cli_bench_writes_every_report(saved, tmp_path):
+    out = tmp_path / "eval"
+    rc = main(cli(saved, "--out", str(out), "eval.methods=[vanilla,chain,eagle1,eagle2,eagle2:top_k=2]"))
+    assert rc == 0
+    for name in ("report.json", "report.md", "answers.jsonl", "tau_by_category.png", "speedup_by_category.png",
+                 "depth_acceptance.png", "calibration_eagle2.png"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "report.json").read_text())
+    assert data["meta"]["chat_format"] == "raw_text"
+    assert data["losslessness"]["lossless"] and data["losslessness"]["compared"] == 4 * 4
+    overall = {s["method"]: s for s in data["summaries"] if s["category"] == "overall"}
+    assert list(overall) == ["vanilla", "chain", "eagle1", "eagle2", "eagle2:top_k=2"]
+    assert overall["vanilla"]["tau"]["value"] == pytest.approx(1.0)
+    assert all(s["tau"]["value"] >= 1.0 for s in overall.values())
+    assert data["meta"]["methods"]["eagle2:top_k=2"]["top_k"] == 2
+    cats = {s["category"] for s in data["summaries"]}
+    assert cats == {"story", "code", "overall"}
+    # every (question, turn) of every method is in answers.jsonl, tokens counted the same way
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 5 * 4
+    turns = {(t["question_id"], t["turn"], t["method"]): t["new_tokens"] for t in data["turns"]}
+    assert all(turns[(a["question_id"], a["turn"], a["method"])] == len(a["output_ids"]) for a in answers)
+    pairs = {(c["a"], c["b"]) for c in data["comparisons"]}
+    assert ("eagle2", "eagle2:top_k=2") in pairs and ("chain", "eagle1") in pairs
+
+
+def test_cli_compare_head_and_template(saved, tmp_path):
+    other = random_head(tiny_llama(vocab_size=VOCAB, eos_token_id=1), seed=3)
+    other.save_pretrained(tmp_path / "head_b")
+    rc = main(cli(saved, "--out", str(tmp_path / "eval"), "--compare-head", str(tmp_path / "head_b"),
+                  "eval.methods=[eagle2]", "eval.num_questions=2", f"target.chat_template={TEMPLATE_FILE(tmp_path)}"))
+    assert rc == 0
+    data = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert data["meta"]["chat_format"] == "chat_template"
+    assert [(c["a"], c["b"]) for c in data["comparisons"]] == [("eagle2", "eagle2[B]")]
+    c = data["comparisons"][0]["tau_difference"]
+    assert c["ci_low"] <= c["value"] <= c["ci_high"]
+
+
+def TEMPLATE_FILE(tmp_path):  # noqa: N802 - a .jinja path is a valid target.chat_template
+    p = tmp_path / "t.jinja"
+    p.write_text(TEMPLATE)
+    return p
+
+
+class LossyModel:
+    """Wraps an EaModel; its speculative output changes ONE token (position `at`), vanilla is untouched."""
+
+    def __init__(self, model: EaModel, at: int):
+        self.model, self.at, self.base_model = model, at, model.base_model
+
+    def naivegenerate(self, *a, **kw):
+        return self.model.naivegenerate(*a, **kw)
+
+    def eagenerate(self, input_ids, **kw):
+        out, stats = self.model.eagenerate(input_ids, **kw)
+        if kw["decoding"].mode == "dynamic" and out.shape[1] > input_ids.shape[1] + self.at:
+            out = out.clone()
+            out[0, input_ids.shape[1] + self.at] = (out[0, input_ids.shape[1] + self.at] + 1) % VOCAB
+        return out, stats
+
+
+class IdFormat:
+    """Prompts given as space-separated token ids (no tokenizer needed); raw-text multi-turn rules."""
+
+    name = "ids"
+
+    def first_prompt(self, turn):
+        return [int(x) for x in turn.split()]
+
+    def next_prompt(self, prev_prompt, prev_answer, history, turn):
+        return list(prev_prompt) + list(prev_answer) + self.first_prompt(turn) if history else self.first_prompt(turn)
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+QUESTIONS = [Question("a", "x", ["5 9 14 3", "7 7"]), Question("b", "y", ["100 2 30"])]
+
+
+def test_mismatch_detection_fires_on_a_lossy_decoder(tiny):
+    target, head = tiny
+    model = EaModel(target, head, DecodingConfig(total_token=12, depth=3, top_k=4))
+    methods = parse_methods(["chain", "eagle2"], model.decoding)
+    gen = GenerationArgs(max_new_tokens=10, max_length=512, eos_token_id=[])
+    clean = run_benchmark({"A": model}, IdFormat(), QUESTIONS, methods, gen, warmup=0, progress=False)
+    assert check_greedy(clean.results).lossless
+    lossy = run_benchmark({"A": LossyModel(model, at=4)}, IdFormat(), QUESTIONS, methods, gen, warmup=0,
+                          progress=False)
+    check = check_greedy(lossy.results)
+    # eagle2 diverges at generated position 4 on the first turn of both questions; turn 2 of "a"
+    # is built on the diverged answer, so it is not reported again; chain stays lossless
+    assert [(m.question_id, m.turn, m.method, m.position) for m in check.mismatches] == [
+        ("a", 0, "eagle2", 4), ("b", 0, "eagle2", 4)]
+    m = check.mismatches[0]
+    assert m.got == (m.expected + 1) % VOCAB
+
+
+def test_multi_turn_feeds_each_methods_own_answer(tiny):
+    target, head = tiny
+    model = EaModel(target, head, DecodingConfig(total_token=12, depth=3, top_k=4))
+    methods = parse_methods(["eagle2"], model.decoding)
+    run = run_benchmark({"A": model}, IdFormat(), QUESTIONS[:1], methods,
+                        GenerationArgs(max_new_tokens=6, max_length=512, eos_token_id=[]), warmup=0, progress=False)
+    by = {(r.method, r.turn): r for r in run.results}
+    for m in ("vanilla", "eagle2"):
+        first, second = by[(m, 0)], by[(m, 1)]
+        assert second.prompt_ids == first.prompt_ids + first.output_ids + [7, 7]
+        assert len(first.output_ids) == 6
+
+
+def test_real_chat_template_history(tiny):
+    """Template mode re-renders the conversation with the decoded answer of the previous turn."""
+    tok = char_tokenizer(with_template=True)
+    target, head = tiny
+    model = EaModel(target, head, DecodingConfig(total_token=12, depth=3, top_k=4))
+    fmt = ChatFormat(tok)
+    run = run_benchmark({"A": model}, fmt, [Question("q", "c", ["Hi", "More"])], parse_methods([], model.decoding),
+                        GenerationArgs(max_new_tokens=5, max_length=512, eos_token_id=[]), warmup=0, progress=False)
+    first, second = run.results
+    answer = tok.decode(first.output_ids, skip_special_tokens=True)
+    assert tok.decode(second.prompt_ids) == f"<user>Hi</s><assistant>{answer}</s><user>More</s><assistant>"
+
+
+def test_chi2_passes_for_eagle2_and_fails_for_a_biased_sampler():
+    # a 16-token vocabulary and moderate logits: the next-token distributions are far from one-hot
+    target = tiny_llama(vocab_size=16, init_std=0.2, seed=1)
+    model = EaModel(target, random_head(target), DecodingConfig(total_token=8, depth=2, top_k=3))
+    vanilla, eagle2 = parse_methods(["eagle2"], model.decoding)
+    kw = dict(positions=[1, 2], samples=150, temperature=1.0, max_length=64, eos_token_id=[], alpha=0.01)
+    ok = distribution_test(model, vanilla, eagle2, [5, 9, 14], **kw)
+    assert ok.passed, ok.to_dict()
+
+    class Biased:  # samples the speculative side at a lower temperature: a subtly wrong distribution
+        base_model = model.base_model
+        naivegenerate = model.naivegenerate
+
+        def eagenerate(self, ids, **k):
+            return model.eagenerate(ids, **{**k, "temperature": k["temperature"] * 0.5})
+
+    bad = distribution_test(Biased(), vanilla, eagle2, [5, 9, 14], **kw)
+    assert not bad.passed and min(p.p_value for p in bad.positions) < 1e-4
+
+
+def test_cli_autotune_saves_tree_config(saved, tmp_path):
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    for f in (saved / "head").iterdir():
+        (head_dir / f.name).write_bytes(f.read_bytes())
+    args = cli(saved, "--out", str(tmp_path / "eval"), "eval.tune_total_tokens=[6,12]", "eval.tune_depths=[2]",
+               "eval.tune_top_ks=[2,4]", "eval.tune_prompts=2", "eval.tune_max_new_tokens=8")
+    args[args.index("--head") + 1] = str(head_dir)
+    assert main(["autotune", *args]) == 0
+    saved_cfg = json.loads((head_dir / "tree_config.json").read_text())
+    assert set(saved_cfg) == {f.name for f in dataclasses.fields(DecodingConfig)}
+    report = json.loads((tmp_path / "eval" / "autotune" / "autotune.json").read_text())
+    # 6/2/2 needs no more than 1 + 2 + 2*4 = 11 nodes, 12/2/2 does: skipped
+    assert {(p["total_token"], p["top_k"]) for p in report["points"]} == {(6, 2), (6, 4), (12, 4)}
+    assert [(s["total_token"], s["top_k"]) for s in report["skipped"]] == [(12, 2)]
+    best = max(report["points"], key=lambda p: p["tokens_per_s"])
+    assert (saved_cfg["total_token"], saved_cfg["depth"], saved_cfg["top_k"]) == (best["total_token"], 2, best["top_k"])
+    assert (tmp_path / "eval" / "autotune" / "autotune_surface.png").stat().st_size > 0
+    # EaModel picks the saved tree up, and the "tuned" method reads it
+    assert EaModel.from_pretrained(str(saved / "target"), str(head_dir)).decoding.total_token == best["total_token"]
+    assert main([*args, "--out", str(tmp_path / "eval2"), "eval.methods=[tuned]", "eval.num_questions=1"]) == 0
+
+
+def test_live_measure_tau_restores_the_head(tiny):
+    target, _ = tiny
+    head = random_head(target).train()
+    flags = [p.requires_grad for p in head.parameters()]
+    res = measure_tau(target, head, [[5, 9, 14], [100, 2]], decoding=DecodingConfig(total_token=12, depth=3, top_k=4),
+                      max_new_tokens=8, eos_token_id=[])
+    assert head.training and [p.requires_grad for p in head.parameters()] == flags
+    assert res.prompts == 2 and res.new_tokens == 16 and res.rounds >= 1
+    assert res.tau == pytest.approx((res.new_tokens - 2) / res.rounds)  # the prefill token of each prompt is not counted
+    assert "eval/alpha_1" in res.to_dict("eval/")
+    tok = char_tokenizer(with_template=False)
+    assert measure_tau(target, head, ["Once"], tokenizer=tok, max_new_tokens=4, eos_token_id=[]).prompts == 1
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        measure_tau(target, head, ["Once"])
+
+
+def test_cli_exit_code_and_report_on_a_lossy_eagenerate(saved, tmp_path, monkeypatch):
+    real = EaModel.eagenerate
+
+    def lossy(self, input_ids, **kw):  # changes the 3rd generated token of every speculative output
+        out, stats = real(self, input_ids, **kw)
+        out = out.clone()
+        out[0, input_ids.shape[1] + 2] = (out[0, input_ids.shape[1] + 2] + 1) % VOCAB
+        return out, stats
+
+    monkeypatch.setattr(EaModel, "eagenerate", lossy)
+    out = tmp_path / "eval"
+    rc = main(cli(saved, "--out", str(out), "eval.methods=[eagle2]", "eval.num_questions=2", "eval.warmup=0"))
+    assert rc == 1
+    data = json.loads((out / "report.json").read_text())
+    assert not data["losslessness"]["lossless"]
+    assert {(m["question_id"], m["turn"], m["position"]) for m in data["losslessness"]["mismatches"]} == {("1", 0, 2),
+                                                                                                          ("2", 0, 2)}
+    assert "NOT LOSSLESS" in (out / "report.md").read_text()
