@@ -1,0 +1,98 @@
+"""Training checkpoints: DeepSpeed engine state (weights, optimizer, LR scheduler) + the trainer's own state
+(step, data position, counters) + every rank's RNG state, under {output_dir}/train/checkpoints/step-NNNNNNNN.
+Resuming from one replays the run exactly: same weights as a run that was never interrupted."""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.distributed import barrier
+
+TAG_PREFIX = "step-"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "train" / "checkpoints"
+
+
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:08d}"
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def latest_tag(root: Path) -> str | None:
+    """Tag of the newest complete checkpoint (DeepSpeed's `latest` file), or None."""
+    latest = root / "latest"
+    if not latest.exists():
+        return None
+    tag = latest.read_text().strip()
+    if not (root / tag).is_dir():
+        raise FileNotFoundError(f"{latest} names checkpoint {tag!r}, but {root / tag} does not exist")
+    return tag
+
+
+def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_last: int, rank: int) -> str:
+    """Save everything needed to resume at `step`; keep the newest `keep_last` checkpoints. Collective."""
+    tag = tag_for(step)
+    (root / tag).mkdir(parents=True, exist_ok=True)
+    # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
+    torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
+    barrier()
+    engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state})
+    barrier()
+    if rank == 0:
+        prune_checkpoints(root, keep_last)
+    barrier()
+    return tag
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` step-* folders (never the one `latest` names)."""
+    tags = sorted(p for p in root.glob(f"{TAG_PREFIX}*") if p.is_dir())
+    current = latest_tag(root)
+    removed = []
+    for p in tags[:-keep_last] if keep_last > 0 else []:
+        if p.name != current:
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed
+
+
+def load_checkpoint(engine, root: Path, tag: str, rank: int) -> dict:
+    """Restore engine + RNG from `tag`; returns the trainer state saved with it."""
+    rng_file = root / tag / f"rng_rank{rank:05d}.pt"
+    if not rng_file.exists():
+        raise FileNotFoundError(
+            f"checkpoint {root / tag} has no {rng_file.name}: it was written by a run with fewer ranks; "
+            "resume with the same number of processes"
+        )
+    path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None or "trainer_state" not in (client or {}):
+        raise RuntimeError(f"could not load checkpoint {root / tag} (DeepSpeed returned {path!r})")
+    set_rng_state(torch.load(rng_file, weights_only=True))
+    return client["trainer_state"]

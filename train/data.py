@@ -1,0 +1,125 @@
+"""Training records (offline feature cache or online tokenised conversations), the train/eval split, and
+collation into right-padded micro-batches.
+
+A record is {"id", "input_ids" LongTensor[T], "loss_mask" LongTensor[T]} plus, offline,
+"hidden_states" FloatTensor[T, H] (the target's last hidden state after the final norm).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FEATURES_SUBDIR = "data/features"  # where data_prep writes the cache under output_dir
+TOKENIZED_SUBDIR = "data/tokenized.jsonl"  # where data_prep writes tokenised conversations under output_dir
+
+
+def cache_dir(cfg) -> Path:
+    """train.cache_dir, or the data_prep output {output_dir}/data/features."""
+    return Path(cfg.train.cache_dir or Path(cfg.output_dir) / FEATURES_SUBDIR)
+
+
+def tokenized_file(cfg) -> Path:
+    """train.tokenized, or the data_prep output {output_dir}/data/tokenized.jsonl."""
+    return Path(cfg.train.tokenized or Path(cfg.output_dir) / TOKENIZED_SUBDIR)
+
+
+class TokenizedRecords:
+    """Online-mode records: tokenised conversations held in memory (features are computed in the loop)."""
+
+    def __init__(self, path: str | Path, max_length: int):
+        from data_prep.tokenized import load_tokenized
+
+        self.path = Path(path)
+        self._records = []
+        for rec in load_tokenized(path):
+            ids, mask = rec["input_ids"][:max_length], rec["loss_mask"][:max_length]
+            if len(ids) >= 2:  # one token gives no (feature, next token) pair
+                self._records.append((rec["id"], ids, mask))
+        if not self._records:
+            raise ValueError(f"tokenized data {path} holds no record with at least 2 tokens")
+        self.ids = [r[0] for r in self._records]
+        self.lengths = [len(r[1]) for r in self._records]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, i: int) -> dict:
+        rid, ids, mask = self._records[i]
+        return {"id": rid, "input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
+
+
+class Subset:
+    """A view on some records of a source (FeatureCacheReader or TokenizedRecords), keeping `lengths`."""
+
+    def __init__(self, source, indices: list[int], max_length: int | None = None):
+        self.source, self.indices = source, list(indices)
+        self.max_length = max_length
+        lengths = [source.lengths[i] for i in self.indices]
+        self.lengths = [min(n, max_length) for n in lengths] if max_length else lengths
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        rec = self.source[self.indices[i]]
+        if self.max_length and rec["input_ids"].shape[0] > self.max_length:
+            rec = {k: (v[: self.max_length] if torch.is_tensor(v) else v) for k, v in rec.items()}
+        return rec
+
+
+def split_train_eval(ids: list[str], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of (train, eval) records. Membership depends only on (seed, record id): adding records to
+    the data never moves an existing record to the other side. At least one eval record when fraction > 0."""
+    if eval_fraction <= 0 or len(ids) < 2:
+        return list(range(len(ids))), []
+    keys = [zlib.crc32(f"{seed}:{rid}".encode()) / 2**32 for rid in ids]  # uniform in [0, 1)
+    eval_idx = [i for i, k in enumerate(keys) if k < eval_fraction]
+    if not eval_idx:
+        eval_idx = [min(range(len(ids)), key=keys.__getitem__)]
+    chosen = set(eval_idx)
+    return [i for i in range(len(ids)) if i not in chosen], eval_idx
+
+
+@dataclass
+class Batch:
+    """Right-padded micro-batch."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 = real token
+    loss_mask: torch.Tensor  # [B, T] long, 1 = train on the token (0 on padding)
+    hidden: torch.Tensor | None  # [B, T, H] float32 (offline) or None (online: computed by the target)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return int(self.attention_mask.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask), move(self.hidden))
+
+
+def collate(records: list[dict]) -> Batch:
+    """Right-pad records to the longest one. Padding positions have attention_mask = loss_mask = 0."""
+    B, T = len(records), max(r["input_ids"].shape[0] for r in records)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    loss = torch.zeros(B, T, dtype=torch.long)
+    hidden = None
+    if "hidden_states" in records[0]:
+        hidden = torch.zeros(B, T, records[0]["hidden_states"].shape[-1], dtype=torch.float32)
+    for b, r in enumerate(records):
+        n = r["input_ids"].shape[0]
+        ids[b, :n] = r["input_ids"]
+        attn[b, :n] = 1
+        loss[b, :n] = r["loss_mask"]
+        if hidden is not None:
+            hidden[b, :n] = r["hidden_states"]
+    return Batch(ids, attn, loss, hidden)

@@ -1,0 +1,86 @@
+"""Process-group setup for every launcher: plain `python` (one rank), `torchrun`, `deepspeed` (incl.
+`--hostfile` multi-node). CPU ranks use gloo, GPU ranks nccl."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto") -> DistContext:
+    """Join (or create) the process group; idempotent, so several runs can share one process (tests)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # plain `python train/main.py`: a world of one on a free local port
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ["RANK"] = "0"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = pick_device(device, local_rank)
+    if dev.type == "cpu":
+        # the shared-memory comm op is a ~50 s JIT compile; gloo is enough for a CPU run
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    elif dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl")
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+def shutdown_distributed() -> None:
+    """Barrier then destroy the process group (exiting without it aborts some gloo ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum floats over ranks (identity for one rank)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.cpu().tolist()

@@ -1,0 +1,62 @@
+"""Export the trained head in the official EAGLE format: config.json + model.safetensors (+ pytorch_model.bin),
+loadable by `EagleHead.from_pretrained`, `EaModel.from_pretrained(ea_model_path=...)` and the reference code.
+The folder also carries `recipe.yaml` and `train_summary.json` (read by the model card)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from eagle.head import EagleHead
+
+EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+RECIPE_FILE = "recipe.yaml"
+SUMMARY_FILE = "train_summary.json"
+
+
+def export_dir(cfg) -> Path:
+    """export.dir, or {output_dir}/head."""
+    return Path(cfg.export.dir or Path(cfg.output_dir) / "head")
+
+
+def full_state_dict(module, zero_stage: int) -> dict[str, torch.Tensor]:
+    """CPU float32 copy of the module's weights; under ZeRO-3 the partitions are gathered (collective)."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def standalone_head(module, zero_stage: int, device, dtype) -> EagleHead:
+    """A plain EagleHead with the engine's current weights (no ZeRO hooks): for evaluation and export."""
+    if zero_stage < 3:
+        return module  # full parameters live on every rank already
+    head = EagleHead(module.config)
+    head.load_state_dict(full_state_dict(module, zero_stage), strict=True)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtype: str, legacy_bin: bool,
+                recipe=None, summary: dict | None = None) -> Path:
+    """Write the head folder atomically (a temporary sibling renamed into place)."""
+    head = EagleHead(config)
+    head.load_state_dict(state_dict, strict=True)
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    head.save_pretrained(tmp, legacy_bin=legacy_bin, dtype=EXPORT_DTYPES[dtype])
+    if recipe is not None:
+        (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
+    if summary is not None:
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir

@@ -1,0 +1,318 @@
+"""Train an EAGLE-2 draft head on a frozen target with DeepSpeed. One explicit script: setup -> loop -> save -> cleanup.
+
+    python train/main.py --recipe tiny [key=value ...]                    # one CPU process
+    torchrun --nproc_per_node 2 train/main.py --recipe tiny               # several processes (gloo on CPU)
+    deepspeed --num_gpus 8 train/main.py --recipe llama3-8b               # GPUs (add --hostfile for multi-node)
+
+Outputs under {output_dir}/train/: checkpoints/ (resumable), metrics.jsonl, tensorboard/, summary.json,
+deepspeed_config.json (generated from the recipe, for reference only); the head goes to {output_dir}/head/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python train/main.py`: import the train package, not sibling files as top-level modules
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from train.settings import describe_recipe_keys, validate_train_sections  # noqa: E402
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite losses in a row: the run diverged or the data holds NaN/inf features."""
+
+
+def load_config(recipe: str, overrides: list[str]):
+    """The recipe with overrides applied and the train-owned sections validated (RecipeError on bad input)."""
+    from omegaconf.errors import ValidationError
+
+    from recipes import RecipeError, load_recipe
+
+    try:
+        cfg = load_recipe(recipe, overrides)
+    except ValidationError as e:  # a value of the wrong type: name the key
+        raise RecipeError(f"recipe {recipe}: {e.msg} (key {e.full_key})") from None
+    validate_train_sections(cfg)
+    return cfg
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_ranks_finite(loss: torch.Tensor, world_size: int) -> bool:
+    """True when the loss is finite on every rank (ranks must skip a micro-batch together)."""
+    from train.distributed import all_reduce_sum
+
+    bad = 0.0 if bool(torch.isfinite(loss.detach())) else 1.0
+    return all_reduce_sum([bad])[0] == 0 if world_size > 1 else bad == 0
+
+
+def train(cfg, ctx=None) -> dict:
+    """Train a head from a loaded recipe. Returns the run summary (also {output_dir}/train/summary.json)."""
+    import deepspeed
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig
+
+    from data_prep.target import resolve_target_path
+    from eagle.head import EagleHead, head_config_from_target
+    from train.batching import MicroBatchPlan
+    from train.checkpoint import checkpoint_root, latest_tag, load_checkpoint, save_checkpoint
+    from train.data import Subset, TokenizedRecords, cache_dir, collate, split_train_eval, tokenized_file
+    from train.distributed import all_reduce_sum, init_distributed
+    from train.ds_config import deepspeed_config
+    from train.export import export_dir, export_head, full_state_dict, standalone_head
+    from train.frozen_target import check_cache_matches_target, load_frozen_target
+    from train.loss import add_input_noise, eagle_loss, shift_for_head
+    from train.metrics import evaluate
+    from train.tracking import Tracker
+
+    # ================================================================== setup
+    validate_train_sections(cfg)
+    t = cfg.train
+    ctx = ctx or init_distributed(t.device)
+    say = (lambda msg: print(f"[train] {msg}", flush=True)) if ctx.is_main else (lambda msg: None)
+    dtype = COMPUTE_DTYPES[t.precision]
+    out_dir = Path(cfg.output_dir)
+    train_dir = out_dir / "train"
+    train_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.seed)
+
+    # -- target and data (mismatches fail here, before anything is trained)
+    target_path = resolve_target_path(cfg.target)
+    target_config = AutoConfig.from_pretrained(target_path, revision=cfg.target.revision)
+    if t.mode == "offline":
+        from data_prep.feature_cache import FeatureCacheReader
+
+        cdir = cache_dir(cfg)
+        source = FeatureCacheReader(cdir, verify=t.verify_cache)
+        check_cache_matches_target(source.manifest, cdir, target_path, target_config)
+    else:
+        source = TokenizedRecords(tokenized_file(cfg), cfg.data.max_length)
+    train_idx, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
+    train_set = Subset(source, train_idx, cfg.data.max_length)
+    eval_set = Subset(source, eval_idx, cfg.data.max_length)
+    plan = MicroBatchPlan(train_set.lengths, t.micro_batch_size, cfg.seed, t.batching, t.group_size,
+                          ctx.world_size, ctx.rank)
+    total_steps = t.max_steps or max(1, int(t.epochs * plan.per_epoch) // t.grad_accum)
+    say(f"target {target_path} ({t.mode}); {len(train_set)} train / {len(eval_set)} eval records; "
+        f"{plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; {total_steps} optimizer steps; "
+        f"batching={t.batching} (padding {plan.padding_fraction():.1%})")
+
+    # -- model: a fresh (or given) head + the target's frozen embedding and lm_head
+    frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype)
+    if cfg.head.init_from:
+        head = EagleHead.from_pretrained(cfg.head.init_from)
+        expect = head_config_from_target(target_config, bias=cfg.head.bias)
+        if (head.config.hidden_size, head.config.vocab_size) != (expect.hidden_size, expect.vocab_size):
+            raise ValueError(f"head.init_from={cfg.head.init_from}: hidden/vocab {head.config.hidden_size}/"
+                             f"{head.config.vocab_size} do not match the target's {expect.hidden_size}/{expect.vocab_size}")
+    else:
+        head = EagleHead(head_config_from_target(target_config, bias=cfg.head.bias))
+    if tuple(embedding.shape) != tuple(head.embed_tokens.weight.shape):
+        raise ValueError(f"target embedding {tuple(embedding.shape)} does not fit the head's {tuple(head.embed_tokens.weight.shape)}")
+    head.embed_tokens.weight.data.copy_(embedding)
+    head.embed_tokens.weight.requires_grad_(False)  # frozen: the target's embedding
+    ds_config = deepspeed_config(t, total_steps, ctx.world_size, on_cpu=ctx.device.type == "cpu")
+    if ctx.is_main:
+        (train_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+    engine, _, _, _ = deepspeed.initialize(
+        model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=ds_config)
+    seed_everything(cfg.seed * 1000 + 1 + ctx.rank)  # noise stream: differs per rank, restored on resume
+
+    # -- resume: weights, optimizer, scheduler, data position and RNG
+    fingerprint = {"world_size": ctx.world_size, "train_records": len(train_set), "per_epoch": plan.per_epoch,
+                   "batching": t.batching, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum}
+    state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "bad_in_row": 0, "skipped": 0,
+             "evaluated_epochs": 0, "data": fingerprint}
+    ckpt_root = checkpoint_root(out_dir)
+    tag = latest_tag(ckpt_root) if t.resume else None
+    if tag is not None:
+        state = load_checkpoint(engine, ckpt_root, tag, ctx.rank)
+        if state["data"] != fingerprint:
+            raise RuntimeError(f"checkpoint {ckpt_root / tag} was made with data/batching {state['data']}, "
+                               f"this run has {fingerprint}; exact resume needs the same ones (or train.resume=false)")
+        say(f"resumed from {ckpt_root / tag} at step {state['step']}")
+    tracker = Tracker(cfg, train_dir, enabled=ctx.is_main, resumed_step=state["step"])
+
+    # ================================================================== loop
+    step, micro = state["step"], state["micro_step"]
+    window = {"loss": 0.0, "feature": 0.0, "token": 0.0, "positions": 0, "top1": 0, "top2": 0, "top3": 0,
+              "tokens": 0, "time": 0.0}
+    eval_metrics: dict = {}
+    bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True,
+               disable=not (ctx.is_main and cfg.logging.progress))
+    epoch_cache: tuple[int, list] = (-1, [])
+    last_eval_step = -1
+    stopped_early = False
+    engine.train()
+    while step < total_steps:
+        epoch, index = plan.position(micro)
+        if epoch_cache[0] != epoch:
+            epoch_cache = (epoch, plan.epoch(epoch))
+        tic = time.perf_counter()
+        batch = collate([train_set[i] for i in epoch_cache[1][index]]).to(ctx.device)
+        hidden = frozen.features(batch).to(dtype)  # [B, T, H]
+        feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
+        pred = engine(add_input_noise(feats, t.noise, t.noise_std), next_ids, attn)  # [B, T-1, H]
+        out = eagle_loss(pred, targets, weights, frozen.lm_head, t.feature_weight, t.token_weight)
+        micro += 1
+        if not all_ranks_finite(out.loss, ctx.world_size):
+            state["bad_in_row"] += 1
+            state["skipped"] += 1
+            warnings.warn(f"non-finite loss at step {step}, micro-batch {micro - 1} (epoch {epoch}, records "
+                          f"{[train_set.source.ids[train_set.indices[i]] for i in epoch_cache[1][index]]}); skipped "
+                          f"({state['bad_in_row']} in a row)", RuntimeWarning, stacklevel=1)
+            if state["bad_in_row"] >= t.max_bad_steps:
+                raise NonFiniteLossError(
+                    f"{state['bad_in_row']} non-finite losses in a row (train.max_bad_steps={t.max_bad_steps}) at step "
+                    f"{step}: lower train.lr, use train.precision=bf16/fp32, or check the feature cache for NaN/inf")
+            continue
+        state["bad_in_row"] = 0
+        engine.backward(out.loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        elapsed = time.perf_counter() - tic
+        state["tokens"] += batch.num_tokens
+        state["train_time"] += elapsed
+        n = out.positions
+        window["loss"] += float(out.loss.detach()) * n
+        window["feature"] += float(out.feature) * n
+        window["token"] += float(out.token) * n
+        window["positions"] += n
+        for k, c in zip(("top1", "top2", "top3"), out.topk_correct):
+            window[k] += c
+        window["tokens"] += batch.num_tokens
+        window["time"] += elapsed
+        if not boundary:
+            continue
+        step += 1
+        bar.update(1)
+
+        if step % cfg.logging.log_every == 0 or step == total_steps:
+            w = dict(zip(window, all_reduce_sum(list(window.values()))))
+            pos = max(w["positions"], 1)
+            logs = {"train/loss": w["loss"] / pos, "train/feature_loss": w["feature"] / pos,
+                    "train/token_loss": w["token"] / pos, "train/top1": w["top1"] / pos, "train/top2": w["top2"] / pos,
+                    "train/top3": w["top3"] / pos, "train/lr": engine.get_lr()[0],
+                    "train/tokens_per_s": w["tokens"] / max(w["time"] / ctx.world_size, 1e-9),
+                    "train/epoch": micro / plan.per_epoch}
+            tracker.log(logs, step)
+            bar.set_postfix(loss=f"{logs['train/loss']:.3f}", top1=f"{logs['train/top1']:.3f}",
+                            tok_s=f"{logs['train/tokens_per_s']:.0f}")
+            window = dict.fromkeys(window, 0)
+
+        epochs_done = micro // plan.per_epoch
+        if len(eval_set) and ((t.eval_every and step % t.eval_every == 0)
+                              or (not t.eval_every and epochs_done > state["evaluated_epochs"])):
+            state["evaluated_epochs"] = epochs_done
+            eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
+            eval_metrics = evaluate(eval_head, eval_set, frozen, t, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
+            tracker.log(eval_metrics, step)
+            last_eval_step = step
+            say(f"step {step}: eval top1 {eval_metrics['eval/top1']:.3f}, steps 1-{t.rollout_steps} "
+                + "/".join(f"{eval_metrics[f'eval/step{j + 1}_acc']:.2f}" for j in range(t.rollout_steps))
+                + f", sim. acceptance length {eval_metrics['eval/sim_accept_len']:.2f}")
+
+        state.update(step=step, micro_step=micro)
+        if step % t.checkpoint_every == 0 or step == total_steps or (t.stop_after and step >= t.stop_after):
+            save_checkpoint(engine, ckpt_root, step, state, t.keep_last, ctx.rank)
+        if t.stop_after and step >= t.stop_after and step < total_steps:
+            stopped_early = True
+            break
+    bar.close()
+
+    # ================================================================== save
+    totals = all_reduce_sum([state["tokens"], state["train_time"]])
+    summary = {
+        "recipe": cfg.name, "target": target_path, "mode": t.mode, "steps": step, "total_steps": total_steps,
+        "epochs": micro / plan.per_epoch, "world_size": ctx.world_size, "precision": t.precision,
+        "zero_stage": t.zero_stage, "batching": t.batching, "padding_fraction": plan.padding_fraction(),
+        "train_records": len(train_set), "eval_records": len(eval_set), "skipped_micro_batches": state["skipped"],
+        "train_tokens": int(totals[0]), "train_time_s": totals[1] / ctx.world_size,
+        "train_tokens_per_s": totals[0] / max(totals[1] / ctx.world_size, 1e-9),
+        "stopped_early": stopped_early,
+    }
+    if stopped_early:
+        say(f"stopped after step {step} (train.stop_after={t.stop_after}); rerun the same command to resume")
+    else:
+        if len(eval_set) and last_eval_step != step:
+            eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
+            eval_metrics = evaluate(eval_head, eval_set, frozen, t, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
+            tracker.log(eval_metrics, step)
+        summary["eval"] = eval_metrics
+        weights = full_state_dict(engine.module, t.zero_stage)  # collective under ZeRO-3
+        if ctx.is_main:
+            path = export_head(weights, engine.module.config, export_dir(cfg), cfg.export.dtype, cfg.export.legacy_bin,
+                               recipe=cfg, summary=summary)
+            summary["head_dir"] = str(path)
+            say(f"exported head to {path}")
+    if ctx.is_main:
+        (train_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        say("summary: " + json.dumps({k: v for k, v in summary.items() if k != "eval"})
+            + ("\n[train] eval: " + json.dumps(summary.get("eval", {})) if summary.get("eval") else ""))
+        if cfg.export.push_to_hub and not stopped_early:
+            from train.hub import push_to_hub
+
+            push_to_hub(cfg)
+
+    # ================================================================== cleanup
+    tracker.close()
+    del engine
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from recipes import list_recipes
+
+    p = argparse.ArgumentParser(
+        prog="train/main.py",
+        description="Train an EAGLE-2 draft head (DeepSpeed) from a recipe. Overrides: key=value, e.g. "
+                    "train.lr=1e-4 train.max_steps=100 target.path=/models/llama.",
+        epilog=f"shipped recipes: {', '.join(list_recipes())}\n\nrecipe keys (default  # meaning):\n{describe_recipe_keys()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--recipe", required=True, help="recipe name in recipes/ (e.g. tiny, llama3-8b) or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from recipes import RecipeError
+    from train.distributed import init_distributed, shutdown_distributed
+
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except (RecipeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ctx = init_distributed(cfg.train.device)
+    try:
+        train(cfg, ctx)
+    except BaseException:
+        # no barrier on failure: other ranks may never reach it (the launcher stops them)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Held-out metrics: loss parts, top-1/2/3 agreement with the target's argmax, and a self-fed chain rollout
+giving per-step accuracy and a simulated acceptance length.
+
+Self-fed rollout, for a chain starting after position s (the target has committed x_{s+1}; the draft has the
+TRUE features f_0..f_s): step 1 feeds (f_s, x_{s+1}) and predicts f^_{s+1}; step j feeds (f^_{s+j-1}, x_{s+j})
+with every earlier position as in step j-1 (true prefix, then the draft's own predictions), exactly what the
+draft's KV cache holds while drafting a chain. Step j is correct when argmax lm_head(f^_{s+j}) equals the
+target's argmax at f_{s+j}. The simulated acceptance length is 1 + the mean number of leading correct steps
+(greedy chain decoding with `rollout_steps` draft tokens). Tokens fed along the chain are the data's tokens:
+exact for data regenerated greedily by the target (our data_prep default), an estimate otherwise.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from train.data import collate
+from train.distributed import all_reduce_sum
+from train.loss import eagle_loss, shift_for_head
+
+MAX_ROLLOUT_ROWS = 256  # rollout rows per head forward (bounds memory for long records)
+
+
+def eval_batches(lengths: list[int], micro_batch_size: int, max_records: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's eval micro-batches (indices into the eval subset), length-sorted to avoid padding."""
+    n = min(len(lengths), max_records) if max_records else len(lengths)
+    order = sorted(range(n), key=lengths.__getitem__)
+    batches = [order[i : i + micro_batch_size] for i in range(0, n, micro_batch_size)]
+    return batches[rank::world_size]
+
+
+def rollout_starts(length: int, weights: torch.Tensor, steps: int, max_starts: int, seed: int, record_id: str) -> list[int]:
+    """Chain start positions s of one record: s + steps <= length - 1 and the first drafted token is a loss
+    token (weights[s] = loss_mask[s+1]). At most `max_starts`, sampled reproducibly (0 = all)."""
+    cands = [s for s in range(0, length - steps) if bool(weights[s])]
+    if max_starts and len(cands) > max_starts:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{record_id}".encode()))
+        pick = torch.randperm(len(cands), generator=g)[:max_starts].sort().values
+        cands = [cands[int(i)] for i in pick]
+    return cands
+
+
+@torch.no_grad()
+def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_top: torch.Tensor, rows: list[tuple[int, int]],
+                  steps: int, lm_head: torch.Tensor) -> torch.Tensor:
+    """Correctness [R, steps] (bool) of self-fed chains. hidden [B, T, H] true features, input_ids [B, T],
+    target_top [B, T] argmax of lm_head(hidden); rows = (batch row b, start s) pairs."""
+    R = len(rows)
+    b_idx = torch.tensor([b for b, _ in rows], device=hidden.device)
+    s_idx = torch.tensor([s for _, s in rows], device=hidden.device)
+    L = int(s_idx.max()) + steps  # longest row at the last step
+    pos = torch.arange(L, device=hidden.device)  # [L]
+    # features: true f_0..f_s, then (filled step by step) the draft's own predictions
+    feats = hidden[b_idx[:, None], pos.clamp(max=hidden.shape[1] - 1)[None, :]].clone()  # [R, L, H]
+    tokens = input_ids[b_idx[:, None], (pos + 1).clamp(max=input_ids.shape[1] - 1)[None, :]]  # [R, L]: x_{t+1} at t
+    correct = torch.zeros(R, steps, dtype=torch.bool, device=hidden.device)
+    for j in range(1, steps + 1):
+        length = s_idx + j  # [R] positions fed at step j: 0..s+j-1
+        attn = (pos[None, :] < length[:, None]).long()  # [R, L]
+        out = head(feats, tokens, attn)  # [R, L, H]
+        pred = out[torch.arange(R, device=out.device), length - 1]  # [R, H] = f^_{s+j}
+        draft = torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head).argmax(-1)  # [R]
+        correct[:, j - 1] = draft == target_top[b_idx, s_idx + j]
+        if j < steps:
+            feats[torch.arange(R, device=out.device), length] = pred.to(feats.dtype)  # self-feed at position s+j
+    return correct
+
+
+@torch.no_grad()
+def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int = 0, world_size: int = 1) -> dict:
+    """Metrics of `head` on the eval `subset`, summed over ranks (every rank gets the same dict)."""
+    s = settings
+    k = s.rollout_steps
+    sums = torch.zeros(8 + k, dtype=torch.float64)  # positions, feat*n, tok*n, top1, top2, top3, chains, accepted, step hits
+    was_training = head.training
+    head.eval()
+    for idx in eval_batches(subset.lengths, s.micro_batch_size, s.eval_max_records, rank, world_size):
+        records = [subset[i] for i in idx]
+        batch = collate(records).to(device)
+        hidden = target.features(batch).to(dtype)  # [B, T, H]
+        feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
+        out = eagle_loss(head(feats, next_ids, attn), targets, weights, target.lm_head, s.feature_weight, s.token_weight)
+        sums[0] += out.positions
+        sums[1] += float(out.feature) * out.positions
+        sums[2] += float(out.token) * out.positions
+        sums[3:6] += torch.tensor(out.topk_correct, dtype=torch.float64)
+        # self-fed chains
+        target_top = torch.nn.functional.linear(hidden.to(target.lm_head.dtype), target.lm_head).argmax(-1)  # [B, T]
+        rows = []
+        for b, rec in enumerate(records):
+            n = rec["input_ids"].shape[0]
+            rows += [(b, st) for st in rollout_starts(n, weights[b], k, s.rollout_starts, seed, rec["id"])]
+        for c in range(0, len(rows), MAX_ROLLOUT_ROWS):
+            correct = chain_rollout(head, hidden, batch.input_ids, target_top, rows[c : c + MAX_ROLLOUT_ROWS], k,
+                                    target.lm_head).cpu()  # [R, k]
+            leading = correct.long().cumprod(-1).sum(-1)  # [R] accepted draft tokens per chain
+            sums[6] += correct.shape[0]
+            sums[7] += float(leading.sum())
+            sums[8:] += correct.double().sum(0)
+    head.train(was_training)
+    sums = torch.tensor(all_reduce_sum(sums.tolist()), dtype=torch.float64)
+    n, chains = max(sums[0].item(), 1.0), max(sums[6].item(), 1.0)
+    metrics = {
+        "eval/positions": int(sums[0]),
+        "eval/feature_loss": sums[1].item() / n,
+        "eval/token_loss": sums[2].item() / n,
+        "eval/top1": sums[3].item() / n,
+        "eval/top2": sums[4].item() / n,
+        "eval/top3": sums[5].item() / n,
+        "eval/chains": int(sums[6]),
+        "eval/sim_accept_len": 1.0 + sums[7].item() / chains,
+    }
+    metrics["eval/loss"] = s.feature_weight * metrics["eval/feature_loss"] + s.token_weight * metrics["eval/token_loss"]
+    for j in range(k):
+        metrics[f"eval/step{j + 1}_acc"] = sums[8 + j].item() / chains
+    return metrics
