@@ -158,7 +158,8 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
         "target": s.target_path, "head": s.head_path, "compare_head": str(s.cfg.eval.compare_head or ""),
         "questions": question_source(s.cfg), "chat_format": s.fmt.name, "dtype": str(s.cfg.target.dtype),
         "generation": dataclasses.asdict(s.gen),
-        "methods": {m.label: {**dataclasses.asdict(m.decoding), "head": m.head} for m in methods},
+        "methods": {m.label: {**dataclasses.asdict(m.decoding), "head": m.head, "describe": m.describe()}
+                    for m in methods},
         "hardware": {"machine": platform.machine(), "processor": platform.processor() or "?",
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
         "command": " ".join(["python evaluation/main.py", *s.argv]),

@@ -31,6 +31,14 @@ class Method:
     def is_vanilla(self) -> bool:
         return self.decoding.mode == "vanilla"
 
+    def describe(self) -> str:
+        """The fields of the decoding config that matter for its mode, e.g. "dynamic 60/5/10"."""
+        d = self.decoding
+        shape = {"vanilla": "naivegenerate", "chain": f"chain of {d.chain_length}",
+                 "static": f"static tree {d.static_choices}",
+                 "dynamic": f"dynamic total_token={d.total_token} depth={d.depth} top_k={d.top_k}"}[d.mode]
+        return shape + ("" if self.head == "A" else f", head {self.head}")
+
 
 def parse_method(spec: str, base: DecodingConfig, head_dir: Path | None = None) -> Method:
     """`NAME[:key=value,...]` -> Method (see the module docstring)."""

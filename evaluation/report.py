@@ -73,7 +73,7 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
     for s in overall:
         alphas = [_num(a.rate) for a in s.depth_acceptance] + ["–"] * (max_depth - len(s.depth_acceptance))
         lines.append(f"| {s.method} | {_ci(s.tau)} | {_ci(s.tokens_per_s, 1)} | {_ci(s.speedup)} | " + " | ".join(alphas) + " |")
-    lines += ["", f"Methods: " + "; ".join(f"`{k}` = {v}" for k, v in m.get("methods", {}).items()), ""]
+    lines += ["", "Methods: " + "; ".join(f"`{k}` = {v['describe']}" for k, v in m.get("methods", {}).items()), ""]
     for title, attr in (("tau per category", "tau"), ("Speedup per category", "speedup")):
         lines += [f"## {title[0].upper() + title[1:]}", "", "| category | " + " | ".join(methods) + " |",
                   "|" + "---|" * (1 + len(methods))]

@@ -260,3 +260,18 @@ def test_cli_exit_code_and_report_on_a_lossy_eagenerate(saved, tmp_path, monkeyp
     assert {(m["question_id"], m["turn"], m["position"]) for m in data["losslessness"]["mismatches"]} == {("1", 0, 2),
                                                                                                           ("2", 0, 2)}
     assert "NOT LOSSLESS" in (out / "report.md").read_text()
+
+
+def test_cli_sampling_bench_and_chi2_command(saved, tmp_path):
+    out = tmp_path / "eval"
+    assert main(cli(saved, "--out", str(out), "eval.methods=[eagle2]", "eval.num_questions=2",
+                    "eval.temperature=1.0", "eval.top_p=0.9")) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert data["losslessness"] is None and data["meta"]["generation"]["temperature"] == 1.0
+    assert "distribution test" in (out / "report.md").read_text()
+    assert main(["chi2", *cli(saved, "--out", str(out), "eval.methods=[chain,eagle2]", "eval.chi2_samples=25",
+                              "eval.chi2_positions=[0,3]")]) == 0
+    chi2 = json.loads((out / "chi2" / "chi2.json").read_text())
+    assert [t["method"] for t in chi2["tests"]] == ["chain", "eagle2"]
+    assert [p["position"] for p in chi2["tests"][1]["positions"]] == [0, 3]
+    assert (out / "chi2" / "chi2.md").read_text().count("PASS") == 2

@@ -181,7 +181,8 @@ def test_chi2_homogeneity():
 def test_report_files(hand_run, tmp_path):
     summaries = summarize(hand_run, n_resamples=100)
     rounds = [rd for r in hand_run if r.method == "eagle2" for rd in r.stats.rounds]
-    report = EvalReport(meta={"target": "t", "methods": {"vanilla": "naive", "eagle2": "dynamic"}},
+    report = EvalReport(meta={"target": "t", "methods": {"vanilla": {"describe": "naivegenerate"},
+                                                         "eagle2": {"describe": "dynamic 60/5/10"}}},
                         run=BenchmarkRun(hand_run), summaries=summaries,
                         comparisons=[compare(hand_run, "eagle2", "vanilla", n_resamples=100)],
                         greedy=check_greedy(hand_run), calibration={"eagle2": calibrate(rounds)})
