@@ -1,0 +1,227 @@
+"""The one-command demo: default target -> data prep -> training + export -> evaluation, on a recipe (tiny).
+
+    python -m quickstart [--target PATH] [--out DIR] [--fresh] [--recipe tiny] [key=value ...]
+
+Every stage runs as its own documented command in a subprocess (the same command a user would type,
+printed before it runs), so the demo exercises exactly the real CLIs and never reimplements them.
+Rerunnable: `{out}/quickstart_state.json` records each finished stage with a fingerprint of the recipe
+sections it reads; a finished stage with the same fingerprint is skipped, an interrupted one is rerun
+(data prep and training resume from their own partial outputs), and a stage whose settings changed is
+redone from scratch together with everything downstream of it.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from quickstart.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target, read_build_info
+
+STATE_FILE = "quickstart_state.json"
+PROMPTS_DIR = "prompts"  # stdlib prompt sets written here when --target is a user model
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str  # run as `python -m MODULE --recipe ... key=value ...`
+    sections: tuple[str, ...]  # recipe sections whose values decide the stage's output
+    outputs: tuple[str, ...]  # folders under output_dir the stage writes (removed when its settings change)
+    title: str
+
+
+STAGES = (
+    Stage("data", "data_prep.main", ("seed", "target", "data"), ("data",),
+          "data prep: regenerate answers with the target, loss masks, hidden-state cache"),
+    Stage("train", "train.main", ("head", "train", "export"), ("train", "head"),
+          "training the draft head (DeepSpeed) and exporting it"),
+    Stage("eval", "evaluation.main", ("decoding", "eval"), ("eval",),
+          "evaluation: vanilla / EAGLE-1 / EAGLE-2, calibration, losslessness"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m quickstart", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="a local HF causal-LM folder or hub id to use instead of the "
+                                                  "embedded default target (then also set data.source / eval.questions "
+                                                  "for its domain, else the stdlib-docstring prompts are used)")
+    p.add_argument("--out", default=None, help="run folder (default: the recipe's output_dir, runs/tiny)")
+    p.add_argument("--fresh", action="store_true", help="redo every stage (the cached default target is kept)")
+    p.add_argument("--recipe", default="tiny", help="recipe name or YAML path (default: tiny)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides passed to every stage")
+    return p
+
+
+def say(msg: str) -> None:
+    print(f"[quickstart] {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_inputs(target: str | None, out_dir: Path) -> tuple[str, dict[str, str], dict]:
+    """(target path, overrides naming target/prompt files, target identity for the fingerprints)."""
+    if target is None:
+        path = ensure_default_target()
+        info = read_build_info(path)
+        return str(path), {"data.source": str(path / CONVERSATIONS_FILE),
+                           "eval.questions": str(path / QUESTIONS_FILE)}, {"default_target": info["fingerprint"]}
+    from quickstart.docstring_corpus import default_conversations, default_questions
+
+    prompts = out_dir / PROMPTS_DIR
+    prompts.mkdir(parents=True, exist_ok=True)
+    conv, questions = prompts / CONVERSATIONS_FILE, prompts / QUESTIONS_FILE
+    conv.write_text(json.dumps(default_conversations("train"), indent=1, ensure_ascii=False))
+    questions.write_text("".join(json.dumps(q, ensure_ascii=False) + "\n" for q in default_questions("eval")))
+    config = Path(target) / "config.json"
+    identity = {"target": target, "config_sha256": _sha256(config.read_bytes()) if config.is_file() else None}
+    return target, {"data.source": str(conv), "eval.questions": str(questions)}, identity
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def stage_fingerprint(cfg, stage: Stage, upstream: str, identity: dict) -> str:
+    """Hash of what the stage reads: its recipe sections, the target's identity and the upstream stage's hash."""
+    from omegaconf import OmegaConf
+
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    parts = {"sections": {s: resolved[s] for s in stage.sections}, "upstream": upstream, "target": identity}
+    return _sha256(json.dumps(parts, sort_keys=True, default=str).encode())[:16]
+
+
+def read_state(out_dir: Path) -> dict:
+    path = out_dir / STATE_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_state(out_dir: Path, state: dict) -> None:
+    tmp = out_dir / f"{STATE_FILE}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, out_dir / STATE_FILE)
+
+
+def remove_outputs(out_dir: Path, stages) -> None:
+    for stage in stages:
+        for name in stage.outputs:
+            shutil.rmtree(out_dir / name, ignore_errors=True)
+
+
+def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> None:
+    cmd = [sys.executable, "-m", stage.module, "--recipe", recipe, *overrides]
+    say("$ " + " ".join(shlex.quote(c) for c in cmd))
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise StageFailed(stage, proc.returncode)
+
+
+class StageFailed(RuntimeError):
+    def __init__(self, stage: Stage, code: int):
+        super().__init__(f"stage {stage.name} failed with exit code {code}")
+        self.stage, self.code = stage, code
+
+
+def summarize_report(eval_dir: Path) -> list[str]:
+    """One line per method (tau, speedup over vanilla) and the losslessness verdict, from report.json."""
+    report = json.loads((eval_dir / "report.json").read_text())
+    lines = []
+    for s in report["summaries"]:
+        if s["category"] != "overall":
+            continue
+        speed = (s.get("speedup") or {}).get("value")
+        lines.append(f"{s['method']:>10}: tau {s['tau']['value']:.2f}, {s['tokens_per_s']['value']:.1f} tokens/s"
+                     + (f", speedup {speed:.2f}x" if speed is not None else ""))
+    greedy = report.get("losslessness")
+    if greedy is not None:
+        lines.append(f"losslessness: {len(greedy['mismatches'])} mismatches with vanilla greedy "
+                     f"over {greedy['compared']} outputs")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from recipes import load_recipe
+
+    args = build_parser().parse_args(argv)
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise SystemExit(f"expected key=value overrides, got {bad}")
+    started = time.time()
+    env = dict(os.environ)
+    env.setdefault("WANDB_MODE", "disabled")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    user = list(args.overrides)
+    if args.out is not None:
+        user.append(f"output_dir={args.out}")
+    cfg = load_recipe(args.recipe, user)  # fails fast on unknown keys, before the target is built
+    out_dir = Path(cfg.output_dir).resolve()
+    if args.fresh:
+        say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
+        remove_outputs(out_dir, STAGES)
+        (out_dir / STATE_FILE).unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.time()
+    say("1/4 target: " + (args.target or "the embedded default target (built once, then cached)"))
+    target, inputs, identity = resolve_inputs(args.target, out_dir)
+    say(f"target ready in {time.time() - t0:.0f}s: {target}")
+    given = {o.split("=", 1)[0] for o in user}
+    overrides = [f"target.path={target}", f"output_dir={out_dir}"]
+    overrides += [f"{k}={v}" for k, v in inputs.items() if k not in given]  # the user's choice wins
+    overrides += [o for o in user if not o.startswith("output_dir=")]
+    cfg = load_recipe(args.recipe, overrides)
+
+    state = read_state(out_dir)
+    upstream = ""
+    timings = {"target": round(time.time() - t0, 1)}
+    for i, stage in enumerate(STAGES):
+        fp = stage_fingerprint(cfg, stage, upstream, identity)
+        upstream = fp
+        rec = state.get(stage.name, {})
+        header = f"{i + 2}/4 {stage.title}"
+        if rec.get("fingerprint") == fp and rec.get("done"):
+            say(f"{header}: already done ({rec.get('seconds', '?')}s), reusing")
+            continue
+        if rec and rec.get("fingerprint") != fp:
+            later = STAGES[i:]
+            say(f"{header}: settings changed since the last run; redoing it and the stages after it")
+            remove_outputs(out_dir, later)
+            for s in later:
+                state.pop(s.name, None)
+        elif rec:
+            say(f"{header}: resuming an interrupted run")
+        else:
+            say(header)
+        state[stage.name] = {"fingerprint": fp, "done": False}
+        write_state(out_dir, state)
+        t = time.time()
+        try:
+            run_stage(stage, args.recipe, overrides, env)
+        except StageFailed as e:
+            eval_report = Path(cfg.eval.output_dir or out_dir / "eval") / "report.json"
+            if stage.name == "eval" and e.code == 1 and eval_report.exists():  # the report lists the mismatches
+                for line in summarize_report(eval_report.parent):
+                    say("  " + line)
+                say(f"evaluation found outputs that differ from vanilla: see {eval_report.parent / 'report.md'}")
+            else:
+                say(f"{e}; fix the cause and rerun the same command (finished stages are reused)")
+            return e.code
+        timings[stage.name] = round(time.time() - t, 1)
+        state[stage.name] = {"fingerprint": fp, "done": True, "seconds": timings[stage.name]}
+        write_state(out_dir, state)
+
+    eval_dir = Path(cfg.eval.output_dir or out_dir / "eval")
+    say(f"done in {time.time() - started:.0f}s (this run: {timings})")
+    for line in summarize_report(eval_dir):
+        say("  " + line)
+    say(f"report: {eval_dir / 'report.md'}")
+    for png in sorted(eval_dir.glob("calibration_*.png")):
+        say(f"calibration plot: {png}")
+    return 0
