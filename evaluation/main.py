@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from eagle.decoding_config import DecodingConfig  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
-from evaluation.questions import load_questions  # noqa: E402
+from evaluation.questions import QuestionError, load_questions  # noqa: E402
 from evaluation.runner import GenerationArgs  # noqa: E402
 
 COMMANDS = ("bench", "autotune", "chi2")
@@ -100,8 +100,16 @@ def question_source(cfg) -> str:
         from quickstart.default_target import QUESTIONS_FILE, ensure_default_target
 
         return str(ensure_default_target() / QUESTIONS_FILE)
-    raise ValueError("set eval.questions (or --questions): a .jsonl question file, a .txt prompt file, "
+    raise QuestionError("set eval.questions (or --questions): a .jsonl question file, a .txt prompt file, "
                      "paragraphs:FILE or hf:DATASET")
+
+
+def load_all_questions(cfg) -> list:
+    """Every prompt of the source (category filter applied); commands take the first few they need."""
+    ev = cfg.eval
+    return load_questions(question_source(cfg), categories=list(ev.categories),
+                          paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
+                          hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)
 
 
 def build_setup(cfg) -> Setup:
@@ -167,7 +175,7 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
     }
 
 
-def bench(s: Setup) -> int:
+def bench(s: Setup, questions: list) -> int:
     from evaluation.calibration import calibrate
     from evaluation.losslessness import check_greedy
     from evaluation.metrics import compare_all_pairs, summarize
@@ -176,9 +184,7 @@ def bench(s: Setup) -> int:
 
     ev = s.cfg.eval
     methods = parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path), "B" in s.models)
-    questions = load_questions(question_source(s.cfg), num_questions=ev.num_questions, categories=list(ev.categories),
-                               paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
-                               hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)
+    questions = questions[: ev.num_questions] if ev.num_questions > 0 else questions
     log.info("%d questions (%d turns) x %d methods, chat format %s", len(questions),
              sum(len(q.turns) for q in questions), len(methods), s.fmt.name)
     run = run_benchmark(s.models, s.fmt, questions, methods, s.gen, warmup=ev.warmup, seed=s.cfg.seed)
@@ -208,15 +214,13 @@ def bench(s: Setup) -> int:
     return 0
 
 
-def autotune(s: Setup) -> int:
+def autotune(s: Setup, questions: list) -> int:
     from eagle.ea_model import save_tree_config
     from evaluation.autotune import autotune_tree, grid
     from evaluation.report import write_autotune_report
 
     ev = s.cfg.eval
-    questions = load_questions(question_source(s.cfg), num_questions=ev.tune_prompts, categories=list(ev.categories),
-                               paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
-                               hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)
+    questions = questions[: ev.tune_prompts]
     gen = dataclasses.replace(s.gen, max_new_tokens=int(ev.tune_max_new_tokens))
     prompts = [p for p in (s.fmt.first_prompt(q.turns[0]) for q in questions)
                if len(p) + gen.max_new_tokens <= gen.max_length]
@@ -245,15 +249,13 @@ def autotune(s: Setup) -> int:
     return 0
 
 
-def chi2(s: Setup) -> int:
+def chi2(s: Setup, questions: list) -> int:
     from evaluation.losslessness import distribution_test
     from evaluation.report import write_chi2_report
 
     ev = s.cfg.eval
     methods = parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path), "B" in s.models)
-    question = load_questions(question_source(s.cfg), num_questions=1, categories=list(ev.categories),
-                              paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
-                              hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)[0]
+    question = questions[0]
     prompt = s.fmt.first_prompt(question.turns[0])
     vanilla = methods[0]
     tests = []
@@ -280,10 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, args = parse_args(argv)
     cfg = load_config(args)
+    questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg)
     setup.argv = argv
-    return {"bench": bench, "autotune": autotune, "chi2": chi2}[command](setup)
+    return {"bench": bench, "autotune": autotune, "chi2": chi2}[command](setup, questions)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from recipes import RecipeError
+
+    try:
+        sys.exit(main())
+    except (RecipeError, QuestionError, FileNotFoundError) as e:  # bad input: the message names it
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
