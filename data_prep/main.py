@@ -222,8 +222,9 @@ def stage_cache(run: Run) -> None:
     records = list(load_tokenized(tok_path))
     model = run.model()
     config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal wrappers
     meta = {"target": resolve_target_path(run.cfg.target), "config_hash": target_config_hash(config),
-            "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
+            "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
             "target_dtype": run.cfg.target.dtype, "tokenized_sha256": file_sha256(tok_path)}
     out = run.data_dir / "features"
     writer = FeatureCacheWriter(out, meta, dtype=d.cache_dtype, part=f"shard{run.shard:05d}-of-{run.num_shards:05d}",
