@@ -182,7 +182,7 @@ class FeatureCacheWriter:
             if p["meta"] != self.meta or p["dtype"] != dtype:
                 raise FeatureCacheError(
                     f"cache {self.out_dir} part {name!r} was written with meta={p['meta']} dtype={p['dtype']}, "
-                    f"now meta={self.meta} dtype={dtype}; use a new output directory for a different target/dtype"
+                    f"now meta={self.meta} dtype={dtype}; use a new output directory for a different target/dtype/tokenized data"
                 )
         self._done_ids: set[str] = {i for p in parts.values() for s in p["shards"] for i in s["ids"]}
         self._state = parts.get(part) or {
