@@ -107,9 +107,10 @@ class Drafter:
                                            mask[None, None])[0]
             feats[level] = out
         self.kv.truncate(committed)
-        path_lp = torch.zeros(n, device=dev)
-        par = spec.parents.tolist()
-        for i in range(1, n):
-            path_lp[i] = path_lp[par[i]] + logprob[i]
+        path_lp = logprob.clone()  # [N] accumulate parents' log-probs level by level
+        anc = parents.clamp(min=0)
+        for _ in range(spec.max_depth - 1):
+            path_lp += torch.where(anc > 0, logprob[anc], 0.0)
+            anc = parents.clamp(min=0)[anc]
         return DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
                          path_logprob=path_lp)

@@ -35,8 +35,11 @@ class StopRule:
 class EaModel(nn.Module):
     """Target + draft head. `eagenerate` is lossless w.r.t. `naivegenerate` (same target code path)."""
 
-    def __init__(self, base_model: nn.Module, ea_layer: EagleHead, decoding: DecodingConfig | None = None):
+    def __init__(self, base_model: nn.Module, ea_layer: EagleHead, decoding: DecodingConfig | None = None,
+                 static_tree: list[list[int]] | None = None):
+        """static_tree: a custom EAGLE-1 choice list, used instead of `decoding.static_choices` in mode "static"."""
         super().__init__()
+        self.static_tree = static_tree
         self.base_model = base_model.eval()
         self.ea_layer = ea_layer.eval()
         self.decoding = (decoding or DecodingConfig()).validate(vocab_size=ea_layer.config.vocab_size)
@@ -58,7 +61,7 @@ class EaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, base_model_path: str, ea_model_path: str, total_token: int | None = None,
                         depth: int | None = None, top_k: int | None = None, torch_dtype: torch.dtype | str = "auto",
-                        device_map=None, tree_mode: str | None = None, static_tree="mc_sim_7b_63",
+                        device_map=None, tree_mode: str | None = None, static_tree: str | list | None = None,
                         chain_length: int | None = None, attn_implementation: str = "sdpa", **model_kwargs) -> "EaModel":
         """Load a target (HF id or folder) and a head (ours or a released `yuhuili/EAGLE-*`).
 
@@ -72,12 +75,10 @@ class EaModel(nn.Module):
         head = EagleHead.from_pretrained(ea_model_path, dtype=base.dtype, device=base.get_output_embeddings().weight.device)
         decoding = load_tree_config(ea_model_path)
         overrides = {"total_token": total_token, "depth": depth, "top_k": top_k, "mode": tree_mode,
-                     "chain_length": chain_length}
+                     "chain_length": chain_length, "static_choices": static_tree if isinstance(static_tree, str) else None}
         decoding = replace(decoding, **{k: v for k, v in overrides.items() if v is not None})
-        if static_tree != "mc_sim_7b_63" or decoding.mode == "static":
-            decoding = replace(decoding, static_choices=static_tree) if isinstance(static_tree, str) else decoding
-        model = cls(base, head, decoding)
-        model._static_override = None if isinstance(static_tree, str) else static_choices(static_tree)
+        custom_tree = static_choices(static_tree) if isinstance(static_tree, list) else None
+        model = cls(base, head, decoding, static_tree=custom_tree)
         try:
             model.tokenizer = AutoTokenizer.from_pretrained(base_model_path)
         except (OSError, ValueError):  # a target folder without a tokenizer is usable with token ids
@@ -167,8 +168,7 @@ class EaModel(nn.Module):
         if decoding.mode == "chain":
             return StaticTreeSpec.from_choices(chain_choices(decoding.chain_length))
         if decoding.mode == "static":
-            override = getattr(self, "_static_override", None)
-            return StaticTreeSpec.from_choices(override or static_choices(decoding.static_choices))
+            return StaticTreeSpec.from_choices(self.static_tree or static_choices(decoding.static_choices))
         return None
 
     def _max_tree_nodes(self, decoding: DecodingConfig, spec: StaticTreeSpec | None) -> tuple[int, int]:

@@ -25,10 +25,13 @@ class DraftTree:
     def attention_mask(self) -> torch.Tensor:
         """[N, N] bool: node i sees node j iff j is i or an ancestor of i."""
         n = self.size
-        mask = torch.eye(n, dtype=torch.bool, device=self.tokens.device)  # [N, N]
-        parents = self.parents.tolist()
-        for i in range(1, n):  # parents precede children: row of the parent is final
-            mask[i] |= mask[parents[i]]
+        dev = self.tokens.device
+        mask = torch.eye(n, dtype=torch.bool, device=dev)  # [N, N]
+        rows = torch.arange(n, device=dev)
+        anc = self.parents.clamp(min=0)  # [N] current ancestor of each node (root maps to itself)
+        for _ in range(int(self.depth.max())):  # one vectorised step per level
+            mask[rows, anc] = True
+            anc = self.parents.clamp(min=0)[anc]
         return mask
 
     def position_ids(self, prefix_len: int) -> torch.Tensor:
@@ -37,20 +40,21 @@ class DraftTree:
 
     def retrieve_paths(self) -> torch.Tensor:
         """[L, max_depth + 1] node indices root..leaf, -1 padded, one row per leaf (leaves in node order)."""
-        n = self.size
-        is_parent = torch.zeros(n, dtype=torch.bool)
-        is_parent[self.parents[1:].cpu()] = True
-        leaves = (~is_parent).nonzero().flatten().tolist()
-        width = int(self.depth.max()) + 1
-        paths = torch.full((len(leaves), width), -1, dtype=torch.long)
         parents = self.parents.tolist()
         depth = self.depth.tolist()
-        for row, leaf in enumerate(leaves):
+        is_parent = [False] * len(parents)
+        for p in parents[1:]:
+            is_parent[p] = True
+        width = max(depth) + 1
+        rows = []
+        for leaf in (i for i, par in enumerate(is_parent) if not par):
+            row = [-1] * width
             node = leaf
             while node >= 0:
-                paths[row, depth[node]] = node
+                row[depth[node]] = node
                 node = parents[node]
-        return paths.to(self.tokens.device)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
 
     def children(self) -> list[list[int]]:
         """Children of every node in node order (= rank order for the trees built here)."""
@@ -88,10 +92,10 @@ def rerank_tree(
         raise AssertionError("rerank produced an orphan node: candidate values increase along a path")
     dev = cand_tokens.device
     parents = torch.cat([torch.tensor([-1], device=dev), parents])
-    depth = torch.zeros(keep_n + 1, dtype=torch.long, device=dev)
-    par = parents.tolist()
-    for i in range(1, keep_n + 1):
-        depth[i] = depth[par[i]] + 1
+    depth_list = [0]
+    for p in parents.tolist()[1:]:  # parents precede children
+        depth_list.append(depth_list[p] + 1)
+    depth = torch.tensor(depth_list, dtype=torch.long, device=dev)
     root = torch.as_tensor(root_token, device=dev).reshape(1).long()
     return DraftTree(
         tokens=torch.cat([root, cand_tokens[keep].long()]),
