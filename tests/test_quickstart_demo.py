@@ -117,3 +117,27 @@ def test_bad_override_fails_before_any_stage(monkeypatch, tmp_path, small_target
     with pytest.raises(SystemExit):
         run(monkeypatch, fake, tmp_path / "run", small_target, "not-an-override")
     assert fake.names == []
+
+
+TEST_SCALE = ["target.dtype=float32", "data.max_records=8", "data.max_new_tokens=16", "data.gen_batch_size=4",
+              "data.max_length=256", "train.precision=fp32", "train.zero_stage=0", "train.max_steps=4",
+              "train.micro_batch_size=2", "train.grad_accum=1", "train.warmup_steps=1", "logging.backend=none",
+              "eval.num_questions=2", "eval.max_new_tokens=16", "eval.methods=[vanilla,eagle1,eagle2]",
+              "eval.bootstrap_samples=200", "eval.warmup=0"]
+
+
+@pytest.mark.slow
+def test_whole_pipeline_end_to_end_and_rerun(tmp_path, small_target, capsys):
+    out = tmp_path / "run"
+    assert demo.main(["--target", str(small_target), "--out", str(out), *TEST_SCALE]) == 0
+    assert (out / "data" / "features" / "manifest.json").exists()
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (out / "head").iterdir()}
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert {s["method"] for s in report["summaries"]} >= {"vanilla", "eagle1", "eagle2"}
+    assert report["losslessness"]["compared"] > 0 and report["losslessness"]["mismatches"] == []
+    assert list((out / "eval").glob("calibration_*.png"))
+    assert "report:" in capsys.readouterr().err
+    # a rerun reuses every finished stage
+    assert demo.main(["--target", str(small_target), "--out", str(out), *TEST_SCALE]) == 0
+    err = capsys.readouterr().err
+    assert err.count("already done") == 3 and "$ " not in err
