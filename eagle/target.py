@@ -19,11 +19,9 @@ class Target:
     def __init__(self, model: nn.Module, capacity: int):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         impl = getattr(model.config, "_attn_implementation", None)
-        if impl not in ("sdpa", None):
-            # Bool 4D tree masks are only interpreted correctly by sdpa; eager adds them as floats.
+        if impl not in ("sdpa", "eager", None):
             raise ValueError(
-                f"target uses attn_implementation={impl!r}; tree verification needs 'sdpa' "
-                "(load the model with attn_implementation='sdpa')"
+                f"target uses attn_implementation={impl!r}; tree verification supports 'sdpa' (fastest) and 'eager'"
             )
         self.model = model
         self.config = cfg
@@ -93,7 +91,10 @@ class Target:
         if self.sliding_window is not None:
             key_pos = torch.cat([torch.arange(past, device=dev), position_ids])  # [past + n]
             mask &= (position_ids[:, None] - key_pos[None, :]) < self.sliding_window
-        return mask[None, None]  # [1, 1, n, past + n]
+        # Additive float mask: read the same way by sdpa and eager (a bool mask is misread by eager),
+        # and sdpa does not have to convert it again in every layer.
+        additive = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, torch.finfo(self.dtype).min)
+        return additive[None, None]  # [1, 1, n, past + n]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on features [..., H] -> float32 logits [..., V]."""
