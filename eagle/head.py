@@ -225,11 +225,9 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if kv is not None:
             k, v = kv.append(k, v)  # views over the preallocated buffer: [B, kv, L+T, D]
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
+        # enable_gqa: no copy of K/V per query-head group (a copy would cost O(context) every draft step)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
+                                             enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
