@@ -1,10 +1,10 @@
 """Pick the EAGLE-2 tree (total_token, depth, top_k) that is fastest on THIS hardware.
 
 Acceptance length grows with the tree, but so does the cost of drafting and verifying it;
-where the optimum lies depends on the model, the head and the machine. The sweep times every
-grid point (and vanilla, as a baseline) on a few prompts, in a shuffled order per repeat so
-drift in machine speed does not favour one region of the grid, and keeps the median tokens/s
-over repeats.
+where the optimum lies depends on the model, the head and the machine. Two stages, because
+single timings on a shared machine vary by +-20%: a screening pass times every grid point once
+on a few prompts (shuffled order, vanilla re-timed every few points), then the fastest few are
+re-timed several times interleaved with vanilla and the best final median wins.
 """
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ class TunePoint:
     total_token: int
     depth: int
     top_k: int
-    tokens_per_s: float  # median over repeats of (tokens / seconds over all tune prompts)
-    tau: float
-    speedup: float  # tokens_per_s / vanilla tokens_per_s
+    tokens_per_s: float  # screening pass: tokens / seconds over all tune prompts
+    tau: float  # over every pass of this setting
+    speedup: float  # screening tokens/s / vanilla tokens/s timed closest in the sweep
+    final_tokens_per_s: float | None = None  # finalists: median over the re-timed passes
+    final_speedup: float | None = None  # finalists: final median / vanilla's final median
 
 
 @dataclass
@@ -70,41 +72,66 @@ def grid(total_tokens: list[int], depths: list[int], top_ks: list[int], base: De
 
 
 def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig], gen: GenerationArgs, *,
-                  repeats: int = 1, seed: int = 0, progress: bool = True) -> TuneResult:
-    """Time every config (and vanilla) on `prompts` (T as in `gen`); the best maximises tokens/s."""
+                  finalists: int = 5, repeats: int = 3, vanilla_every: int = 8, seed: int = 0,
+                  progress: bool = True) -> TuneResult:
+    """Screen every config once, then re-time the `finalists` fastest `repeats` more times
+    (interleaved with vanilla, shuffled per pass); the best has the highest final median tokens/s.
+
+    One pass over a setting = all `prompts` (T as in `gen`). During screening vanilla is timed
+    every `vanilla_every` settings, so each point's speedup uses vanilla measured close to it."""
     if not configs:
         raise ValueError("autotune: no valid grid point")
     vanilla = Method("vanilla", dataclasses.replace(configs[0], mode="vanilla"))
-    methods = [vanilla] + [Method(f"{c.total_token}/{c.depth}/{c.top_k}", c) for c in configs]
-    speed: dict[str, list[float]] = {m.label: [] for m in methods}
-    committed: dict[str, int] = {m.label: 0 for m in methods}
-    rounds: dict[str, int] = {m.label: 0 for m in methods}
+    methods = [Method(f"{c.total_token}/{c.depth}/{c.top_k}", c) for c in configs]
     rng = random.Random(seed)
-    for m in methods:  # warm-up: one short untimed run of every shape
+    for m in [vanilla] + methods:  # warm-up: one short untimed run of every shape
         generate(model, m, prompts[0], dataclasses.replace(gen, max_new_tokens=min(8, gen.max_new_tokens)))
-    bar = tqdm(total=repeats * len(methods), disable=not progress, desc="autotune")
+    tau: dict[str, tuple[int, int]] = {}  # label -> (committed tokens in rounds, rounds)
+
+    def one_pass(m: Method) -> float:
+        tokens, secs, committed, rounds = 0, 0.0, 0, 0
+        for p in prompts:
+            out, stats, wall = generate(model, m, p, gen)
+            tokens, secs = tokens + len(out), secs + wall
+            committed += sum(int(r.new_tokens) for r in stats.rounds)
+            rounds += len(stats.rounds)
+        c0, r0 = tau.get(m.label, (0, 0))
+        tau[m.label] = (c0 + committed, r0 + rounds)
+        return tokens / secs
+
+    n_final = min(finalists, len(methods))
+    bar = tqdm(total=len(methods) + len(methods) // vanilla_every + 1 + repeats * (n_final + 1),
+               disable=not progress, desc="autotune")
+    screen, screen_vanilla = {}, []  # label -> tokens/s; [(index in order, vanilla tokens/s)]
+    order = methods[:]
+    rng.shuffle(order)
+    for i, m in enumerate(order):
+        if i % vanilla_every == 0:
+            screen_vanilla.append((i, one_pass(vanilla)))
+            bar.update(1)
+        screen[m.label] = one_pass(m)
+        bar.update(1)
+    top = sorted(methods, key=lambda m: -screen[m.label])[:n_final]
+    final: dict[str, list[float]] = {m.label: [] for m in [vanilla] + top}
     for _ in range(repeats):
-        order = methods[:]
-        rng.shuffle(order)
-        for m in order:
-            tokens, secs = 0, 0.0
-            for p in prompts:
-                out, stats, wall = generate(model, m, p, gen)
-                tokens += len(out)
-                secs += wall
-                committed[m.label] += sum(int(r.new_tokens) for r in stats.rounds)
-                rounds[m.label] += len(stats.rounds)
-            speed[m.label].append(tokens / secs)
+        passes = [vanilla] + top
+        rng.shuffle(passes)
+        for m in passes:
+            final[m.label].append(one_pass(m))
             bar.update(1)
     bar.close()
-    v = float(np.median(speed["vanilla"]))
-    result = TuneResult(vanilla_tokens_per_s=v)
-    for m in methods[1:]:
+    v_final = float(np.median(final["vanilla"])) if repeats else float(np.median([v for _, v in screen_vanilla]))
+    result = TuneResult(vanilla_tokens_per_s=v_final)
+    for i, m in enumerate(order):
+        near = min(screen_vanilla, key=lambda iv: abs(iv[0] - i))[1]  # vanilla timed closest to this point
         c = m.decoding
-        tps = float(np.median(speed[m.label]))
-        result.points.append(TunePoint(c.total_token, c.depth, c.top_k, tps,
-                                       committed[m.label] / max(rounds[m.label], 1), tps / v))
-    best = max(result.points, key=lambda p: p.tokens_per_s)
+        committed, rounds = tau[m.label]
+        fin = float(np.median(final[m.label])) if final.get(m.label) else None
+        result.points.append(TunePoint(c.total_token, c.depth, c.top_k, screen[m.label], committed / max(rounds, 1),
+                                       screen[m.label] / near, final_tokens_per_s=fin,
+                                       final_speedup=fin / v_final if fin is not None else None))
+    ranked = [p for p in result.points if p.final_tokens_per_s is not None] or result.points
+    best = max(ranked, key=lambda p: p.final_tokens_per_s if p.final_tokens_per_s is not None else p.tokens_per_s)
     result.best = dataclasses.replace(configs[0], mode="dynamic", total_token=best.total_token, depth=best.depth,
                                       top_k=best.top_k)
     return result

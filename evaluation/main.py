@@ -229,17 +229,19 @@ def autotune(s: Setup, questions: list) -> int:
     configs, skipped = grid(list(ev.tune_total_tokens), list(ev.tune_depths), list(ev.tune_top_ks), s.base_decoding)
     log.info("autotune: %d settings x %d prompts x %d repeats (%d grid points skipped)", len(configs), len(prompts),
              ev.tune_repeats, len(skipped))
-    result = autotune_tree(s.models["A"], prompts, configs, gen, repeats=ev.tune_repeats, seed=s.cfg.seed)
+    result = autotune_tree(s.models["A"], prompts, configs, gen, finalists=ev.tune_finalists,
+                           repeats=ev.tune_repeats, seed=s.cfg.seed)
     result.skipped = skipped
     meta = run_meta(s, [], "autotune")
     meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "hardware", "command", "date")}
     meta.update(prompts=len(prompts), max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                repeats=ev.tune_repeats)
+                finalists=ev.tune_finalists, repeats=ev.tune_repeats)
     paths = write_autotune_report(result, meta, s.out_dir / "autotune")
     b = result.best
-    best = max(result.points, key=lambda p: p.tokens_per_s)
-    print(f"fastest: total_token={b.total_token} depth={b.depth} top_k={b.top_k}: {best.tokens_per_s:.1f} tokens/s "
-          f"({best.speedup:.2f}x vanilla {result.vanilla_tokens_per_s:.1f}), tau {best.tau:.2f}")
+    best = next(p for p in result.points if (p.total_token, p.depth, p.top_k) == (b.total_token, b.depth, b.top_k))
+    tps = best.final_tokens_per_s if best.final_tokens_per_s is not None else best.tokens_per_s
+    print(f"fastest: total_token={b.total_token} depth={b.depth} top_k={b.top_k}: {tps:.1f} tokens/s "
+          f"(vanilla {result.vanilla_tokens_per_s:.1f}), tau {best.tau:.2f}")
     head_dir = local_head_dir(s.head_path)
     if ev.tune_save and head_dir is not None:
         print(f"saved {save_tree_config(head_dir, b)} (EaModel.from_pretrained uses it when no tree is given)")

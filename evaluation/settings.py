@@ -50,7 +50,8 @@ class EvalSettings:
     tune_top_ks: list[int] = field(default_factory=lambda: [4, 6, 8, 10])
     tune_prompts: int = 4
     tune_max_new_tokens: int = 96
-    tune_repeats: int = 1  # timed passes per setting (the median is used)
+    tune_finalists: int = 5  # the fastest screened settings that are re-timed
+    tune_repeats: int = 3  # re-timed passes per finalist (and vanilla); the median decides
     tune_save: bool = True  # write tree_config.json next to the head (when it is a local folder)
     # --- distribution test at T > 0 (`chi2` command; tests every speculative method) ------
     chi2_samples: int = 400  # samples per method
