@@ -135,7 +135,7 @@ def train(cfg, ctx=None) -> dict:
     # -- resume: weights, optimizer, scheduler, data position and RNG
     fingerprint = {"world_size": ctx.world_size, "train_records": len(train_set), "per_epoch": plan.per_epoch,
                    "batching": t.batching, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum}
-    state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "bad_in_row": 0, "skipped": 0,
+    state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "train_cpu": 0.0, "bad_in_row": 0, "skipped": 0,
              "evaluated_epochs": 0, "data": fingerprint}
     ckpt_root = checkpoint_root(out_dir)
     tag = latest_tag(ckpt_root) if t.resume else None
@@ -162,7 +162,7 @@ def train(cfg, ctx=None) -> dict:
         epoch, index = plan.position(micro)
         if epoch_cache[0] != epoch:
             epoch_cache = (epoch, plan.epoch(epoch))
-        tic = time.perf_counter()
+        tic, cpu_tic = time.perf_counter(), time.process_time()
         batch = collate([train_set[i] for i in epoch_cache[1][index]]).to(ctx.device)
         hidden = frozen.features(batch).to(dtype)  # [B, T, H]
         feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
@@ -187,6 +187,7 @@ def train(cfg, ctx=None) -> dict:
         elapsed = time.perf_counter() - tic
         state["tokens"] += batch.num_tokens
         state["train_time"] += elapsed
+        state["train_cpu"] += time.process_time() - cpu_tic
         n = out.positions
         window["loss"] += float(out.loss.detach()) * n
         window["feature"] += float(out.feature) * n
@@ -235,7 +236,7 @@ def train(cfg, ctx=None) -> dict:
     bar.close()
 
     # ================================================================== save
-    totals = all_reduce_sum([state["tokens"], state["train_time"]])
+    totals = all_reduce_sum([state["tokens"], state["train_time"], state["train_cpu"]])
     summary = {
         "recipe": cfg.name, "target": target_path, "mode": t.mode, "steps": step, "total_steps": total_steps,
         "epochs": micro / plan.per_epoch, "world_size": ctx.world_size, "precision": t.precision,
@@ -243,6 +244,7 @@ def train(cfg, ctx=None) -> dict:
         "train_records": len(train_set), "eval_records": len(eval_set), "skipped_micro_batches": state["skipped"],
         "train_tokens": int(totals[0]), "train_time_s": totals[1] / ctx.world_size,
         "train_tokens_per_s": totals[0] / max(totals[1] / ctx.world_size, 1e-9),
+        "train_cpu_s": totals[2],  # process CPU time of the training steps, summed over ranks (all threads)
         "stopped_early": stopped_early,
     }
     if stopped_early:

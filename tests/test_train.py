@@ -1,0 +1,286 @@
+"""Trainer on CPU with a tiny random Llama: plain-python CLI run, learning on a toy, exact resume, cache/target
+mismatch and non-finite errors, online mode, export in the official format, batching and rollout metrics."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_train_helpers import DIST_ENV, REPO, overrides, save_target, subprocess_env, write_cache
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A tiny target + a feature cache from it (shared by the module's tests; each test has its own run dir)."""
+    root = tmp_path_factory.mktemp("toy")
+    target = save_target(root / "target")
+    cache = write_cache(root / "cache", target)
+    return {"root": root, "target": target, "cache": cache}
+
+
+@pytest.fixture(scope="module")
+def dist_ctx():
+    """One in-process gloo world of size 1 for the in-process trainings; the environment is restored after."""
+    import torch.distributed as dist
+
+    from train.distributed import init_distributed
+
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    for k in DIST_ENV:
+        os.environ.pop(k, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention
+    ctx = init_distributed("cpu")
+    yield ctx
+    torch.set_num_threads(threads)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def run_train(toy, out, *extra, steps=6, ctx=None):
+    from train.main import load_config, train
+
+    cfg = load_config("tiny", overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", *extra, steps=steps))
+    return train(cfg, ctx)
+
+
+# ----------------------------------------------------------------------------- CLI, plain python
+def test_tiny_recipe_trains_under_plain_python(toy, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny",
+           *overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", "logging.backend=tensorboard", steps=4)]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "train" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["world_size"] == 1 and summary["train_tokens"] > 0
+    assert 0.0 <= summary["eval"]["eval/top1"] <= 1.0 and summary["eval"]["eval/sim_accept_len"] >= 1.0
+    assert (out / "head" / "config.json").exists() and (out / "head" / "model.safetensors").exists()
+    assert list((out / "train" / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((out / "train" / "deepspeed_config.json").read_text())["optimizer"]["params"]["lr"] == 2e-3
+    assert (out / "train" / "checkpoints" / "latest").read_text().strip() == "step-00000004"
+
+
+def test_help_lists_recipes_and_keys():
+    proc = subprocess.run([sys.executable, str(REPO / "train" / "main.py"), "--help"], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for needle in ("llama3-8b", "tiny", "train.lr = 5e-05", "train.zero_stage", "export.repo_id", "data.max_length"):
+        assert needle in proc.stdout, needle
+
+
+def test_bad_recipe_key_is_a_clear_cli_error(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny", "train.learning_rate=1"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown recipe key 'train.learning_rate'" in proc.stderr and "train.lr" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- learning
+def test_loss_decreases_on_learnable_toy(toy, tmp_path, dist_ctx):
+    out = tmp_path / "run"
+    summary = run_train(toy, out, "train.lr=3e-3", "train.token_weight=1.0", "logging.log_every=10",
+                        "train.eval_every=20", steps=160, ctx=dist_ctx)
+    logs = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in logs if "train/loss" in r]
+    top1 = [r["train/top1"] for r in logs if "train/top1" in r]
+    assert len(losses) == 16 and len([r for r in logs if "eval/top1" in r]) == 8
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert top1[0] < 0.05 and top1[-1] > 0.35, top1
+    ev = summary["eval"]
+    assert ev["eval/top1"] > 0.1, ev  # held-out records (other starts/strides): 25x chance (1/256)
+    assert ev["eval/top1"] <= ev["eval/top2"] <= ev["eval/top3"]
+    assert ev["eval/step1_acc"] >= ev["eval/step5_acc"] - 0.05
+
+
+def test_resume_is_exact(toy, tmp_path, dist_ctx):
+    """2N steps straight == N steps, stop, resume, N more: bit-identical weights."""
+    n = 5
+    common = ("train.lr=3e-3", "train.checkpoint_every=3", "train.eval_every=4")
+    straight = run_train(toy, tmp_path / "straight", *common, steps=2 * n, ctx=dist_ctx)
+    first = run_train(toy, tmp_path / "resumed", *common, f"train.stop_after={n}", steps=2 * n, ctx=dist_ctx)
+    assert first["stopped_early"] and first["steps"] == n
+    assert not (tmp_path / "resumed" / "head").exists()
+    second = run_train(toy, tmp_path / "resumed", *common, steps=2 * n, ctx=dist_ctx)
+    assert second["steps"] == 2 * n and not second["stopped_early"]
+    a = load_file(tmp_path / "straight" / "head" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "head" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert straight["eval"] == second["eval"]
+    ckpts = sorted(p.name for p in (tmp_path / "resumed" / "train" / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-00000009", "step-00000010"]  # keep_last=2
+
+
+def test_resume_rejects_changed_data(toy, tmp_path, dist_ctx):
+    out = tmp_path / "run"
+    run_train(toy, out, "train.stop_after=2", steps=4, ctx=dist_ctx)
+    with pytest.raises(RuntimeError, match="exact resume needs the same"):
+        run_train(toy, out, "train.micro_batch_size=2", steps=4, ctx=dist_ctx)
+
+
+# ----------------------------------------------------------------------------- errors before training
+def test_cache_from_another_target_is_rejected(toy, tmp_path, dist_ctx):
+    from train.frozen_target import CacheMismatchError
+
+    other = save_target(tmp_path / "other-target", hidden_size=32, num_heads=2, num_kv_heads=1)
+    with pytest.raises(CacheMismatchError) as e:
+        run_train(toy, tmp_path / "run", f"target.path={other}", ctx=dist_ctx)
+    msg = str(e.value)
+    assert "hidden_size 64 (cache) != 32 (target)" in msg and "other-target" in msg and "config_hash" in msg
+    assert not (tmp_path / "run" / "train" / "checkpoints").exists()
+
+
+def test_cache_with_other_vocab_is_rejected(toy, tmp_path, dist_ctx):
+    from train.frozen_target import CacheMismatchError
+
+    cache = write_cache(tmp_path / "cache", toy["target"], n=8, meta_override={"vocab_size": 999})
+    with pytest.raises(CacheMismatchError, match="vocab_size 999"):
+        run_train(toy, tmp_path / "run", f"train.cache_dir={cache}", ctx=dist_ctx)
+
+
+def test_non_finite_loss_is_skipped_then_aborts(toy, tmp_path, dist_ctx):
+    from train.main import NonFiniteLossError
+
+    cache = write_cache(tmp_path / "nan1", toy["target"], n=24, nan_ids=("r0003",))
+    with pytest.warns(RuntimeWarning, match=r"non-finite loss .*'r0003'"):
+        summary = run_train(toy, tmp_path / "a", f"train.cache_dir={cache}", "train.eval_fraction=0",
+                            "train.micro_batch_size=1", steps=24, ctx=dist_ctx)
+    assert summary["skipped_micro_batches"] == 1
+    all_nan = write_cache(tmp_path / "nan_all", toy["target"], n=8, nan_ids=tuple(f"r{i:04d}" for i in range(8)))
+    with pytest.raises(NonFiniteLossError, match="3 non-finite losses in a row"):
+        run_train(toy, tmp_path / "b", f"train.cache_dir={all_nan}", "train.max_bad_steps=3", "train.micro_batch_size=1",
+                  ctx=dist_ctx)
+
+
+def test_fp16_on_cpu_is_a_clear_error(toy, tmp_path, dist_ctx):
+    with pytest.raises(ValueError, match="fp16 on CPU"):
+        run_train(toy, tmp_path / "run", "train.precision=fp16", ctx=dist_ctx)
+
+
+# ----------------------------------------------------------------------------- online mode, bf16, zero-3
+def test_online_mode_runs_the_target_in_the_loop(toy, tmp_path, dist_ctx):
+    from data_prep.tokenized import write_tokenized
+    from test_train_helpers import toy_sequences
+
+    recs = [{"id": f"t{i}", "input_ids": s.tolist(), "loss_mask": [0, 0] + [1] * (len(s) - 2)}
+            for i, s in enumerate(toy_sequences(40, seed=1))]
+    write_tokenized(tmp_path / "tok.jsonl", recs)
+    summary = run_train(toy, tmp_path / "run", "train.mode=online", f"train.tokenized={tmp_path / 'tok.jsonl'}",
+                        "target.dtype=float32", steps=4, ctx=dist_ctx)
+    assert summary["mode"] == "online" and summary["steps"] == 4 and summary["eval"]["eval/positions"] > 0
+
+
+def test_bf16_zero3_trains_and_exports(toy, tmp_path, dist_ctx):
+    summary = run_train(toy, tmp_path / "run", "train.precision=bf16", "train.zero_stage=3", "export.dtype=bfloat16",
+                        steps=4, ctx=dist_ctx)
+    assert summary["steps"] == 4
+    sd = load_file(tmp_path / "run" / "head" / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in sd.values()) and sd["fc.weight"].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- export
+def test_export_is_official_format_and_loads(toy, tmp_path, dist_ctx):
+    from eagle import EaModel, EagleHead
+    from eagle.head import load_target_embedding_and_lm_head
+
+    out = tmp_path / "run"
+    run_train(toy, out, "export.legacy_bin=true", "head.bias=false", steps=3, ctx=dist_ctx)
+    head_dir = out / "head"
+    sd = load_file(head_dir / "model.safetensors")
+    expected = {"embed_tokens.weight", "fc.weight", "layers.0.post_attention_layernorm.weight",
+                *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+                *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+    assert set(sd) == expected  # head.bias=false: no fc.bias, like the released Llama-3 heads
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is False and cfg["architectures"] == ["LlamaForCausalLM"]
+    legacy = torch.load(head_dir / "pytorch_model.bin", weights_only=True)
+    assert legacy.keys() == sd.keys()
+    emb, _ = load_target_embedding_and_lm_head(toy["target"])
+    assert torch.equal(sd["embed_tokens.weight"], emb.float())  # the frozen target embedding, unchanged
+    head = EagleHead.from_pretrained(head_dir)
+    assert torch.equal(head.fc.weight, sd["fc.weight"])
+    model = EaModel.from_pretrained(base_model_path=str(toy["target"]), ea_model_path=str(head_dir),
+                                    total_token=8, depth=3, top_k=2, torch_dtype=torch.float32)
+    prompt = torch.tensor([[5, 8, 11, 14]])
+    ids = model.eagenerate(prompt, temperature=0.0, max_new_tokens=8)
+    assert torch.equal(ids, model.naivegenerate(prompt, temperature=0.0, max_new_tokens=8))
+
+
+# ----------------------------------------------------------------------------- batching
+def test_grouped_batches_pad_less_and_replay_exactly():
+    from train.batching import MicroBatchPlan
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 500, (1000,), generator=g).tolist()
+    grouped = MicroBatchPlan(lengths, 4, seed=1, strategy="grouped", group_size=32)
+    padded = MicroBatchPlan(lengths, 4, seed=1, strategy="padded")
+    assert grouped.padding_fraction() < 0.05 < 0.3 < padded.padding_fraction()
+    assert grouped.epoch(3) == MicroBatchPlan(lengths, 4, seed=1, strategy="grouped", group_size=32).epoch(3)
+    assert grouped.epoch(0) != grouped.epoch(1)
+    seen = sorted(i for b in grouped.epoch(0) for i in b)
+    assert seen == list(range(1000))  # every record once per epoch
+    ranks = [MicroBatchPlan(lengths, 4, seed=1, world_size=2, rank=r) for r in range(2)]
+    assert ranks[0].per_epoch == ranks[1].per_epoch
+    r0 = {i for b in ranks[0].epoch(0) for i in b}
+    r1 = {i for b in ranks[1].epoch(0) for i in b}
+    assert not r0 & r1 and len(r0 | r1) == 1000
+    assert grouped.position(grouped.per_epoch + 2) == (1, 2)
+
+
+def test_split_is_stable_per_record_id():
+    from train.data import split_train_eval
+
+    ids = [f"rec{i}" for i in range(2000)]
+    tr, ev = split_train_eval(ids, 0.05, seed=0)
+    assert 60 < len(ev) < 140 and not set(tr) & set(ev) and len(tr) + len(ev) == 2000
+    tr2, ev2 = split_train_eval(ids + [f"new{i}" for i in range(500)], 0.05, seed=0)
+    assert set(ev) <= set(ev2)  # adding data never moves an old record across the split
+    assert split_train_eval(ids[:3], 0.01, seed=0)[1]  # at least one eval record
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_chain_rollout_matches_step_by_step_drafting():
+    """The batched self-fed rollout equals drafting each chain one step at a time with a growing prefix."""
+    from eagle.head import EagleHead, HeadConfig
+    from train.metrics import chain_rollout
+
+    torch.manual_seed(0)
+    cfg = HeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=11)
+    head = EagleHead(cfg).eval()
+    lm = torch.randn(11, 16)
+    B, T, k = 2, 12, 3
+    hidden = torch.randn(B, T, 16)
+    ids = torch.randint(0, 11, (B, T))
+    top = (hidden @ lm.T).argmax(-1)
+    rows = [(0, 0), (0, 5), (1, 8), (1, 2)]
+    got = chain_rollout(head, hidden, ids, top, rows, k, lm)
+    for r, (b, s) in enumerate(rows):
+        feats = hidden[b, : s + 1].clone()
+        for j in range(1, k + 1):
+            out = head(feats[None], ids[b, 1 : s + j + 1][None])[0, -1]  # predicts f_{s+j}
+            assert bool(got[r, j - 1]) == bool((out @ lm.T).argmax() == top[b, s + j])
+            feats = torch.cat([feats, out[None]])
+
+
+def test_noise_kinds():
+    from train.loss import add_input_noise
+
+    x = torch.zeros(4000, 8)
+    u = add_input_noise(x, "uniform", 0.2)
+    assert u.abs().max() <= 0.1 and u.std() > 0.05
+    n = add_input_noise(x, "gaussian", 0.2)
+    assert abs(float(n.std()) - 0.2) < 0.01
+    assert add_input_noise(x, "none", 0.2) is x

@@ -1,0 +1,74 @@
+"""Shared pieces of the trainer tests (no tests here): a tiny random Llama target saved to disk, a feature
+cache written from its forward with FeatureCacheWriter, and the recipe overrides that point `tiny` at them."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from data_prep.feature_cache import FeatureCacheWriter
+from data_prep.target import target_config_hash
+from tiny_models import tiny_llama
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 256
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def toy_sequences(n: int, seed: int = 0, min_len: int = 8, max_len: int = 40) -> list[torch.Tensor]:
+    """Learnable toy token streams: arithmetic progressions mod VOCAB with a per-record start and stride."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        start, stride = int(torch.randint(0, VOCAB, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        out.append((start + stride * torch.arange(T)) % VOCAB)
+    return out
+
+
+def save_target(path: Path, lm_head_scale: float = 8.0, **kw) -> Path:
+    """A tiny random Llama as a HF folder (weights in model.safetensors). Its lm_head is scaled up so the
+    next-token distributions are peaked, as in a trained LM (random init gives near-uniform ones, whose
+    soft CE is almost all entropy and cannot show learning)."""
+    model = tiny_llama(vocab_size=VOCAB, **kw)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_head_scale)
+    model.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def write_cache(cache: Path, target: Path, n: int = 96, seed: int = 0, nan_ids: tuple[str, ...] = (),
+                meta_override: dict | None = None, dtype: str = "float32") -> Path:
+    """Feature cache of the target's last hidden states on toy sequences (loss on every token but the first 2)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    meta = {"target": str(target), "config_hash": target_config_hash(model.config),
+            "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size, **(meta_override or {})}
+    w = FeatureCacheWriter(cache, meta, dtype=dtype)
+    for i, ids in enumerate(toy_sequences(n, seed)):
+        hidden = model.model(ids[None]).last_hidden_state[0]  # [T, H]
+        rid = f"r{i:04d}"
+        if rid in nan_ids:
+            hidden = torch.full_like(hidden, float("nan"))
+        mask = torch.ones(len(ids), dtype=torch.long)
+        mask[:2] = 0  # a "prompt" the loss skips
+        w.add(rid, ids, hidden, mask)
+    w.close()
+    return cache
+
+
+def overrides(target: Path, out: Path, *extra: str, steps: int = 6) -> list[str]:
+    """`tiny` pointed at a toy target/run dir, quiet, exporting fp32, with a small number of steps."""
+    return [f"target.path={target}", f"output_dir={out}", f"train.max_steps={steps}", "train.warmup_steps=2",
+            "logging.backend=none", "logging.progress=false", "train.eval_fraction=0.1", "train.rollout_starts=4",
+            "train.micro_batch_size=4", "train.keep_last=2", *extra]
+
+
+def subprocess_env(threads: int = 1) -> dict:
+    """Environment for a trainer subprocess: no inherited rank variables, offline logging, few threads."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    return env

@@ -1,0 +1,85 @@
+"""Feature cache from a plain-text corpus: for base LMs without a chat template (e.g. stories260K).
+
+    python -m train.corpus_cache --recipe stories260k --text ../shared/data/corpora/tinystories_val_a.txt --first 3000
+
+Records are the blank-line separated paragraphs of the file (the first N with --first, so the rest stays
+unseen for evaluation prompts), tokenised with the target's tokenizer (its BOS added), truncated to
+data.max_length, loss on every token. Written with data_prep's FeatureCacheWriter to the trainer's cache
+directory ({output_dir}/data/features) with the same meta data_prep writes, so the trainer's target check
+applies. Resumable: paragraphs already in the cache are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def read_paragraphs(path: str | Path, first: int = 0) -> list[str]:
+    """Non-empty blank-line separated paragraphs of a UTF-8 text file (the first `first`; 0 = all)."""
+    paras = [p.strip() for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    return paras[:first] if first else paras
+
+
+@torch.no_grad()
+def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: int = 16, progress: bool = True) -> dict:
+    """Cache the target's final hidden states for every paragraph; returns the cache manifest."""
+    from tqdm.auto import tqdm
+
+    from data_prep.feature_cache import FeatureCacheWriter
+    from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
+    from train.data import cache_dir
+
+    target_path = resolve_target_path(cfg.target)
+    tokenizer = load_target_tokenizer(cfg.target, target_path)
+    model = load_target_model(cfg.target, pick_device(cfg.data.device), target_path)
+    decoder = getattr(model, model.base_model_prefix)
+    device = next(model.parameters()).device
+    meta = {"target": target_path, "config_hash": target_config_hash(model.config),
+            "hidden_size": int(model.config.hidden_size), "vocab_size": int(model.config.vocab_size),
+            "target_dtype": cfg.target.dtype, "source": f"text:{Path(text_file).name}" + (f"[:{first}]" if first else "")}
+    writer = FeatureCacheWriter(cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
+    paragraphs = read_paragraphs(text_file, first)
+    todo = [(f"p{i:06d}", p) for i, p in enumerate(paragraphs) if f"p{i:06d}" not in writer]
+    start = time.perf_counter()
+    for k in tqdm(range(0, len(todo), batch_size), desc="cache", disable=not progress):
+        chunk = todo[k : k + batch_size]
+        encoded = [tokenizer(p)["input_ids"][: cfg.data.max_length] for _, p in chunk]
+        T = max(len(e) for e in encoded)
+        ids = torch.zeros(len(chunk), T, dtype=torch.long)
+        attn = torch.zeros(len(chunk), T, dtype=torch.long)
+        for b, e in enumerate(encoded):
+            ids[b, : len(e)] = torch.tensor(e)
+            attn[b, : len(e)] = 1
+        hidden = decoder(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state  # [B, T, H]
+        for b, (rid, _) in enumerate(chunk):
+            n = len(encoded[b])
+            writer.add(rid, ids[b, :n], hidden[b, :n].float().cpu(), torch.ones(n, dtype=torch.long))
+    manifest = writer.close()
+    manifest["seconds"] = time.perf_counter() - start
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    from train.main import load_config
+
+    p = argparse.ArgumentParser(prog="python -m train.corpus_cache", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", required=True)
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--text", required=True, help="UTF-8 text file, paragraphs separated by blank lines")
+    p.add_argument("--first", type=int, default=0, help="use only the first N paragraphs (0 = all)")
+    p.add_argument("--batch-size", type=int, default=16)
+    args = p.parse_args(argv)
+    cfg = load_config(args.recipe, args.overrides)
+    m = build_corpus_cache(cfg, args.text, args.first, args.batch_size)
+    print(f"cache: {m['num_records']} records, {m['num_tokens']} tokens, {m['bytes_on_disk']:,} bytes "
+          f"({m['seconds']:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

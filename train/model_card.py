@@ -1,0 +1,110 @@
+"""The Hub model card (README.md) of an exported head: base model, recipe, data, held-out metrics and, when
+the evaluation has run, its tau/speedup table and plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "–"
+
+
+def _estimate(e) -> float | None:
+    if isinstance(e, dict):
+        return e.get("value")
+    return e if isinstance(e, (int, float)) else None
+
+
+def evaluation_rows(report: dict) -> list[str]:
+    """Markdown rows (method, tau, tokens/s, speedup) of an evaluation report.json's overall summaries."""
+    rows = []
+    for s in report.get("summaries", []):
+        if s.get("category") != "overall":
+            continue
+        rows.append(f"| {s.get('method')} | {_fmt(_estimate(s.get('tau')), 2)} | {_fmt(_estimate(s.get('tokens_per_s')), 1)} | "
+                    f"{_fmt(_estimate(s.get('speedup')), 2)} |")
+    return rows
+
+
+def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manifest: dict | None,
+               eval_report: dict | None, plots: list[str]) -> str:
+    """README.md text. `cfg`: the recipe the head was TRAINED with; `plots`: repo-relative PNG paths to embed."""
+    t = cfg.train
+    target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
+    card_meta = {"base_model": target if "/" in target and not Path(target).exists() else None,
+                 "library_name": "eagle2-train", "license": license,
+                 "tags": ["eagle", "eagle-2", "speculative-decoding", "draft-model"], "pipeline_tag": "text-generation"}
+    front = "---\n" + OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in card_meta.items() if v})) + "---\n"
+    lines = [
+        front,
+        f"# EAGLE-2 draft head for `{target}`",
+        "",
+        "A one-layer EAGLE-1/2 feature extrapolator (lossless speculative decoding; draft trees as in EAGLE-2). "
+        "Official EAGLE checkpoint format: `config.json` + `model.safetensors`; token logits come from the base "
+        "model's own frozen `lm_head`, the token embedding is the base model's (included, frozen).",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "import torch",
+        "from eagle import EaModel",
+        "",
+        f'model = EaModel.from_pretrained(base_model_path="{target}", ea_model_path="{repo_id}",',
+        "                                total_token=60, depth=5, top_k=10, torch_dtype=torch.float16)",
+        "ids = model.eagenerate(input_ids, temperature=0.0, max_new_tokens=512)",
+        "```",
+        "",
+        "The reference EAGLE code loads this folder too (`ea_model_path=...`).",
+        "",
+        "## Training",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        f"| recipe | `{cfg.name}` (`recipe.yaml` in this repo) |",
+        f"| data | `{cfg.data.source or 'recipe default'}`"
+        + (f", {data_manifest.get('num_records')} records / {data_manifest.get('num_tokens')} tokens "
+           f"({data_manifest.get('num_loss_tokens')} trained on)" if data_manifest else "") + " |",
+        f"| feature source | {t.mode} ({'data_prep feature cache' if t.mode == 'offline' else 'target run inside the loop'}) |",
+        f"| optimiser | AdamW lr {t.lr}, betas {list(t.betas)}, weight decay {t.weight_decay}, "
+        f"{t.schedule} decay after {t.warmup_steps} warmup steps, clip {t.grad_clip} |",
+        f"| batch | {t.micro_batch_size} sequences x {t.grad_accum} accumulation x {(summary or {}).get('world_size', 1)} ranks |",
+        f"| loss | {t.feature_weight} x SmoothL1(feature) + {t.token_weight} x soft CE(token); {t.noise} input noise {t.noise_std} |",
+        f"| precision | {t.precision}, ZeRO-{t.zero_stage} |",
+    ]
+    if summary:
+        lines += [f"| steps | {summary.get('steps')} ({_fmt(summary.get('epochs'), 2)} epochs, "
+                  f"{summary.get('train_records')} train / {summary.get('eval_records')} held-out records) |",
+                  f"| throughput | {_fmt(summary.get('train_tokens_per_s'), 0)} tokens/s |"]
+    ev = (summary or {}).get("eval") or {}
+    if ev:
+        steps = sorted(int(k[len("eval/step"):-len("_acc")]) for k in ev if k.startswith("eval/step") and k.endswith("_acc"))
+        lines += ["", "## Held-out metrics (teacher-forced, from training)", "",
+                  "| top-1 | top-2 | top-3 | " + " | ".join(f"self-fed step {j}" for j in steps) + " | simulated acceptance length |",
+                  "|" + "---|" * (4 + len(steps)),
+                  f"| {_fmt(ev.get('eval/top1'))} | {_fmt(ev.get('eval/top2'))} | {_fmt(ev.get('eval/top3'))} | "
+                  + " | ".join(_fmt(ev.get(f"eval/step{j}_acc")) for j in steps) + f" | {_fmt(ev.get('eval/sim_accept_len'), 2)} |",
+                  "",
+                  "top-k: the base model's argmax is among the head's k best tokens. Self-fed step j: accuracy of the j-th "
+                  "draft token of a chain that feeds the head its own predicted features. Simulated acceptance length: "
+                  "1 + mean accepted draft tokens of such greedy chains."]
+    if eval_report:
+        rows = evaluation_rows(eval_report)
+        meta = eval_report.get("meta", {})
+        lines += ["", "## Evaluation (speculative decoding)", ""]
+        if meta.get("questions"):
+            lines.append(f"Prompts: `{meta['questions']}`; hardware: {meta.get('hardware', 'see eval/report.json')}.")
+            lines.append("")
+        if rows:
+            lines += ["| method | tau | tokens/s | speedup |", "|---|---|---|---|", *rows, ""]
+        lines.append("Full report: [eval/report.md](eval/report.md).")
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    lines += ["", "## Citation", "", "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al.", ""]
+    return "\n".join(lines)
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
