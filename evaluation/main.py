@@ -177,7 +177,7 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
 
 def bench(s: Setup, questions: list) -> int:
     from evaluation.calibration import calibrate
-    from evaluation.losslessness import check_greedy
+    from evaluation.losslessness import check_greedy, explain_mismatches
     from evaluation.metrics import compare_all_pairs, summarize
     from evaluation.report import EvalReport, markdown, write_answers, write_report
     from evaluation.runner import run_benchmark
@@ -193,10 +193,13 @@ def bench(s: Setup, questions: list) -> int:
     stat_kw = dict(n_resamples=ev.bootstrap_samples, confidence_level=ev.confidence_level, seed=s.cfg.seed)
     summaries = summarize(run.results, **stat_kw)
     speculative = [m.label for m in methods if not m.is_vanilla]
+    greedy = None
+    if s.gen.temperature == 0:
+        greedy = explain_mismatches(s.models["A"].base_model, run.results, check_greedy(run.results), ev.tie_ulps)
     report = EvalReport(
         meta=run_meta(s, methods, "bench"), run=run, summaries=summaries,
         comparisons=compare_all_pairs(run.results, speculative, **stat_kw),
-        greedy=check_greedy(run.results) if s.gen.temperature == 0 else None,
+        greedy=greedy,
         calibration={m: calibrate([rd for r in run.results if r.method == m for rd in r.stats.rounds],
                                   ev.calibration_bins) for m in speculative})
     paths = write_report(report, s.out_dir)
@@ -206,11 +209,14 @@ def bench(s: Setup, questions: list) -> int:
     overall = md[md.index("## Overall"):]
     print(overall[: overall.find("\n## ", 3)])
     print(f"report: {paths['markdown']}")
-    if report.greedy is not None and not report.greedy.lossless:
-        for m in report.greedy.mismatches[:10]:
-            print(f"MISMATCH {m.method} question {m.question_id} turn {m.turn}: first divergence at generated "
-                  f"position {m.position} (vanilla {m.expected}, got {m.got})", file=sys.stderr)
-        return 1 if ev.fail_on_mismatch else 0
+    if greedy is not None and not greedy.lossless:
+        for m in greedy.mismatches[:10]:
+            kind = "precision near-tie" if m.near_tie else "DIVERGENCE"
+            gap = f", logit gap {m.logit_gap:.3g} = {m.gap_ulps:.1f} ulp" if m.logit_gap is not None else ""
+            print(f"{kind}: {m.method} question {m.question_id} turn {m.turn}: first difference at generated "
+                  f"position {m.position} (vanilla {m.expected}, got {m.got}{gap})", file=sys.stderr)
+        if greedy.divergences and ev.fail_on_mismatch:
+            return 1
     return 0
 
 

@@ -43,7 +43,8 @@ class EvalSettings:
     confidence_level: float = 0.95
     calibration_bins: int = 10
     save_outputs: bool = True  # answers.jsonl with every method's decoded text and token ids
-    fail_on_mismatch: bool = True  # exit code 1 when a T = 0 output differs from vanilla's
+    fail_on_mismatch: bool = True  # exit code 1 when a T = 0 output diverges from vanilla's (beyond a near-tie)
+    tie_ulps: float = 4.0  # a mismatch whose target logits differ by <= this many ulps (target dtype) is a near-tie
     # --- tree auto-tuning (`autotune` command) -----------------------------------------
     tune_total_tokens: list[int] = field(default_factory=lambda: [10, 20, 30, 45, 60, 80])
     tune_depths: list[int] = field(default_factory=lambda: [3, 4, 5, 6, 7, 8])

@@ -10,7 +10,7 @@ import torch
 from eagle.stats import GenerationStats, RoundStats
 from evaluation.bootstrap import paired_bootstrap, ratio_ci, ratio_difference_ci, ratio_of_ratios_ci
 from evaluation.calibration import calibrate, collect_nodes, reliability
-from evaluation.losslessness import check_greedy, chi2_homogeneity, first_divergence
+from evaluation.losslessness import check_greedy, chi2_homogeneity, explain_mismatches, first_divergence
 from evaluation.metrics import OVERALL, compare, depth_acceptance, summarize
 from evaluation.report import EvalReport, write_report
 from evaluation.runner import BenchmarkRun, TurnResult
@@ -162,6 +162,40 @@ def test_first_divergence_and_greedy_check(hand_run):
     assert not check.lossless and check.compared == 3
     (m,) = check.mismatches
     assert (m.question_id, m.turn, m.method, m.position, m.expected, m.got) == ("q1", 0, "eagle1", 6, 6, 99)
+
+
+class FixedLogits(torch.nn.Module):
+    """A bf16 'target' whose next-token logits are always: token 3 -> 12.0, 4 -> 12.0 - 1 ulp, 5 -> 5.0."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+        self.seen = []
+
+    def forward(self, ids):
+        self.seen.append(ids[0].tolist())
+        logits = torch.zeros(1, ids.shape[1], 8, dtype=torch.bfloat16)
+        logits[..., 3], logits[..., 4], logits[..., 5] = 12.0, 12.0 - 0.0625, 5.0  # bf16 ulp in [8, 16) = 2^3 * 2^-7
+        return type("Out", (), {"logits": logits})()
+
+
+def test_mismatches_are_explained_as_near_ties_or_divergences(hand_run):
+    for r in hand_run:  # every method agrees with the fixed target: always token 3
+        r.output_ids = [3] * len(r.output_ids)
+    tie = turn("q1", "a", "eagle1", 10, 0.7, [spec_round(4)] * 2)
+    tie.output_ids = [3] * 6 + [4] + [3] * 3  # token 4 is 1 ulp below the argmax 3: a near-tie
+    bug = turn("q2", "b", "eagle1", 6, 0.7, [spec_round(4)])
+    bug.output_ids = [3, 3, 5, 3, 3, 3]  # token 5 is 7.0 below: a real divergence
+    results = hand_run + [tie, bug]
+    target = FixedLogits()
+    check = explain_mismatches(target, results, check_greedy(results), tie_ulps=4)
+    by = {m.question_id: m for m in check.mismatches}
+    assert by["q1"].gap_ulps == pytest.approx(1.0) and by["q1"].near_tie
+    assert by["q2"].gap_ulps == pytest.approx(7.0 / 0.0625) and not by["q2"].near_tie
+    assert [m.question_id for m in check.divergences] == ["q2"]
+    assert target.seen[0] == [1, 2, 3] + [3] * 6  # the forward saw vanilla's prefix up to the divergence
+    d = check.to_dict()
+    assert (d["lossless"], d["divergences"], d["near_ties"]) == (False, 1, 1)
 
 
 def test_chi2_homogeneity():
