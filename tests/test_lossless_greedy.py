@@ -1,0 +1,259 @@
+"""Greedy speculative decoding is token-identical to transformers' greedy `generate`.
+
+Tiny Llama, Qwen2 (q/k/v bias) and Mistral (sliding window 16, shorter than prompt + generation)
+targets with GQA; 20 prompts each; a random head (mostly rejects) and a fitted head (mostly accepts,
+so long accepted paths are compacted in the KV cache); EAGLE-2 dynamic trees, the EAGLE-1 static
+tree and chains; EOS inside an accepted path, max_new_tokens / max_length cuts; log/stats consistency.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle import DecodingConfig, EaModel
+from tiny_models import (  # noqa: F401  (single_thread is a fixture)
+    FAMILIES,
+    NEW_TOKENS,
+    family_setup,
+    first_divergence_report,
+    hf_greedy,
+    single_thread,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+DECODINGS = {
+    "dyn60-5-10": DecodingConfig(mode="dynamic", total_token=60, depth=5, top_k=10),
+    "dyn16-3-4": DecodingConfig(mode="dynamic", total_token=16, depth=3, top_k=4),
+    "dyn24-6-2": DecodingConfig(mode="dynamic", total_token=24, depth=6, top_k=2),
+    "static-mc_sim_7b_63": DecodingConfig(mode="static", static_choices="mc_sim_7b_63"),
+    "chain5": DecodingConfig(mode="chain", chain_length=5),
+}
+
+
+def head_of(setup, kind):
+    return setup.random_head if kind == "random" else setup.good_head
+
+
+def assert_same(target, expected, got, what):
+    assert torch.equal(expected, got), f"{what}: {first_divergence_report(target, expected, got)}"
+
+
+RANDOM_HEAD_NEW_TOKENS = 12  # a random head is rejected almost every round: one round per token, keep it short
+MAIN = ["dyn60-5-10", "static-mc_sim_7b_63", "chain5"]
+# the other dynamic shapes run on one family each by default and on all of them under -m slow
+EXTRA = [("llama", "dyn16-3-4"), ("qwen2", "dyn24-6-2"), ("mistral", "dyn16-3-4"), ("llama", "dyn24-6-2")]
+FULL = [(f, d) for f in FAMILIES for d in DECODINGS]
+DEFAULT = [(f, d) for f in FAMILIES for d in MAIN] + EXTRA
+CASES = [pytest.param(f, d, id=f"{f}-{d}") for f, d in DEFAULT] + [
+    pytest.param(f, d, id=f"{f}-{d}", marks=pytest.mark.slow) for f, d in FULL if (f, d) not in DEFAULT
+]
+
+
+def max_accept_length(decoding: DecodingConfig) -> int:
+    if decoding.mode == "chain":
+        return decoding.chain_length
+    if decoding.mode == "static":
+        return 5  # mc_sim_7b_63 is 5 levels deep
+    return decoding.depth + 1  # root's top-k, then `depth` expansion steps
+
+
+@pytest.mark.parametrize("head_kind", ["random", "good"])
+@pytest.mark.parametrize("family,decoding_name", CASES)
+def test_greedy_matches_transformers_generate(family, decoding_name, head_kind):
+    s = family_setup(family)
+    decoding = DECODINGS[decoding_name]
+    model = EaModel(s.target, head_of(s, head_kind), decoding)
+    n_new = NEW_TOKENS if head_kind == "good" else RANDOM_HEAD_NEW_TOKENS
+    new_tokens, rounds, longest = 0, 0, 0
+    for i, (prompt, ref) in enumerate(zip(s.prompts, s.references)):
+        out, stats = model.eagenerate(prompt, max_new_tokens=n_new, return_stats=True)
+        assert_same(s.target, ref[:, : prompt.shape[1] + n_new], out, f"{family}/{head_kind}/{decoding_name} prompt {i}")
+        new_tokens += sum(r.new_tokens for r in stats.rounds)
+        rounds += len(stats.rounds)
+        longest = max([longest] + [r.accept_length for r in stats.rounds])
+    tau = new_tokens / rounds
+    assert longest <= max_accept_length(decoding)
+    if head_kind == "good":
+        # the fitted head must really be accepted: long paths, non-trivial cache compaction
+        assert longest == max_accept_length(decoding), f"longest accepted path {longest}"
+        assert tau > 0.5 * (max_accept_length(decoding) + 1), f"tau={tau:.2f} with a head fitted on these continuations"
+    else:
+        assert tau < 2.0, f"tau={tau:.2f}: a random head should mostly be rejected"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_naivegenerate_matches_transformers_generate(family):
+    s = family_setup(family)
+    model = EaModel(s.target, s.random_head)
+    for i, (prompt, ref) in enumerate(zip(s.prompts, s.references)):
+        out, new_tokens, rounds = model.naivegenerate(prompt, max_new_tokens=NEW_TOKENS, log=True)
+        assert_same(s.target, ref, out, f"{family} naive prompt {i}")
+        assert rounds == NEW_TOKENS - 1 and new_tokens == NEW_TOKENS - 1  # one forward per token after the prefill
+
+
+def test_streaming_yields_growing_prefixes_of_the_greedy_output():
+    s = family_setup("llama")
+    model = EaModel(s.target, s.good_head)
+    for prompt, ref in list(zip(s.prompts, s.references))[:5]:
+        chunks = list(model.ea_generate(prompt, max_new_tokens=NEW_TOKENS))
+        assert len(chunks) >= 2
+        lengths = [c.shape[1] for c in chunks]
+        assert lengths == sorted(set(lengths)), f"each yield must add tokens: {lengths}"
+        for c in chunks:
+            assert torch.equal(c, ref[:, : c.shape[1]])
+        assert torch.equal(chunks[-1], ref)
+
+
+# ----------------------------------------------------------------------------- stops
+def eos_candidates(ref, prompt_len):
+    """Tokens of the greedy continuation with the position of their first occurrence (>= 1 new token in)."""
+    seen = {}
+    for j, t in enumerate(ref[0, prompt_len:].tolist()):
+        seen.setdefault(t, j)
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_inside_an_accepted_path_stops_exactly_like_transformers(family):
+    s = family_setup(family)
+    model = EaModel(s.target, s.good_head, DECODINGS["dyn60-5-10"])
+    cut_mid_round = 0
+    for i, (prompt, ref) in enumerate(zip(s.prompts, s.references)):
+        T = prompt.shape[1]
+        first = eos_candidates(ref, T)
+        # an EOS the model actually emits, first produced somewhere after the prefill's token
+        eos = next((t for t, j in sorted(first.items(), key=lambda kv: kv[1]) if j >= 3 + i % 9), None)
+        if eos is None:
+            eos = next(t for t, j in first.items() if j >= 1)
+        expected = hf_greedy(s.target, prompt, NEW_TOKENS, eos_token_id=eos)
+        out, stats = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos, return_stats=True)
+        assert_same(s.target, expected, out, f"{family} eos={eos} prompt {i}")
+        assert int(out[0, -1]) == eos and out.shape[1] == T + first[eos] + 1
+        last = stats.rounds[-1]
+        cut_mid_round += last.new_tokens < last.accept_length + 1
+    # with a good head EOS regularly sits inside an accepted path, with accepted tokens after it
+    assert cut_mid_round >= 5, f"only {cut_mid_round} of {len(s.prompts)} prompts stopped inside an accepted path"
+
+
+def test_several_eos_ids_stop_at_the_first_one_emitted():
+    s = family_setup("qwen2")
+    model = EaModel(s.target, s.good_head)
+    for i, (prompt, ref) in enumerate(zip(s.prompts, s.references)):
+        T = prompt.shape[1]
+        order = sorted(eos_candidates(ref, T).items(), key=lambda kv: kv[1])
+        if len(order) < 3:
+            continue
+        late, early = order[-1][0], order[len(order) // 2][0]
+        expected = hf_greedy(s.target, prompt, NEW_TOKENS, eos_token_id=[late, early])
+        out = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[late, early])
+        assert_same(s.target, expected, out, f"eos ids [{late}, {early}] prompt {i}")
+        assert int(out[0, -1]) == early
+
+
+def test_eos_as_the_first_token_returns_prompt_plus_one():
+    s = family_setup("llama")
+    model = EaModel(s.target, s.good_head)
+    for prompt, ref in zip(s.prompts[:5], s.references[:5]):
+        T = prompt.shape[1]
+        out, new_tokens, rounds = model.eagenerate(prompt, eos_token_id=int(ref[0, T]), log=True)
+        assert torch.equal(out, ref[:, : T + 1]) and rounds == 0 and new_tokens == 0
+
+
+def test_default_eos_comes_from_the_generation_config():
+    s = family_setup("llama")
+    prompt, ref = s.prompts[0], s.references[0]
+    T = prompt.shape[1]
+    eos = int(ref[0, T + 6])
+    cut = T + eos_candidates(ref, T)[eos] + 1
+    s.target.generation_config.eos_token_id = eos
+    try:
+        out = EaModel(s.target, s.good_head).eagenerate(prompt, max_new_tokens=NEW_TOKENS)
+    finally:
+        s.target.generation_config.eos_token_id = None
+    assert torch.equal(out, ref[:, :cut])
+
+
+@pytest.mark.parametrize("head_kind", ["random", "good"])
+@pytest.mark.parametrize("decoding_name", ["dyn60-5-10", "static-mc_sim_7b_63", "chain5"])
+def test_max_new_tokens_and_max_length_cut_exactly(decoding_name, head_kind):
+    s = family_setup("mistral")  # sliding window: the cuts also land past the window
+    model = EaModel(s.target, head_of(s, head_kind), DECODINGS[decoding_name])
+    for i, (prompt, ref) in enumerate(list(zip(s.prompts, s.references))[:6]):
+        T = prompt.shape[1]
+        for n in (1, 2, 3, 7, 18):
+            out = model.eagenerate(prompt, max_new_tokens=n)
+            assert_same(s.target, ref[:, : T + n], out, f"prompt {i} max_new_tokens={n}")
+            out = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, max_length=T + n)
+            assert_same(s.target, ref[:, : T + n], out, f"prompt {i} max_length=T+{n}")
+        # both limits: the tighter one wins
+        out = model.eagenerate(prompt, max_new_tokens=9, max_length=T + 4)
+        assert out.shape[1] == T + 4
+        out = model.eagenerate(prompt, max_new_tokens=4, max_length=T + 9)
+        assert out.shape[1] == T + 4
+
+
+# ----------------------------------------------------------------------------- log / stats
+@pytest.mark.parametrize("decoding_name", ["dyn60-5-10", "dyn24-6-2", "static-mc_sim_7b_63", "chain5"])
+def test_log_and_round_stats_are_consistent(decoding_name):
+    s = family_setup("llama")
+    decoding = DECODINGS[decoding_name]
+    expected_nodes = {"dynamic": decoding.total_token - 1, "static": 25, "chain": decoding.chain_length}[decoding.mode]
+    for head in (s.random_head, s.good_head):
+        model = EaModel(s.target, head, decoding)
+        for prompt, ref in list(zip(s.prompts, s.references))[:4]:
+            T = prompt.shape[1]
+            ids, new_tokens, rounds = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, log=True)
+            ids2, stats = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, return_stats=True)
+            assert torch.equal(ids, ref) and torch.equal(ids2, ref)
+            assert stats.prompt_tokens == T and stats.new_tokens == NEW_TOKENS
+            assert rounds == len(stats.rounds) > 0
+            # log counts the tokens of the verification rounds (the prefill's token is not a round's)
+            assert new_tokens == sum(r.new_tokens for r in stats.rounds) == NEW_TOKENS - 1
+            assert stats.tau == pytest.approx(new_tokens / rounds)
+            assert stats.prefill_s > 0 and stats.total_s >= stats.prefill_s
+            for k, r in enumerate(stats.rounds):
+                n = r.node_depth.numel()
+                assert n == expected_nodes
+                assert r.node_prob.shape == r.node_path_prob.shape == r.node_accepted.shape == (n,)
+                assert r.node_depth.dtype == torch.int64 and r.node_accepted.dtype == torch.bool
+                assert r.node_prob.dtype == torch.float32 and r.node_path_prob.dtype == torch.float32
+                assert int(r.node_depth.min()) >= 1
+                assert int(r.node_accepted.sum()) == r.accept_length
+                acc_depths = sorted(r.node_depth[r.node_accepted].tolist())
+                assert acc_depths == list(range(1, r.accept_length + 1))
+                if k < len(stats.rounds) - 1:
+                    assert r.new_tokens == r.accept_length + 1
+                else:
+                    assert 1 <= r.new_tokens <= r.accept_length + 1
+                # path value = product of the draft probabilities along the path
+                order = r.node_depth[r.node_accepted].argsort()
+                acc_prob = r.node_prob[r.node_accepted][order]
+                acc_path = r.node_path_prob[r.node_accepted][order]
+                assert torch.allclose(acc_path, acc_prob.cumprod(0), rtol=1e-4, atol=1e-7)
+                top = r.node_depth == 1
+                assert torch.allclose(r.node_path_prob[top], r.node_prob[top], rtol=1e-5, atol=1e-8)
+                assert bool((r.node_path_prob <= r.node_prob * (1 + 1e-5) + 1e-8).all())
+                assert bool(((r.node_prob > 0) & (r.node_prob <= 1 + 1e-6)).all())
+                assert min(r.draft_s, r.verify_s, r.commit_s) >= 0
+
+
+def test_vanilla_round_stats():
+    s = family_setup("llama")
+    model = EaModel(s.target, s.random_head)
+    ids, stats = model.naivegenerate(s.prompts[0], max_new_tokens=10, return_stats=True)
+    assert torch.equal(ids, s.references[0][:, : s.prompts[0].shape[1] + 10])
+    assert len(stats.rounds) == 9 and all(r.new_tokens == 1 and r.accept_length == 0 for r in stats.rounds)
+    assert stats.tau == 1.0
+
+
+def test_one_model_serves_prompts_of_growing_and_shrinking_length():
+    """The preallocated caches are reused across calls; a longer prompt must not read stale state."""
+    s = family_setup("qwen2")
+    model = EaModel(s.target, s.good_head)
+    order = sorted(range(len(s.prompts)), key=lambda i: s.prompts[i].shape[1])
+    for i in order[:3] + order[::-1][:3] + order[:2]:
+        assert torch.equal(model.eagenerate(s.prompts[i], max_new_tokens=NEW_TOKENS), s.references[i])
+    long_prompt = torch.cat([s.references[order[-1]], s.references[order[-2]]], dim=1)  # ~90 tokens, past the cache
+    expected = hf_greedy(s.target, long_prompt, 40)
+    assert_same(s.target, expected, model.eagenerate(long_prompt, max_new_tokens=40), "long prompt")

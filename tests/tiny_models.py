@@ -1,0 +1,263 @@
+"""Tiny fixed-seed targets and draft heads for CPU tests (shared by every test module).
+
+Targets: Llama, Qwen2 (q/k/v bias) and Mistral (sliding window) with GQA, a small vocabulary,
+float32 and `attn_implementation="sdpa"` (the one attention backend whose 4D tree masks are correct
+with a KV cache). `init_std` is larger than HF's 0.02 so that greedy argmax margins are far above
+float32 noise (a tree forward and a one-token forward differ in the last bits).
+
+Heads: `random_head` (fresh init: proposals mostly rejected) and `fit_good_head` (a real `EagleHead`
+briefly fitted on the target's own greedy continuations of the given prompts, with a self-fed unroll
+so deep draft steps are right too: long accepted paths, so KV-cache compaction is exercised).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from eagle.head import EagleHead, head_config_from_target
+
+FAMILIES = ("llama", "qwen2", "mistral")
+TINY_VOCAB = 256
+
+
+def tiny_target(
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = TINY_VOCAB,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.1,
+    sliding_window: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    tie_word_embeddings: bool = False,
+):
+    """A randomly initialised HF causal LM (eval mode, float32, sdpa), identical for identical arguments."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        attn_implementation="sdpa",
+        dtype="float32",
+    )
+    if family == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif family == "qwen2":  # Qwen2 always has q/k/v bias
+        config, cls = Qwen2Config(**common, use_sliding_window=False), Qwen2ForCausalLM
+    elif family == "mistral":
+        config, cls = MistralConfig(**common, sliding_window=sliding_window), MistralForCausalLM
+    else:
+        raise ValueError(f"unknown tiny target family {family!r}; expected one of {FAMILIES}")
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    if family == "qwen2":  # HF zero-inits biases: make them non-trivial so a dropped bias changes outputs
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, init_std)
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = None
+    model.generation_config.bos_token_id = None
+    model.requires_grad_(False)
+    return model
+
+
+def tiny_llama(**kw):
+    return tiny_target("llama", **kw)
+
+
+def tiny_qwen2(**kw):
+    return tiny_target("qwen2", **kw)
+
+
+def tiny_mistral(sliding_window: int | None = 4096, **kw):
+    return tiny_target("mistral", sliding_window=sliding_window, **kw)
+
+
+def random_head(target, seed: int = 0, bias: bool = True) -> EagleHead:
+    """A freshly initialised head for `target` (its embedding copied from the target)."""
+    torch.manual_seed(seed)
+    head = EagleHead(head_config_from_target(target.config, bias=bias))
+    head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.detach())
+    return head.eval()
+
+
+def random_prompts(n: int, vocab_size: int = TINY_VOCAB, min_len: int = 3, max_len: int = 12, seed: int = 0):
+    """n prompts [1, T] of random token ids, T uniform in [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        out.append(torch.randint(0, vocab_size, (1, length), generator=g))
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+    """transformers' own greedy `generate` (the reference every speculative output must equal)."""
+    return target.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+
+
+def first_divergence_report(target, expected: torch.Tensor, got: torch.Tensor) -> str:
+    """Explain a mismatch: where the outputs diverge and the target's top-2 logit margin there."""
+    n = min(expected.shape[1], got.shape[1])
+    diff = (expected[0, :n] != got[0, :n]).nonzero()
+    if len(diff) == 0:
+        return f"same first {n} tokens, lengths differ: expected {expected.shape[1]}, got {got.shape[1]}"
+    i = int(diff[0])
+    with torch.no_grad():
+        logits = target(expected[:, :i]).logits[0, -1]
+    top = logits.topk(2).values
+    return (
+        f"first divergence at position {i}: expected {int(expected[0, i])}, got {int(got[0, i])} "
+        f"(target top-2 logit margin there {float(top[0] - top[1]):.3g}); expected tail {expected[0, i:i + 8].tolist()}, "
+        f"got tail {got[0, i:i + 8].tolist()}"
+    )
+
+
+@torch.no_grad()
+def _greedy_batch(target, prompts, new_tokens: int, sequences=None):
+    """Right-padded batch of prompt + greedy continuation, its features, the target's argmax and a mask."""
+    seqs = [s[0] for s in sequences] if sequences is not None else [hf_greedy(target, p, new_tokens)[0] for p in prompts]
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    out = target(ids, attention_mask=mask, output_hidden_states=True)
+    return ids, mask, out.hidden_states[-1], out.logits.argmax(-1)  # [B,T], [B,T], [B,T,H], [B,T]
+
+
+# (steps, unrolled depth, peak lr): depth 1 first (cheap, teacher-forced), then deeper self-fed unrolls.
+GOOD_HEAD_CURRICULUM = ((80, 1, 1e-2), (25, 2, 5e-3), (25, 3, 5e-3), (25, 4, 5e-3), (20, 5, 3e-3))
+
+
+def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, curriculum=GOOD_HEAD_CURRICULUM,
+                  feat_weight: float = 1.0, seed: int = 0) -> EagleHead:
+    """An `EagleHead` fitted (memorised) on the target's greedy continuations of `prompts`.
+
+    `sequences` (prompt + greedy continuation, [1, T] each) can be passed instead of generating them.
+    Loss: CE of the target's lm_head on the predicted feature against the target's own argmax (what
+    greedy verification accepts) plus a SmoothL1 feature term, summed over a self-fed unroll (step d
+    feeds the predictions of step d-1 as features, like a d-deep draft), deepened by a curriculum.
+    ~3 s on one CPU thread; typically > 90% top-1 on those continuations at every depth 1..5.
+    """
+    ids, mask, feats, greedy = _greedy_batch(target, prompts, new_tokens, sequences)
+    lm_head = target.get_output_embeddings()
+    head = random_head(target, seed=seed).train()
+    torch.manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    for steps, depth, lr in curriculum:
+        opt = torch.optim.Adam(params, lr=lr)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=lr / 20)
+        for _ in range(steps):
+            # step d, position j: input = (feature of position j+d, true or predicted; token ids[j+d+1]) -> f_{j+d+1}
+            f_in, tok, am = feats[:, :-1], ids[:, 1:], mask[:, 1:]
+            loss = 0.0
+            for d in range(depth):
+                pred = head(f_in, tok, am)  # [B, T-1-d, H]
+                valid = mask[:, d + 1 :].bool() & am.bool()  # [B, T-1-d]
+                loss = loss + F.cross_entropy(lm_head(pred)[valid], greedy[:, d + 1 :][valid])
+                loss = loss + feat_weight * F.smooth_l1_loss(pred[valid], feats[:, d + 1 :][valid])
+                f_in, tok, am = pred[:, :-1], ids[:, d + 2 :], mask[:, d + 2 :]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    head.requires_grad_(False)
+    return head.eval()
+
+
+@torch.no_grad()
+def self_fed_accuracy(head: EagleHead, target, prompts, new_tokens: int = 40, depth: int = 5) -> list[float]:
+    """Top-1 agreement with the target's argmax at each self-fed depth (1..depth) on greedy continuations."""
+    ids, mask, feats, greedy = _greedy_batch(target, prompts, new_tokens)
+    lm_head = target.get_output_embeddings()
+    f_in, tok, am = feats[:, :-1], ids[:, 1:], mask[:, 1:]
+    accs = []
+    for d in range(depth):
+        pred = head(f_in, tok, am)
+        valid = mask[:, d + 1 :].bool() & am.bool()
+        accs.append(float((lm_head(pred).argmax(-1) == greedy[:, d + 1 :])[valid].float().mean()))
+        f_in, tok, am = pred[:, :-1], ids[:, d + 2 :], mask[:, d + 2 :]
+    return accs
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Run a module's tiny-model work on one intra-op thread (restored afterwards).
+
+    Tiny matmuls gain nothing from a second thread, and on a busy 2-core machine OpenMP spin-waits made
+    a decoding round ~50x slower in CPU time. Use: `pytestmark = pytest.mark.usefixtures("single_thread")`
+    after `from tiny_models import single_thread`.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- cached per-family setups
+N_PROMPTS = 20
+NEW_TOKENS = 32
+MISTRAL_WINDOW = 16  # shorter than prompt + generation, so the sliding window really masks keys
+
+
+@dataclass
+class FamilySetup:
+    family: str
+    target: object
+    prompts: list  # N_PROMPTS x [1, T]
+    references: list  # transformers greedy outputs, NEW_TOKENS new tokens each
+    random_head: EagleHead
+    good_head: EagleHead | None
+
+
+@functools.lru_cache(maxsize=None)
+def family_setup(family: str, good: bool = True) -> FamilySetup:
+    """Target, prompts, transformers' greedy references and both heads for one family (built once per process)."""
+    kw = {"sliding_window": MISTRAL_WINDOW} if family == "mistral" else {}
+    target = tiny_target(family, seed=FAMILIES.index(family), **kw)
+    prompts = random_prompts(N_PROMPTS, seed=10 + FAMILIES.index(family))
+    refs = [hf_greedy(target, p, NEW_TOKENS) for p in prompts]
+    good_head = None
+    if good:
+        good_head = fit_good_head(target, sequences=refs)
+    return FamilySetup(family, target, prompts, refs, random_head(target, seed=1), good_head)
