@@ -253,7 +253,8 @@ def test_split_is_stable_per_record_id():
 
 # ----------------------------------------------------------------------------- metrics
 def test_chain_rollout_matches_step_by_step_drafting():
-    """The batched self-fed rollout equals drafting each chain one step at a time with a growing prefix."""
+    """The KV-cached rollout (all chains of a record at once) drafts exactly what feeding each chain to the
+    head one step at a time with a growing prefix drafts."""
     from eagle.head import EagleHead, HeadConfig
     from train.metrics import chain_rollout
 
@@ -261,18 +262,25 @@ def test_chain_rollout_matches_step_by_step_drafting():
     cfg = HeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=11)
     head = EagleHead(cfg).eval()
     lm = torch.randn(11, 16)
-    B, T, k = 2, 12, 3
-    hidden = torch.randn(B, T, 16)
-    ids = torch.randint(0, 11, (B, T))
-    top = (hidden @ lm.T).argmax(-1)
-    rows = [(0, 0), (0, 5), (1, 8), (1, 2)]
-    got = chain_rollout(head, hidden, ids, top, rows, k, lm)
-    for r, (b, s) in enumerate(rows):
-        feats = hidden[b, : s + 1].clone()
+    T, k = 12, 3
+    hidden, ids = torch.randn(T, 16), torch.randint(0, 11, (T,))
+    starts = [0, 5, 3, 8]
+    drafts = {}
+    for s in starts:  # reference: one chain at a time, plain causal forward over prefix + own predictions
+        feats = hidden[: s + 1].clone()
         for j in range(1, k + 1):
-            out = head(feats[None], ids[b, 1 : s + j + 1][None])[0, -1]  # predicts f_{s+j}
-            assert bool(got[r, j - 1]) == bool((out @ lm.T).argmax() == top[b, s + j])
+            out = head(feats[None], ids[1 : s + j + 1][None])[0, -1]  # predicts f_{s+j}
+            drafts[s, j] = int((out @ lm.T).argmax())
             feats = torch.cat([feats, out[None]])
+    for s in starts:  # a target that agrees with chain s everywhere -> all steps correct
+        top = torch.full((T,), -1)
+        for j in range(1, k + 1):
+            top[s + j] = drafts[s, j]
+        assert chain_rollout(head, hidden, ids, top, [s], k, lm).all(), s
+    top = (hidden @ lm.T).argmax(-1)
+    together = chain_rollout(head, hidden, ids, top, starts, k, lm)  # [4, k]: chains must not see each other
+    expected = torch.tensor([[drafts[s, j] == int(top[s + j]) for j in range(1, k + 1)] for s in starts])
+    assert torch.equal(together, expected)
 
 
 def test_noise_kinds():

@@ -19,9 +19,6 @@ from train.data import collate
 from train.distributed import all_reduce_sum
 from train.loss import eagle_loss, shift_for_head
 
-MAX_ROLLOUT_ROWS = 256  # rollout rows per head forward (bounds memory for long records)
-
-
 def eval_batches(lengths: list[int], micro_batch_size: int, max_records: int, rank: int, world_size: int) -> list[list[int]]:
     """This rank's eval micro-batches (indices into the eval subset), length-sorted to avoid padding."""
     n = min(len(lengths), max_records) if max_records else len(lengths)
@@ -42,28 +39,34 @@ def rollout_starts(length: int, weights: torch.Tensor, steps: int, max_starts: i
 
 
 @torch.no_grad()
-def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_top: torch.Tensor, rows: list[tuple[int, int]],
+def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_top: torch.Tensor, starts: list[int],
                   steps: int, lm_head: torch.Tensor) -> torch.Tensor:
-    """Correctness [R, steps] (bool) of self-fed chains. hidden [B, T, H] true features, input_ids [B, T],
-    target_top [B, T] argmax of lm_head(hidden); rows = (batch row b, start s) pairs."""
-    R = len(rows)
-    b_idx = torch.tensor([b for b, _ in rows], device=hidden.device)
-    s_idx = torch.tensor([s for _, s in rows], device=hidden.device)
-    L = int(s_idx.max()) + steps  # longest row at the last step
-    pos = torch.arange(L, device=hidden.device)  # [L]
-    # features: true f_0..f_s, then (filled step by step) the draft's own predictions
-    feats = hidden[b_idx[:, None], pos.clamp(max=hidden.shape[1] - 1)[None, :]].clone()  # [R, L, H]
-    tokens = input_ids[b_idx[:, None], (pos + 1).clamp(max=input_ids.shape[1] - 1)[None, :]]  # [R, L]: x_{t+1} at t
-    correct = torch.zeros(R, steps, dtype=torch.bool, device=hidden.device)
+    """Correctness [n, steps] (bool) of the self-fed chains of ONE record starting at each s in `starts`.
+
+    hidden [T, H] true features, input_ids [T], target_top [T] argmax of lm_head(hidden). The true prefix is
+    encoded once into the head's KV cache (its outputs are the step-1 drafts of every start); each further
+    step appends one node per chain that attends to the true prefix 0..s, its own chain's earlier nodes and
+    itself, like the nodes of a draft tree. Cost ~ T^2 + steps * n * (T + steps * n), not n * T^2 * steps.
+    """
+    T, device = hidden.shape[0], hidden.device
+    n = len(starts)
+    s_idx = torch.tensor(starts, device=device)  # [n]
+    kv = head.new_kv_cache(capacity=T - 1 + (steps - 1) * n)
+    prefix = head.forward_cached(hidden[None, : T - 1], input_ids[None, 1:], torch.arange(T - 1, device=device), kv)
+    pred = prefix[0, s_idx]  # [n, H]: step 1 drafts f^_{s+1} from the true prefix 0..s
+    correct = torch.zeros(n, steps, dtype=torch.bool, device=device)
+    cols = torch.arange(T - 1, device=device)  # [T-1]
+    own = torch.eye(n, dtype=torch.bool, device=device)  # [n, n]: a chain's node sees only its own chain's nodes
     for j in range(1, steps + 1):
-        length = s_idx + j  # [R] positions fed at step j: 0..s+j-1
-        attn = (pos[None, :] < length[:, None]).long()  # [R, L]
-        out = head(feats, tokens, attn)  # [R, L, H]
-        pred = out[torch.arange(R, device=out.device), length - 1]  # [R, H] = f^_{s+j}
-        draft = torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head).argmax(-1)  # [R]
-        correct[:, j - 1] = draft == target_top[b_idx, s_idx + j]
-        if j < steps:
-            feats[torch.arange(R, device=out.device), length] = pred.to(feats.dtype)  # self-feed at position s+j
+        draft = torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head).argmax(-1)  # [n]
+        correct[:, j - 1] = draft == target_top[s_idx + j]
+        if j == steps:
+            break
+        # node j+1 of each chain: input (f^_{s+j}, x_{s+j+1}) at position s+j
+        prefix_mask = cols[None, :] <= s_idx[:, None]  # [n, T-1] true features 0..s only
+        mask = torch.cat([prefix_mask, own.repeat(1, j)], dim=1)  # [n, T-1 + j*n]: + earlier nodes + self
+        out = head.forward_cached(pred[None].to(hidden.dtype), input_ids[None, s_idx + j + 1], s_idx + j, kv, mask=mask)
+        pred = out[0]  # [n, H] = f^_{s+j+1}
     return correct
 
 
@@ -87,13 +90,13 @@ def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int
         sums[3:6] += torch.tensor(out.topk_correct, dtype=torch.float64)
         # self-fed chains
         target_top = torch.nn.functional.linear(hidden.to(target.lm_head.dtype), target.lm_head).argmax(-1)  # [B, T]
-        rows = []
         for b, rec in enumerate(records):
             n = rec["input_ids"].shape[0]
-            rows += [(b, st) for st in rollout_starts(n, weights[b], k, s.rollout_starts, seed, rec["id"])]
-        for c in range(0, len(rows), MAX_ROLLOUT_ROWS):
-            correct = chain_rollout(head, hidden, batch.input_ids, target_top, rows[c : c + MAX_ROLLOUT_ROWS], k,
-                                    target.lm_head).cpu()  # [R, k]
+            starts = rollout_starts(n, weights[b], k, s.rollout_starts, seed, rec["id"])
+            if not starts:
+                continue
+            correct = chain_rollout(head, hidden[b, :n], batch.input_ids[b, :n], target_top[b, :n], starts, k,
+                                    target.lm_head).cpu()  # [n_starts, k]
             leading = correct.long().cumprod(-1).sum(-1)  # [R] accepted draft tokens per chain
             sums[6] += correct.shape[0]
             sums[7] += float(leading.sum())
