@@ -283,6 +283,21 @@ def test_chain_rollout_matches_step_by_step_drafting():
     assert torch.equal(together, expected)
 
 
+def test_all_fed_rollout_matches_the_shared_test_helper():
+    """The every-position self-fed accuracy equals tests/tiny_models.self_fed_accuracy on the same data."""
+    from tiny_models import _greedy_batch, fit_good_head, random_prompts, self_fed_accuracy, tiny_llama
+    from train.metrics import all_fed_rollout
+
+    target = tiny_llama()
+    prompts = random_prompts(3)
+    head = fit_good_head(target, prompts, new_tokens=12, curriculum=((20, 1, 1e-2), (5, 2, 5e-3)))  # partly fitted
+    ids, mask, feats, greedy = _greedy_batch(target, prompts, 12)
+    hits, counts = all_fed_rollout(head, feats, ids, mask, mask[:, 1:], greedy, 3, target.lm_head.weight)
+    ref = self_fed_accuracy(head, target, prompts, new_tokens=12, depth=3)
+    assert torch.allclose(hits / counts, torch.tensor(ref, dtype=torch.float64), atol=1e-9), (hits / counts, ref)
+    assert ref[0] > 0.3 and min(ref) < 1.0
+
+
 def test_noise_kinds():
     from train.loss import add_input_noise
 

@@ -8,6 +8,9 @@ draft's KV cache holds while drafting a chain. Step j is correct when argmax lm_
 target's argmax at f_{s+j}. The simulated acceptance length is 1 + the mean number of leading correct steps
 (greedy chain decoding with `rollout_steps` draft tokens). Tokens fed along the chain are the data's tokens:
 exact for data regenerated greedily by the target (our data_prep default), an estimate otherwise.
+
+`eval/allfed_step{j}_acc` is the stricter variant where step j feeds self-fed features at EVERY position
+(context included), as in training-time-test style unrolls; it lower-bounds the chain numbers.
 """
 from __future__ import annotations
 
@@ -71,11 +74,32 @@ def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_to
 
 
 @torch.no_grad()
+def all_fed_rollout(head, hidden, input_ids, attention_mask, weights, target_top, steps: int, lm_head):
+    """Per-step accuracy when EVERY position is self-fed: step d feeds the step d-1 predictions as the features
+    of all positions (also the context), a pessimistic bound on chain drafting (its context is true features).
+    Returns (hits [steps], counts [steps]) as float64 sums over loss positions."""
+    hits = torch.zeros(steps, dtype=torch.float64)
+    counts = torch.zeros(steps, dtype=torch.float64)
+    f_in, tok, am = hidden[:, :-1], input_ids[:, 1:], attention_mask[:, :-1]
+    for d in range(steps):
+        if f_in.shape[1] == 0:
+            break
+        pred = head(f_in, tok, am)  # [B, T-1-d, H]: position j predicts f_{j+d+1}
+        valid = weights[:, d:].bool()  # loss token at j+d+1 (and real)
+        draft = torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head).argmax(-1)  # [B, T-1-d]
+        hits[d] = float((draft == target_top[:, d + 1 :])[valid].sum())
+        counts[d] = float(valid.sum())
+        f_in, tok, am = pred[:, :-1], input_ids[:, d + 2 :], attention_mask[:, d + 2 :]
+    return hits, counts
+
+
+@torch.no_grad()
 def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int = 0, world_size: int = 1) -> dict:
     """Metrics of `head` on the eval `subset`, summed over ranks (every rank gets the same dict)."""
     s = settings
     k = s.rollout_steps
-    sums = torch.zeros(8 + k, dtype=torch.float64)  # positions, feat*n, tok*n, top1, top2, top3, chains, accepted, step hits
+    # positions, feat*n, tok*n, top1, top2, top3, chains, accepted, chain step hits [k], all-fed hits [k], all-fed counts [k]
+    sums = torch.zeros(8 + 3 * k, dtype=torch.float64)
     was_training = head.training
     head.eval()
     for idx in eval_batches(subset.lengths, s.micro_batch_size, s.eval_max_records, rank, world_size):
@@ -88,9 +112,12 @@ def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int
         sums[1] += float(out.feature) * out.positions
         sums[2] += float(out.token) * out.positions
         sums[3:6] += torch.tensor(out.topk_correct, dtype=torch.float64)
-        # self-fed chains
         target_top = torch.nn.functional.linear(hidden.to(target.lm_head.dtype), target.lm_head).argmax(-1)  # [B, T]
-        for b, rec in enumerate(records):
+        hits, counts = all_fed_rollout(head, hidden, batch.input_ids, batch.attention_mask, weights, target_top, k,
+                                       target.lm_head)
+        sums[8 + k : 8 + 2 * k] += hits
+        sums[8 + 2 * k :] += counts
+        for b, rec in enumerate(records):  # exact self-fed chains from every (sampled) start
             n = rec["input_ids"].shape[0]
             starts = rollout_starts(n, weights[b], k, s.rollout_starts, seed, rec["id"])
             if not starts:
@@ -100,7 +127,7 @@ def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int
             leading = correct.long().cumprod(-1).sum(-1)  # [R] accepted draft tokens per chain
             sums[6] += correct.shape[0]
             sums[7] += float(leading.sum())
-            sums[8:] += correct.double().sum(0)
+            sums[8 : 8 + k] += correct.double().sum(0)
     head.train(was_training)
     sums = torch.tensor(all_reduce_sum(sums.tolist()), dtype=torch.float64)
     n, chains = max(sums[0].item(), 1.0), max(sums[6].item(), 1.0)
@@ -117,4 +144,6 @@ def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int
     metrics["eval/loss"] = s.feature_weight * metrics["eval/feature_loss"] + s.token_weight * metrics["eval/token_loss"]
     for j in range(k):
         metrics[f"eval/step{j + 1}_acc"] = sums[8 + j].item() / chains
+    for j in range(k):
+        metrics[f"eval/allfed_step{j + 1}_acc"] = sums[8 + k + j].item() / max(sums[8 + 2 * k + j].item(), 1.0)
     return metrics
