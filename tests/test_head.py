@@ -1,0 +1,347 @@
+"""The draft head: published equation, official checkpoint format, config from any target."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import LlamaConfig, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+from eagle.head import EagleHead, HeadConfig, head_config_from_target, load_target_embedding_and_lm_head
+from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+LAYER_KEYS = [
+    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight",
+]
+QKV_BIAS_KEYS = ["layers.0.self_attn.q_proj.bias", "layers.0.self_attn.k_proj.bias", "layers.0.self_attn.v_proj.bias"]
+
+
+def official_keys(fc_bias: bool, qkv_bias: bool = False) -> set[str]:
+    keys = {"embed_tokens.weight", "fc.weight", *LAYER_KEYS}
+    if fc_bias:
+        keys.add("fc.bias")
+    if qkv_bias:
+        keys.update(QKV_BIAS_KEYS)
+    return keys
+
+
+# ----------------------------------------------------------------------------- config from targets
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_head_config_from_target(family):
+    target = tiny_target(family, num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=96,
+                         sliding_window=32 if family == "mistral" else None)
+    c = head_config_from_target(target.config)
+    t = target.config
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (
+        t.hidden_size, t.intermediate_size, t.num_attention_heads, t.num_key_value_heads, t.vocab_size)
+    assert c.head_dim == 16
+    assert c.rms_norm_eps == t.rms_norm_eps
+    assert c.rope_theta == t.rope_parameters["rope_theta"]
+    assert c.qkv_bias == (family == "qwen2")
+    assert c.bias is True
+    assert head_config_from_target(t, bias=False).bias is False
+    head = EagleHead(c)
+    assert set(head.state_dict()) == official_keys(True, family == "qwen2")
+
+
+def test_head_config_keeps_rope_scaling_and_theta():
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
+                      vocab_size=100, num_hidden_layers=2, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192})
+    c = head_config_from_target(cfg)
+    assert c.rope_theta == 500000.0 and c.rms_norm_eps == 1e-5 and c.num_key_value_heads == 1
+    assert c.rope_scaling["rope_type"] == "llama3" and c.rope_scaling["factor"] == 8.0
+    assert c.max_position_embeddings == 8192
+    # the scaled inverse frequencies are the target's
+    head = EagleHead(c)
+    ref = LlamaRotaryEmbedding(cfg)
+    assert torch.allclose(head.rotary.inv_freq, ref.inv_freq.float())
+
+
+def test_config_json_is_an_official_llama_config():
+    target = tiny_target("llama")
+    d = head_config_from_target(target.config, bias=False).to_dict()
+    assert d["num_hidden_layers"] == 1 and d["bias"] is False
+    assert d["architectures"] == ["LlamaForCausalLM"]
+    lc = LlamaConfig.from_dict(d)  # the reference code reads the head config as a LlamaConfig
+    assert (lc.hidden_size, lc.num_attention_heads, lc.num_key_value_heads, lc.vocab_size, lc.num_hidden_layers) == (
+        64, 4, 2, 256, 1)
+    assert HeadConfig.from_dict(d) == HeadConfig.from_dict(json.loads(json.dumps(d)))
+
+
+# ----------------------------------------------------------------------------- equation
+def reference_forward(head: EagleHead, features, next_ids, layer_cls, rotary_cls, config_cls):
+    """Independent implementation: transformers' own decoder layer with input_layernorm removed."""
+    c = head.config
+    cfg = config_cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                     num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                     head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
+                     rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                     attn_implementation="sdpa", num_hidden_layers=1)
+    layer = layer_cls(cfg, layer_idx=0)
+    missing, unexpected = layer.load_state_dict(
+        {k[len("layers.0."):]: v for k, v in head.state_dict().items() if k.startswith("layers.0.")}, strict=False)
+    assert missing == ["input_layernorm.weight"] and not unexpected
+    layer.input_layernorm = nn.Identity()
+    x = torch.cat([head.embed_tokens(next_ids), features], -1) @ head.fc.weight.T  # embedding FIRST
+    if head.fc.bias is not None:
+        x = x + head.fc.bias
+    T = x.shape[1]
+    pos = torch.arange(T)[None]
+    cos_sin = rotary_cls(cfg)(x, pos)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("family,bias", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_forward_is_fc_then_one_llama_layer_without_input_layernorm(family, bias):
+    target = tiny_target(family)
+    head = random_head(target, bias=bias)
+    with torch.no_grad():
+        for p in head.parameters():  # non-trivial norms and biases
+            p.add_(torch.randn_like(p) * 0.05)
+        features = torch.randn(2, 9, 64)
+        next_ids = torch.randint(0, 256, (2, 9))
+        got = head(features, next_ids)
+        layer_cls, rotary_cls, cfg_cls = ((LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaConfig) if family == "llama"
+                                          else (Qwen2DecoderLayer, Qwen2RotaryEmbedding, Qwen2Config))
+        want = reference_forward(head, features, next_ids, layer_cls, rotary_cls, cfg_cls)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_forward_is_causal_and_ignores_padding():
+    head = random_head(tiny_target("llama"))
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(1, 10, 64, generator=g)
+    ids = torch.randint(0, 256, (1, 10), generator=g)
+    with torch.no_grad():
+        full = head(f, ids)
+        f2, ids2 = f.clone(), ids.clone()
+        f2[:, 6:] += 1.0
+        ids2[:, 6:] = (ids2[:, 6:] + 1) % 256
+        assert torch.allclose(head(f2, ids2)[:, :6], full[:, :6], atol=1e-6)  # future does not leak
+        # right padding
+        pad_f = torch.cat([f, torch.randn(1, 4, 64)], 1)
+        pad_ids = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1)
+        am = torch.tensor([[1] * 10 + [0] * 4])
+        assert torch.allclose(head(pad_f, pad_ids, am)[:, :10], full, atol=1e-5)
+        # left padding (positions restart at the first real token)
+        lf = torch.cat([torch.randn(1, 3, 64), f], 1)
+        lids = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+        lam = torch.tensor([[0] * 3 + [1] * 10])
+        assert torch.allclose(head(lf, lids, lam)[:, 3:], full, atol=1e-5)
+
+
+def test_cached_decoding_forward_matches_the_training_forward():
+    """What drafting computes (chunks through the head's KV cache) equals the causal training forward."""
+    head = random_head(tiny_target("qwen2"))
+    g = torch.Generator().manual_seed(1)
+    f = torch.randn(1, 12, 64, generator=g)
+    ids = torch.randint(0, 256, (1, 12), generator=g)
+    with torch.no_grad():
+        full = head(f, ids)
+        kv = head.new_kv_cache(32)
+        outs = []
+        for lo, hi in [(0, 5), (5, 6), (6, 11), (11, 12)]:
+            outs.append(head.forward_cached(f[:, lo:hi], ids[:, lo:hi], torch.arange(lo, hi), kv))
+    assert torch.allclose(torch.cat(outs, 1), full, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def assert_same_head(a: EagleHead, b: EagleHead):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k].to(sa[k].dtype)), k
+    da, db = a.config.to_dict(), b.config.to_dict()
+    da.pop("torch_dtype"), db.pop("torch_dtype")
+    assert da == db
+
+
+@pytest.mark.parametrize("family,bias", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_safetensors_round_trip(tmp_path, family, bias):
+    head = random_head(tiny_target(family), bias=bias, seed=3)
+    head.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == official_keys(bias, family == "qwen2")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is bias
+    loaded = EagleHead.from_pretrained(tmp_path)
+    assert_same_head(head, loaded)
+    x, ids = torch.randn(1, 5, 64), torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(head(x, ids), loaded(x, ids))
+
+
+def test_legacy_pytorch_model_bin_round_trip(tmp_path):
+    head = random_head(tiny_target("qwen2"), seed=4)
+    head.save_pretrained(tmp_path, legacy_bin=True)
+    (tmp_path / "model.safetensors").unlink()
+    assert_same_head(head, EagleHead.from_pretrained(tmp_path))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (exec, ("import pathlib; pathlib.Path(__import__('os').environ['EXPLOIT_MARK']).write_text('pwned')",))
+
+
+def test_legacy_bin_is_loaded_with_weights_only(tmp_path, monkeypatch):
+    head = random_head(tiny_target("llama"), seed=4)
+    head.save_pretrained(tmp_path, legacy_bin=True)
+    (tmp_path / "model.safetensors").unlink()
+    mark = tmp_path / "mark"
+    monkeypatch.setenv("EXPLOIT_MARK", str(mark))
+    torch.save({**head.state_dict(), "extra": _Exploit()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(Exception):
+        EagleHead.from_pretrained(tmp_path)
+    assert not mark.exists(), "unpickling executed code: load with torch.load(weights_only=True)"
+
+
+def write_official_folder(path, *, bias_key, fc_bias, qkv_bias=False, dtype=torch.float16, extra_keys=None):
+    """A head folder as the released yuhuili/EAGLE-* heads lay it out, written by hand."""
+    H, I, V, nh, nkv = 64, 160, 300, 4, 2
+    D = H // nh
+    g = torch.Generator().manual_seed(7)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(dtype)
+
+    sd = {
+        "embed_tokens.weight": w(V, H),
+        "fc.weight": w(H, 2 * H),
+        "layers.0.self_attn.q_proj.weight": w(nh * D, H),
+        "layers.0.self_attn.k_proj.weight": w(nkv * D, H),
+        "layers.0.self_attn.v_proj.weight": w(nkv * D, H),
+        "layers.0.self_attn.o_proj.weight": w(H, nh * D),
+        "layers.0.mlp.gate_proj.weight": w(I, H),
+        "layers.0.mlp.up_proj.weight": w(I, H),
+        "layers.0.mlp.down_proj.weight": w(H, I),
+        "layers.0.post_attention_layernorm.weight": (1 + w(H)).to(dtype),
+    }
+    if fc_bias:
+        sd["fc.bias"] = w(H)
+    if qkv_bias:
+        sd.update({"layers.0.self_attn.q_proj.bias": w(nh * D), "layers.0.self_attn.k_proj.bias": w(nkv * D),
+                   "layers.0.self_attn.v_proj.bias": w(nkv * D)})
+    sd.update(extra_keys or {})
+    config = {  # keys of a released head's config.json (LlamaConfig, transformers 4.28 era)
+        "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": H, "initializer_range": 0.02, "intermediate_size": I, "max_position_embeddings": 2048,
+        "model_type": "llama", "num_attention_heads": nh, "num_hidden_layers": 1, "num_key_value_heads": nkv,
+        "pad_token_id": 0, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True,
+        "vocab_size": V,
+    }
+    if bias_key is not None:
+        config["bias"] = bias_key
+    if qkv_bias:
+        config["qkv_bias"] = True
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return sd, config
+
+
+@pytest.mark.parametrize("layout", ["llama3_bias_false", "vicuna_no_bias_key", "qwen2_qkv_bias"])
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_official_layout_loads_strictly(tmp_path, layout, fmt):
+    kw = {"llama3_bias_false": dict(bias_key=False, fc_bias=False),
+          "vicuna_no_bias_key": dict(bias_key=None, fc_bias=True),  # no "bias" key => fc.bias present
+          "qwen2_qkv_bias": dict(bias_key=None, fc_bias=True, qkv_bias=True)}[layout]
+    sd, config = write_official_folder(tmp_path, **kw)
+    if fmt == "safetensors":
+        save_file(sd, str(tmp_path / "model.safetensors"))
+    else:
+        torch.save(sd, tmp_path / "pytorch_model.bin")
+    head = EagleHead.from_pretrained(tmp_path)
+    own = head.state_dict()
+    assert set(own) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(own[k].to(v.dtype), v), k
+    c = head.config
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (
+        64, 160, 4, 2, 300)
+    assert c.rope_theta == 500000.0 and c.rms_norm_eps == 1e-5 and c.bias == kw["fc_bias"]
+    assert c.qkv_bias == kw.get("qkv_bias", False)
+    assert EagleHead.from_pretrained(tmp_path, dtype=torch.float16).dtype == torch.float16
+    head32 = EagleHead.from_pretrained(tmp_path, dtype=torch.float32)
+    assert head32.dtype == torch.float32 and torch.equal(head32.fc.weight, sd["fc.weight"].float())
+    with torch.no_grad():
+        out = head32(torch.randn(1, 4, 64), torch.randint(0, 300, (1, 4)))
+    assert out.shape == (1, 4, 64) and torch.isfinite(out).all()
+    # and it saves back in the same layout (our exports load in the reference code)
+    head.save_pretrained(tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["bias"] == kw["fc_bias"] and again["num_hidden_layers"] == 1
+    assert_same_head(head, EagleHead.from_pretrained(tmp_path / "again"))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("bias_false_but_fc_bias", r"fc\.bias"),
+    ("bias_key_missing_no_fc_bias", r"fc\.bias"),
+    ("unexpected_key", r"layers\.0\.input_layernorm\.weight"),
+    ("missing_key", r"layers\.0\.mlp\.up_proj\.weight"),
+    ("wrong_shape", r"fc\.weight"),
+])
+def test_mismatched_checkpoints_fail_naming_the_key(tmp_path, case, match):
+    if case == "bias_false_but_fc_bias":
+        sd, _ = write_official_folder(tmp_path, bias_key=False, fc_bias=True)
+    elif case == "bias_key_missing_no_fc_bias":
+        sd, _ = write_official_folder(tmp_path, bias_key=None, fc_bias=False)
+    elif case == "unexpected_key":
+        sd, _ = write_official_folder(tmp_path, bias_key=False, fc_bias=False,
+                                      extra_keys={"layers.0.input_layernorm.weight": torch.ones(64, dtype=torch.float16)})
+    elif case == "missing_key":
+        sd, _ = write_official_folder(tmp_path, bias_key=False, fc_bias=False)
+        del sd["layers.0.mlp.up_proj.weight"]
+    else:
+        sd, _ = write_official_folder(tmp_path, bias_key=False, fc_bias=False)
+        sd["fc.weight"] = torch.zeros(64, 100, dtype=torch.float16)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        EagleHead.from_pretrained(tmp_path)
+
+
+def test_head_config_with_more_than_one_layer_is_refused(tmp_path):
+    sd, config = write_official_folder(tmp_path, bias_key=False, fc_bias=False)
+    config["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        EagleHead.from_pretrained(tmp_path)
+
+
+def test_missing_head_files_and_unreachable_hub_id_are_clear_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        EagleHead.from_pretrained(tmp_path / "empty")
+    write_official_folder(tmp_path / "noweights", bias_key=False, fc_bias=False)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        EagleHead.from_pretrained(tmp_path / "noweights")
+    with pytest.raises(OSError, match="no-such-user/EAGLE-nothing"):  # offline here: the hub path must say what it tried
+        EagleHead.from_pretrained("no-such-user/EAGLE-nothing")
+
+
+# ----------------------------------------------------------------------------- target tensors
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_target_embedding_and_lm_head_reads_only_those(tmp_path, tied):
+    target = tiny_target("llama", tie_word_embeddings=tied)
+    target.save_pretrained(tmp_path)
+    emb, lm = load_target_embedding_and_lm_head(tmp_path)
+    assert torch.equal(emb, target.get_input_embeddings().weight)
+    assert torch.equal(lm, target.get_output_embeddings().weight)
+    if not tied:
+        assert not torch.equal(emb, lm)

@@ -1,0 +1,184 @@
+"""Sampling is exact: speculative sampling draws from the same distribution as vanilla sampling.
+
+1. `eagle.sampling.target_probs` (temperature / top-k / top-p) equals transformers' own warpers, in
+   transformers' order (temperature, top-k, top-p), i.e. what `generate(do_sample=True)` samples from.
+2. End to end on a 32-token-vocabulary model: the joint law of the first 3 generated tokens is
+   enumerated exactly (all 32^2 prefixes in one batched forward, transformers' warpers) and the
+   tokens produced by `eagenerate` (and `naivegenerate`) are compared to it by a chi-square test,
+   alpha = 0.01. 20k draws per setting under `-m slow` (about 3 min each on one core); the default
+   run keeps a 2k-draw T=1.0 check. The >= 20k-draw exactness test that runs by default is on
+   `verify_sampling` itself (tests/test_verify.py), where exactness lives.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from eagle import DecodingConfig, EaModel
+from eagle.sampling import SamplingParams, target_probs
+from tiny_models import fit_good_head, random_prompts, single_thread, tiny_target  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+ALPHA = 0.01
+VOCAB = 32
+NEW = 3
+
+
+def hf_warp(logits: torch.Tensor, temperature: float, top_p: float = 0.0, top_k: int = 0) -> torch.Tensor:
+    """Probabilities `generate(do_sample=True, temperature, top_k, top_p)` samples from."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if 0 < top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    dummy = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    return warpers(dummy, logits.float().clone()).softmax(-1)
+
+
+# ----------------------------------------------------------------------------- 1. the transform
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.6])
+@pytest.mark.parametrize("top_p,top_k", [(0.0, 0), (0.9, 0), (0.5, 0), (0.05, 0), (1.0, 0), (0.0, 1), (0.0, 5),
+                                         (0.0, 40), (0.0, 64), (0.8, 8), (0.3, 3)])
+def test_target_probs_equal_transformers_warpers(temperature, top_p, top_k):
+    g = torch.Generator().manual_seed(int(temperature * 10) + top_k)
+    logits = torch.randn(6, 40, generator=g) * 3
+    logits[0, :5] = logits[0].max()  # ties at the top
+    logits[1, 10:20] = logits[1].min()  # ties at the bottom
+    got = target_probs(logits, SamplingParams(temperature, top_p, top_k))
+    want = hf_warp(logits, temperature, top_p, top_k)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    assert torch.equal(got > 0, want > 0), "different supports"
+
+
+# ----------------------------------------------------------------------------- 2. end to end
+@functools.lru_cache(maxsize=None)
+def sampling_setup():
+    """A 32-token Llama with peaked distributions and a head fitted on its greedy continuations."""
+    target = tiny_target("llama", vocab_size=VOCAB, init_std=0.3, seed=5)
+    prompts = random_prompts(6, vocab_size=VOCAB, min_len=4, max_len=8, seed=3)
+    head = fit_good_head(target, prompts, new_tokens=8)
+    return target, prompts[0], head
+
+
+@torch.no_grad()
+def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
+    """[V, V, V] float64: P(first three generated tokens), enumerated with transformers' warpers."""
+    V = VOCAB
+    warp = functools.partial(hf_warp, temperature=temperature, top_p=top_p, top_k=top_k)
+    p1 = warp(target(prompt).logits[:, -1]).double()[0]  # [V]
+    x1 = torch.arange(V)[:, None]
+    seq2 = torch.cat([prompt.expand(V, -1), x1], 1)  # [V, T+1]
+    p2 = warp(target(seq2).logits[:, -1]).double()  # [V, V]
+    seq3 = torch.cat([seq2.repeat_interleave(V, 0), x1.repeat(V, 1)], 1)  # [V*V, T+2]
+    p3 = warp(target(seq3).logits[:, -1]).double().view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_against(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, int]:
+    """Pearson chi-square over cells with expected count >= 5, the rest pooled into one bin."""
+    n = int(counts.sum())
+    impossible = counts[law == 0].sum()
+    assert impossible == 0, f"{int(impossible)} draws of zero-probability token sequences"
+    exp = law.flatten() * n
+    obs = counts.flatten().double()
+    big = exp >= 5
+    o = obs[big].tolist() + [float(obs[~big].sum())]
+    e = exp[big].tolist() + [float(exp[~big].sum())]
+    if e[-1] == 0:
+        o, e = o[:-1], e[:-1]
+    e = [x * sum(o) / sum(e) for x in e]
+    return float(chisquare(o, e).pvalue), len(o)
+
+
+def run_chi_square(generate, temperature, top_p, top_k, draws, seed):
+    target, prompt, _ = sampling_setup()
+    law = exact_joint(target, prompt, temperature, top_p, top_k)
+    T = prompt.shape[1]
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    rounds = 0
+    for _ in range(draws):
+        out, _, r = generate(prompt, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=NEW,
+                             log=True, generator=gen)
+        assert out.shape == (1, T + NEW) and torch.equal(out[:, :T], prompt)
+        a, b, c = out[0, T:].tolist()
+        counts[a, b, c] += 1
+        rounds += r
+    pvalue, bins = chi_square_against(counts, law)
+    return pvalue, bins, rounds / draws
+
+
+SETTINGS = {
+    "T1.0": (1.0, 0.0, 0),
+    "T0.7": (0.7, 0.0, 0),
+    "T1.0-top_p0.8": (1.0, 0.8, 0),
+    "T1.0-top_k5": (1.0, 0.0, 5),
+    "T0.7-top_p0.9-top_k8": (0.7, 0.9, 8),
+}
+DECODINGS = {
+    "dynamic": DecodingConfig(mode="dynamic", total_token=16, depth=3, top_k=4),
+    "static": DecodingConfig(mode="static", static_choices="mc_sim_7b_63"),
+    "chain": DecodingConfig(mode="chain", chain_length=3),
+}
+
+
+def eagle_generate(decoding_name):
+    target, _, head = sampling_setup()
+    return EaModel(target, head, DECODINGS[decoding_name]).eagenerate
+
+
+def test_eagenerate_sampling_matches_the_exact_law_2k_draws():
+    pvalue, bins, rounds = run_chi_square(eagle_generate("dynamic"), 1.0, 0.0, 0, draws=2_000, seed=0)
+    assert rounds < 1.9, f"{rounds:.2f} verification rounds per 3 tokens: drafts are hardly ever accepted"
+    assert pvalue > ALPHA, f"chi-square p={pvalue:.2e} over {bins} bins"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_eagenerate_sampling_is_exact_20k_draws(setting):
+    pvalue, bins, rounds = run_chi_square(eagle_generate("dynamic"), *SETTINGS[setting], draws=20_000, seed=1)
+    assert rounds < 1.9
+    assert pvalue > ALPHA, f"{setting}: chi-square p={pvalue:.2e} over {bins} bins"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decoding_name", ["static", "chain"])
+def test_eagle1_and_chain_sampling_is_exact_20k_draws(decoding_name):
+    pvalue, bins, _ = run_chi_square(eagle_generate(decoding_name), 0.7, 0.0, 0, draws=20_000, seed=2)
+    assert pvalue > ALPHA, f"{decoding_name}: chi-square p={pvalue:.2e} over {bins} bins"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
+def test_naivegenerate_sampling_is_exact_20k_draws(setting):
+    target, _, head = sampling_setup()
+    pvalue, bins, _ = run_chi_square(EaModel(target, head).naivegenerate, *SETTINGS[setting], draws=20_000, seed=3)
+    assert pvalue > ALPHA, f"{setting}: chi-square p={pvalue:.2e} over {bins} bins"
+
+
+def test_sampling_with_a_generator_is_reproducible():
+    target, prompt, head = sampling_setup()
+    model = EaModel(target, head, DECODINGS["dynamic"])
+    a = [model.eagenerate(prompt, temperature=1.0, max_new_tokens=8, generator=torch.Generator().manual_seed(s))
+         for s in range(5)]
+    b = [model.eagenerate(prompt, temperature=1.0, max_new_tokens=8, generator=torch.Generator().manual_seed(s))
+         for s in range(5)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len({tuple(x[0].tolist()) for x in a}) > 1, "different seeds should give different samples"
+
+
+def test_tiny_temperature_is_greedy():
+    target, prompt, head = sampling_setup()
+    model = EaModel(target, head)
+    greedy = model.eagenerate(prompt, max_new_tokens=10)
+    assert torch.equal(model.eagenerate(prompt, temperature=1e-6, max_new_tokens=10), greedy)
