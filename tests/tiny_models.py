@@ -46,8 +46,9 @@ def tiny_target(
     sliding_window: int | None = None,
     eos_token_id: int | list[int] | None = None,
     tie_word_embeddings: bool = False,
+    attn_implementation: str = "sdpa",
 ):
-    """A randomly initialised HF causal LM (eval mode, float32, sdpa), identical for identical arguments."""
+    """A randomly initialised HF causal LM (eval mode, float32, sdpa by default), identical for identical arguments."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -62,7 +63,7 @@ def tiny_target(
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=None,
-        attn_implementation="sdpa",
+        attn_implementation=attn_implementation,
         dtype="float32",
     )
     if family == "llama":
