@@ -66,8 +66,13 @@ def plot_depth_acceptance(summaries: list[MethodSummary], path: Path) -> Path:
         if s.category != OVERALL or not s.depth_acceptance:
             continue
         d = [a.depth for a in s.depth_acceptance]
-        ax.plot(d, [a.rate for a in s.depth_acceptance], marker="o", label=s.method)
-    ax.set_xlabel("draft depth d")
+        line, = ax.plot(d, [a.rate for a in s.depth_acceptance], marker="o", label=s.method)
+        for a in s.depth_acceptance:  # how many rounds reached this depth: deep points rest on few rounds
+            if a.reached:
+                ax.annotate(str(a.reached), (a.depth, a.rate), fontsize=6, color=line.get_color(), xytext=(4, 3),
+                            textcoords="offset points")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("draft depth d (labels: rounds that reached d)")
     ax.set_ylabel("P(accept depth d | depths < d accepted)")
     ax.set_ylim(0, 1.02)
     ax.set_title("Per-depth acceptance rate")
