@@ -72,19 +72,23 @@ def test_tiny_recipe_trains_under_plain_python(toy, tmp_path):
     assert (out / "train" / "checkpoints" / "latest").read_text().strip() == "step-00000004"
 
 
-def test_help_lists_recipes_and_keys():
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "main.py"), "--help"], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
+def test_help_lists_recipes_and_keys(capsys):
+    from train.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
     for needle in ("llama3-8b", "tiny", "train.lr = 5e-05", "train.zero_stage", "export.repo_id", "data.max_length"):
-        assert needle in proc.stdout, needle
+        assert needle in out, needle
 
 
-def test_bad_recipe_key_is_a_clear_cli_error(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny", "train.learning_rate=1"],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "unknown recipe key 'train.learning_rate'" in proc.stderr and "train.lr" in proc.stderr
+def test_bad_recipe_key_is_a_clear_cli_error(capsys):
+    from train.main import main
+
+    assert main(["--recipe", "tiny", "train.learning_rate=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe key 'train.learning_rate'" in err and "train.lr" in err
 
 
 # ----------------------------------------------------------------------------- learning
@@ -307,3 +311,60 @@ def test_noise_kinds():
     n = add_input_noise(x, "gaussian", 0.2)
     assert abs(float(n.std()) - 0.2) < 0.01
     assert add_input_noise(x, "none", 0.2) is x
+
+
+# ----------------------------------------------------------------------------- tracking
+def test_wandb_without_mode_or_credentials_logs_offline(tmp_path, monkeypatch):
+    from recipes import load_recipe
+    from train.tracking import Tracker
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    cfg = load_recipe("tiny", ["logging.backend=wandb,tensorboard"])
+    tracker = Tracker(cfg, tmp_path / "logs", enabled=True)
+    assert tracker._wandb is not None and tracker._wandb.settings.mode == "offline"
+    tracker.log({"train/loss": 1.5, "bad": float("nan")}, step=3)
+    tracker.close()
+    rec = json.loads((tmp_path / "logs" / "metrics.jsonl").read_text())
+    assert rec["step"] == 3 and rec["train/loss"] == 1.5 and "bad" not in rec
+    assert list((tmp_path / "logs" / "wandb").glob("offline-run-*"))
+
+
+# ----------------------------------------------------------------------------- Hub
+def test_push_dry_run_stages_exactly_the_upload(toy, tmp_path, dist_ctx, monkeypatch):
+    import huggingface_hub.constants
+
+    from train.hub import HubPushError, main as hub_main, push_to_hub
+    from train.main import load_config
+
+    out = tmp_path / "run"
+    run_train(toy, out, "train.lr=3e-3", steps=3, ctx=dist_ctx)
+    (out / "eval").mkdir()  # what the evaluation writes
+    (out / "eval" / "report.json").write_text(json.dumps({"meta": {"questions": "q.jsonl"}, "summaries": [
+        {"method": "eagle2", "category": "overall", "tau": {"value": 2.5}, "tokens_per_s": {"value": 90.0},
+         "speedup": {"value": 1.8}}]}))
+    (out / "eval" / "report.md").write_text("# Evaluation\n")
+    (out / "eval" / "tau_by_category.png").write_bytes(b"\x89PNG fake")
+    cfg = load_config("tiny", [f"target.path={toy['target']}", f"output_dir={out}", f"train.cache_dir={toy['cache']}",
+                               "export.repo_id=someone/eagle2-tiny"])
+    result = push_to_hub(cfg, dry_run=True)
+    assert result["files"] == ["README.md", "config.json", "eval/report.json", "eval/report.md",
+                               "eval/tau_by_category.png", "model.safetensors", "recipe.yaml", "train_summary.json"]
+    card = (out / "hub_upload" / "README.md").read_text()
+    assert f'base_model_path="{toy["target"]}"' in card and 'ea_model_path="someone/eagle2-tiny"' in card
+    assert "| eagle2 | 2.50 | 90.0 | 1.80 |" in card and "![tau_by_category](eval/tau_by_category.png)" in card
+    assert "lr 0.003" in card  # the recipe the head was trained with, not this command's
+    assert "simulated acceptance length" in card
+    # the CLI: --dry-run lists the staged files
+    assert hub_main(["--recipe", "tiny", f"output_dir={out}", "export.repo_id=someone/eagle2-tiny", "--dry-run"]) == 0
+    # no token / no network: clear errors, the staged upload stays
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(HubPushError, match="set the environment variable HF_TOKEN"):
+        push_to_hub(cfg)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(HubPushError, match="could not push to the Hub repo 'someone/eagle2-tiny'") as e:
+        push_to_hub(cfg)
+    assert str(out / "hub_upload") in str(e.value) and (out / "hub_upload" / "model.safetensors").exists()
