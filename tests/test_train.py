@@ -195,6 +195,17 @@ def test_bf16_zero3_trains_and_exports(toy, tmp_path, dist_ctx):
     assert all(v.dtype == torch.bfloat16 for v in sd.values()) and sd["fc.weight"].abs().sum() > 0
 
 
+def test_offline_mode_never_loads_the_whole_target(toy, tmp_path, dist_ctx, monkeypatch):
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("offline training must read only the embedding and lm_head tensors")
+
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoModel, transformers.LlamaForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", refuse)
+    assert run_train(toy, tmp_path / "run", steps=2, ctx=dist_ctx)["steps"] == 2
+
+
 # ----------------------------------------------------------------------------- export
 def test_export_is_official_format_and_loads(toy, tmp_path, dist_ctx):
     from eagle import EaModel, EagleHead
