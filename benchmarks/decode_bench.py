@@ -1,0 +1,279 @@
+"""Decode speed: vanilla step time vs context length, and the EAGLE-2 per-round time breakdown.
+
+    python benchmarks/decode_bench.py [--shared ../shared] [--head DIR] [--threads 1] [--repeats 5] [--json FILE]
+
+1. Vanilla ms per decode step (`naivegenerate`, i.e. the library's Target + preallocated KV cache) at
+   contexts 64 / 256 / 480 on ../shared/models/stories260K and 64 / 1024 / 2048 on a random tiny Llama.
+   A step must not cost more as the context grows (no cache copies): "flat" = max/min of the medians <= 1.15.
+2. EAGLE-2 at total_token 60 / depth 5 / top_k 10 on stories260K: median per-round time split into
+   draft / verify / bookkeeping (RoundStats.draft_s / verify_s / commit_s), tau, ms per token of
+   EAGLE and of vanilla (decode only, prefill excluded), and the speedup. Prompts are TinyStories
+   paragraph openings from the END of tinystories_val_a.txt (the stories260k recipe never trains on
+   them); generation stops at ids {1, 2} or 128 new tokens. EAGLE and vanilla calls alternate
+   prompt by prompt so machine-load drift hits both; outputs are checked token-identical.
+   Head: --head, else /work/heads/stories260K-head (../heads/stories260K-head) when present, else a
+   RANDOM head (the breakdown is then still meaningful, tau is not) - the table says which.
+
+Everything runs in one process; medians over repeats. Both wall and process-CPU times are reported
+(on a shared machine the CPU figures are the fair ones; with --threads 1 they match wall time on an
+idle machine). Reference implementation on this CPU: 6.6 ms per EAGLE-2 round on stories260K,
+vanilla 1.15 ms/token; target: < 3.3 ms per round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE_ROUND_MS = 6.6
+REFERENCE_VANILLA_MS_PER_TOKEN = 1.15
+TARGET_ROUND_MS = REFERENCE_ROUND_MS / 2
+FLAT_TOLERANCE = 1.15
+STOP_IDS = [1, 2]  # llama2.c stories end with <s> (1)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ----------------------------------------------------------------------------- models
+def random_tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                      attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float().eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def load_stories(shared: Path, head_arg: str | None):
+    """(EaModel on stories260K, tokenizer, head description)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle import EaModel, EagleHead
+
+    path = shared / "models" / "stories260K"
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    candidates = [Path(head_arg)] if head_arg else [REPO.parent / "heads" / "stories260K-head"]
+    head_dir = next((c for c in candidates if (c / "config.json").exists()), None)
+    if head_arg and head_dir is None:
+        raise FileNotFoundError(f"--head {head_arg}: no config.json there")
+    if head_dir is not None:
+        head = EagleHead.from_pretrained(head_dir, dtype=torch.float32)
+        what = f"trained head {head_dir}"
+    else:
+        torch.manual_seed(0)
+        head = EagleHead.from_target(base)
+        what = "RANDOM head (no trained stories260K head found: tau and speedup are not meaningful)"
+    return EaModel(base, head.eval()), tok, what
+
+
+def story_prompts(shared: Path, tok, n: int) -> list[torch.Tensor]:
+    text = (shared / "data" / "corpora" / "tinystories_val_a.txt").read_text(encoding="utf-8")
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    prompts = []
+    for p in reversed(paragraphs):  # from the end: never trained on by recipes/stories260k.yaml
+        first = re.split(r"(?<=[.!?])\s", p, maxsplit=1)[0]
+        ids = tok(first, return_tensors="pt").input_ids
+        if 6 <= ids.shape[1] <= 48:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def corpus_context(shared: Path, tok, length: int) -> torch.Tensor:
+    text = (shared / "data" / "corpora" / "tinystories_val_a.txt").read_text(encoding="utf-8")[:200_000]
+    ids = tok(text, return_tensors="pt").input_ids[:, :length]
+    assert ids.shape[1] == length, f"corpus too short for a {length}-token context"
+    return ids
+
+
+# ----------------------------------------------------------------------------- 1. vanilla step vs context
+def vanilla_steps(model, prompt: torch.Tensor, steps: int, repeats: int) -> dict:
+    """Median ms per vanilla decode step after `prompt` (wall from RoundStats; CPU by differencing)."""
+    wall, cpu = [], []
+    kw = dict(eos_token_id=[], max_length=prompt.shape[1] + steps + 2)
+    model.naivegenerate(prompt, max_new_tokens=steps + 1, **kw)  # warm-up (allocates the cache)
+    for _ in range(repeats):
+        c0 = time.process_time()
+        model.naivegenerate(prompt, max_new_tokens=1, **kw)  # prefill only
+        c1 = time.process_time()
+        _, stats = model.naivegenerate(prompt, max_new_tokens=steps + 1, return_stats=True, **kw)
+        c2 = time.process_time()
+        assert len(stats.rounds) == steps
+        wall += [(r.draft_s + r.verify_s + r.commit_s) * 1e3 for r in stats.rounds]
+        cpu.append(((c2 - c1) - (c1 - c0)) / steps * 1e3)
+    return {"context": prompt.shape[1], "wall_ms_per_step": median(wall), "cpu_ms_per_step": median(cpu)}
+
+
+def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: int) -> dict:
+    """Vanilla step time at each context, and max/min of the medians (flat = no growth with context)."""
+    rows = [vanilla_steps(model, make_prompt(c), steps, repeats) for c in contexts]
+    out = {"rows": rows}
+    for kind in ("wall", "cpu"):
+        vals = [r[f"{kind}_ms_per_step"] for r in rows]
+        for r in rows:
+            r[f"{kind}_vs_shortest"] = r[f"{kind}_ms_per_step"] / vals[0]
+        out[f"{kind}_max_over_min"] = max(vals) / min(vals)
+        out[f"{kind}_flat"] = max(vals) / min(vals) <= FLAT_TOLERANCE
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. EAGLE-2 rounds
+def eagle_vs_vanilla(model, prompts, decoding, max_new_tokens: int, repeats: int) -> dict:
+    rounds = []  # RoundStats of every EAGLE round
+    e_wall = e_cpu = e_tok = 0.0
+    v_wall = v_cpu = v_tok = 0.0
+    per_repeat = []
+    mismatches = 0
+    for p in prompts[:2]:  # warm-up
+        model.eagenerate(p, max_new_tokens=16, eos_token_id=STOP_IDS, decoding=decoding)
+        model.naivegenerate(p, max_new_tokens=16, eos_token_id=STOP_IDS)
+    for _ in range(repeats):
+        rep = {"eagle_s": 0.0, "eagle_tokens": 0, "vanilla_s": 0.0, "vanilla_tokens": 0, "eagle_cpu": 0.0,
+               "vanilla_cpu": 0.0}
+        for p in prompts:
+            c0 = time.process_time()
+            ids_e, se = model.eagenerate(p, max_new_tokens=max_new_tokens, eos_token_id=STOP_IDS, decoding=decoding,
+                                         return_stats=True)
+            c1 = time.process_time()
+            ids_v, sv = model.naivegenerate(p, max_new_tokens=max_new_tokens, eos_token_id=STOP_IDS, return_stats=True)
+            c2 = time.process_time()
+            mismatches += not torch.equal(ids_e, ids_v)
+            rounds += se.rounds
+            # decode only: the prefill (and its token) is the same work on both sides
+            rep["eagle_s"] += se.total_s - se.prefill_s
+            rep["eagle_tokens"] += se.new_tokens - 1
+            rep["eagle_cpu"] += (c1 - c0) - se.prefill_s
+            rep["vanilla_s"] += sv.total_s - sv.prefill_s
+            rep["vanilla_tokens"] += sv.new_tokens - 1
+            rep["vanilla_cpu"] += (c2 - c1) - sv.prefill_s
+        per_repeat.append(rep)
+    ms = lambda s, n: 1e3 * s / max(n, 1)  # noqa: E731
+    eagle_ms_tok = median([ms(r["eagle_s"], r["eagle_tokens"]) for r in per_repeat])
+    vanilla_ms_tok = median([ms(r["vanilla_s"], r["vanilla_tokens"]) for r in per_repeat])
+    eagle_cpu_tok = median([ms(r["eagle_cpu"], r["eagle_tokens"]) for r in per_repeat])
+    vanilla_cpu_tok = median([ms(r["vanilla_cpu"], r["vanilla_tokens"]) for r in per_repeat])
+    total = [(r.draft_s + r.verify_s + r.commit_s) * 1e3 for r in rounds]
+    tau = sum(r.new_tokens for r in rounds) / len(rounds)
+    return {
+        "rounds": len(rounds),
+        "tau": tau,
+        "round_ms_median": median(total),
+        "draft_ms_median": median([r.draft_s * 1e3 for r in rounds]),
+        "verify_ms_median": median([r.verify_s * 1e3 for r in rounds]),
+        "bookkeeping_ms_median": median([r.commit_s * 1e3 for r in rounds]),
+        "round_ms_mean": statistics.fmean(total),
+        "eagle_ms_per_token": eagle_ms_tok,
+        "vanilla_ms_per_token": vanilla_ms_tok,
+        "speedup_wall": vanilla_ms_tok / eagle_ms_tok,
+        "eagle_cpu_ms_per_token": eagle_cpu_tok,
+        "vanilla_cpu_ms_per_token": vanilla_cpu_tok,
+        "speedup_cpu": vanilla_cpu_tok / eagle_cpu_tok,
+        "eagle_cpu_ms_per_round": eagle_cpu_tok * tau,
+        "outputs_identical": mismatches == 0,
+        "mismatched_prompts": mismatches,
+    }
+
+
+# ----------------------------------------------------------------------------- report
+def print_sweep(title: str, sweep: dict) -> None:
+    print(f"\n{title}")
+    print(f"  {'context':>8} {'wall ms/step':>13} {'cpu ms/step':>12} {'wall vs first':>14}")
+    for r in sweep["rows"]:
+        print(f"  {r['context']:>8} {r['wall_ms_per_step']:>13.3f} {r['cpu_ms_per_step']:>12.3f} {r['wall_vs_shortest']:>14.2f}")
+    print(f"  max/min: wall {sweep['wall_max_over_min']:.2f} ({'flat' if sweep['wall_flat'] else 'NOT flat'}), "
+          f"cpu {sweep['cpu_max_over_min']:.2f} ({'flat' if sweep['cpu_flat'] else 'NOT flat'}) "
+          f"[flat = within {FLAT_TOLERANCE - 1:.0%}]")
+
+
+def print_eagle(e: dict, head_what: str) -> None:
+    print(f"\nEAGLE-2 60/5/10 on stories260K ({head_what})")
+    print(f"  rounds measured            {e['rounds']}")
+    print(f"  tau (tokens / round)       {e['tau']:.2f}")
+    print(f"  round, median              {e['round_ms_median']:.3f} ms   (reference {REFERENCE_ROUND_MS} ms, "
+          f"target < {TARGET_ROUND_MS:.1f} ms: {'MET' if e['round_ms_median'] < TARGET_ROUND_MS else 'NOT met'})")
+    print(f"    draft                    {e['draft_ms_median']:.3f} ms")
+    print(f"    verify (target forward)  {e['verify_ms_median']:.3f} ms")
+    print(f"    bookkeeping              {e['bookkeeping_ms_median']:.3f} ms")
+    print(f"  round, CPU (per token x tau) {e['eagle_cpu_ms_per_round']:.3f} ms")
+    print(f"  EAGLE   ms/token  wall {e['eagle_ms_per_token']:.3f}  cpu {e['eagle_cpu_ms_per_token']:.3f}")
+    print(f"  vanilla ms/token  wall {e['vanilla_ms_per_token']:.3f}  cpu {e['vanilla_cpu_ms_per_token']:.3f}"
+          f"   (reference implementation: {REFERENCE_VANILLA_MS_PER_TOKEN})")
+    print(f"  speedup           wall {e['speedup_wall']:.2f}x  cpu {e['speedup_cpu']:.2f}x")
+    print(f"  outputs identical to vanilla: {e['outputs_identical']} ({e['mismatched_prompts']} mismatched)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shared", default=os.environ.get("EAGLE_SHARED_DIR", str(REPO.parent / "shared")))
+    p.add_argument("--head", default=None, help="stories260K head folder (default: ../heads/stories260K-head if present)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per context and repeat")
+    p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--json", default="decode_bench.json")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    from eagle import DecodingConfig, EaModel, EagleHead
+
+    results = {"threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
+               "machine": platform.processor() or platform.machine(), "loadavg_start": os.getloadavg()}
+    shared = Path(args.shared)
+    have_shared = (shared / "models" / "stories260K" / "config.json").exists()
+
+    # 1. vanilla step time vs context
+    tiny = random_tiny_llama()
+    tiny_model = EaModel(tiny, EagleHead.from_target(tiny))
+    g = torch.Generator().manual_seed(0)
+    sweep_tiny = context_sweep(tiny_model, [64, 1024, 2048], lambda c: torch.randint(0, 512, (1, c), generator=g),
+                               args.steps, args.repeats)
+    results["vanilla_random_tiny_llama"] = sweep_tiny
+    if have_shared:
+        stories, tok, head_what = load_stories(shared, args.head)
+        sweep_stories = context_sweep(stories, [64, 256, 480], lambda c: corpus_context(shared, tok, c),
+                                      args.steps, args.repeats)
+        results["vanilla_stories260K"] = sweep_stories
+        # 2. EAGLE-2 rounds
+        decoding = DecodingConfig(mode="dynamic", total_token=60, depth=5, top_k=10)
+        prompts = story_prompts(shared, tok, args.prompts)
+        eagle = eagle_vs_vanilla(stories, prompts, decoding, args.max_new_tokens, args.repeats)
+        results["eagle2_stories260K"] = {"head": head_what, "decoding": "dynamic 60/5/10",
+                                         "prompts": len(prompts), **eagle}
+    results["loadavg_end"] = os.getloadavg()
+
+    print(f"decode_bench: torch {torch.__version__}, {args.threads} thread(s), {args.repeats} repeats, "
+          f"load average at start {results['loadavg_start'][0]:.1f}, end {results['loadavg_end'][0]:.1f}")
+    if have_shared:
+        print_sweep("vanilla ms per decode step, stories260K", results["vanilla_stories260K"])
+    print_sweep("vanilla ms per decode step, random tiny Llama (hidden 128, 4 layers, GQA 8/4)", sweep_tiny)
+    if have_shared:
+        print_eagle(results["eagle2_stories260K"], results["eagle2_stories260K"]["head"])
+    else:
+        print(f"\n{shared} not found: stories260K sections skipped")
+    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
