@@ -206,6 +206,30 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+class FusedLinear:
+    """One matmul for several Linear layers reading the same input (q/k/v, gate/up) when no gradient
+    is needed: drafting is dominated by per-op overhead on small heads. The concatenated weight is
+    rebuilt whenever a source tensor changes (in-place update, `.to()`, `load_state_dict`)."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        self._key = None
+
+    def _version(self) -> tuple:
+        return tuple((t._version, t.data_ptr(), t.dtype) for lin in self.linears
+                     for t in (lin.weight, lin.bias) if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = self._version()
+        if key != self._key:
+            self.weight = torch.cat([lin.weight for lin in self.linears])
+            biases = [lin.bias for lin in self.linears]
+            self.bias = torch.cat(biases) if biases[0] is not None else None
+            self._key = key
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, c: HeadConfig):
         super().__init__()
@@ -214,12 +238,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, mask, kv: "DraftKVCache | None" = None, is_causal: bool = False):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, h, T, D]
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if torch.is_grad_enabled():
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, h, T, D]
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B|1, 1, T, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -237,9 +266,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
