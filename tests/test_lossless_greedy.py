@@ -17,7 +17,10 @@ from tiny_models import (  # noqa: F401  (single_thread is a fixture)
     family_setup,
     first_divergence_report,
     hf_greedy,
+    random_head,
+    random_prompts,
     single_thread,
+    tiny_target,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -80,6 +83,39 @@ def test_greedy_matches_transformers_generate(family, decoding_name, head_kind):
         assert tau > 0.5 * (max_accept_length(decoding) + 1), f"tau={tau:.2f} with a head fitted on these continuations"
     else:
         assert tau < 2.0, f"tau={tau:.2f}: a random head should mostly be rejected"
+
+
+EDGE_DECODINGS = [
+    DecodingConfig(total_token=2, depth=1, top_k=1),  # the smallest tree: root + one draft token
+    DecodingConfig(total_token=60, depth=2, top_k=1),  # fewer candidates (3) than total_token - 1
+    DecodingConfig(total_token=100, depth=8, top_k=10),  # deeper than the head was fitted for
+    DecodingConfig(mode="chain", chain_length=1),
+    DecodingConfig(mode="chain", chain_length=8),
+]
+
+
+@pytest.mark.parametrize("decoding", EDGE_DECODINGS, ids=lambda d: f"{d.mode}-{d.total_token}-{d.depth}-{d.top_k}-{d.chain_length}")
+def test_edge_tree_shapes(decoding):
+    s = family_setup("llama")
+    model = EaModel(s.target, s.good_head, decoding)
+    for i, (prompt, ref) in enumerate(zip(s.prompts, s.references)):
+        assert_same(s.target, ref, model.eagenerate(prompt, max_new_tokens=NEW_TOKENS), f"prompt {i}")
+
+
+def test_one_and_two_token_prompts():
+    s = family_setup("qwen2")
+    model = EaModel(s.target, s.good_head)
+    for prompt in (torch.tensor([[5]]), torch.tensor([[7, 9]]), torch.tensor([[0]]), torch.tensor([[255, 255]])):
+        assert_same(s.target, hf_greedy(s.target, prompt, NEW_TOKENS), model.eagenerate(prompt, max_new_tokens=NEW_TOKENS),
+                    f"prompt {prompt.tolist()}")
+
+
+def test_mixtral_moe_target():
+    target = tiny_target("mixtral", seed=3)
+    model = EaModel(target, random_head(target))
+    for i, prompt in enumerate(random_prompts(20, seed=30)):
+        expected = hf_greedy(target, prompt, RANDOM_HEAD_NEW_TOKENS)
+        assert_same(target, expected, model.eagenerate(prompt, max_new_tokens=RANDOM_HEAD_NEW_TOKENS), f"prompt {i}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -72,8 +74,11 @@ def tiny_target(
         config, cls = Qwen2Config(**common, use_sliding_window=False), Qwen2ForCausalLM
     elif family == "mistral":
         config, cls = MistralConfig(**common, sliding_window=sliding_window), MistralForCausalLM
+    elif family == "mixtral":  # 4 experts, top-2 routing
+        config = MixtralConfig(**common, sliding_window=sliding_window, num_local_experts=4, num_experts_per_tok=2)
+        cls = MixtralForCausalLM
     else:
-        raise ValueError(f"unknown tiny target family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"unknown tiny target family {family!r}; expected one of {FAMILIES + ('mixtral',)}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     if family == "qwen2":  # HF zero-inits biases: make them non-trivial so a dropped bias changes outputs
