@@ -301,6 +301,6 @@ if __name__ == "__main__":
 
     try:
         sys.exit(main())
-    except (RecipeError, QuestionError, FileNotFoundError) as e:  # bad input: the message names it
+    except (RecipeError, QuestionError, OSError) as e:  # bad input or a missing model/head: the message names it
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
