@@ -226,7 +226,10 @@ def autotune(s: Setup, questions: list) -> int:
     from evaluation.report import write_autotune_report
 
     ev = s.cfg.eval
-    questions = questions[: ev.tune_prompts]
+    # tune on prompts the benchmark does not use (those after the first num_questions) when there are enough
+    bench_n = ev.num_questions if ev.num_questions > 0 else len(questions)
+    disjoint = len(questions) >= bench_n + ev.tune_prompts
+    questions = questions[bench_n: bench_n + ev.tune_prompts] if disjoint else questions[: ev.tune_prompts]
     gen = dataclasses.replace(s.gen, max_new_tokens=int(ev.tune_max_new_tokens))
     prompts = [p for p in (s.fmt.first_prompt(q.turns[0]) for q in questions)
                if len(p) + gen.max_new_tokens <= gen.max_length]
@@ -240,7 +243,8 @@ def autotune(s: Setup, questions: list) -> int:
     result.skipped = skipped
     meta = run_meta(s, [], "autotune")
     meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "hardware", "command", "date")}
-    meta.update(prompts=len(prompts), max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+    meta.update(prompts=len(prompts), prompt_ids=[q.question_id for q in questions],
+                disjoint_from_bench=disjoint, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
                 finalists=ev.tune_finalists, repeats=ev.tune_repeats)
     paths = write_autotune_report(result, meta, s.out_dir / "autotune")
     b = result.best

@@ -49,7 +49,7 @@ class EvalSettings:
     tune_total_tokens: list[int] = field(default_factory=lambda: [10, 20, 30, 45, 60, 80])
     tune_depths: list[int] = field(default_factory=lambda: [3, 4, 5, 6, 7, 8])
     tune_top_ks: list[int] = field(default_factory=lambda: [4, 6, 8, 10])
-    tune_prompts: int = 4
+    tune_prompts: int = 4  # taken after the first num_questions (disjoint from the bench) when the source has enough
     tune_max_new_tokens: int = 96
     tune_finalists: int = 5  # the fastest screened settings that are re-timed
     tune_repeats: int = 3  # re-timed passes per finalist (and vanilla); the median decides
