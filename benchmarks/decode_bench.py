@@ -106,31 +106,71 @@ def corpus_context(shared: Path, tok, length: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- 1. vanilla step vs context
-def vanilla_steps(model, prompt: torch.Tensor, steps: int, repeats: int) -> dict:
-    """Median ms per vanilla decode step after `prompt` (wall from RoundStats; CPU by differencing)."""
-    wall, cpu = [], []
+def vanilla_steps(model, prompt: torch.Tensor, steps: int) -> tuple[list[float], float]:
+    """One timed vanilla run after `prompt`: (wall ms of each decode step from RoundStats, CPU ms per step).
+
+    CPU per step = (CPU of prefill + `steps` steps - CPU of the prefill alone) / steps.
+    """
     kw = dict(eos_token_id=[], max_length=prompt.shape[1] + steps + 2)
-    model.naivegenerate(prompt, max_new_tokens=steps + 1, **kw)  # warm-up (allocates the cache)
-    for _ in range(repeats):
-        c0 = time.process_time()
-        model.naivegenerate(prompt, max_new_tokens=1, **kw)  # prefill only
-        c1 = time.process_time()
-        _, stats = model.naivegenerate(prompt, max_new_tokens=steps + 1, return_stats=True, **kw)
-        c2 = time.process_time()
-        assert len(stats.rounds) == steps
-        wall += [(r.draft_s + r.verify_s + r.commit_s) * 1e3 for r in stats.rounds]
-        cpu.append(((c2 - c1) - (c1 - c0)) / steps * 1e3)
-    return {"context": prompt.shape[1], "wall_ms_per_step": median(wall), "cpu_ms_per_step": median(cpu)}
+    c0 = time.process_time()
+    model.naivegenerate(prompt, max_new_tokens=1, **kw)  # prefill only
+    c1 = time.process_time()
+    _, stats = model.naivegenerate(prompt, max_new_tokens=steps + 1, return_stats=True, **kw)
+    c2 = time.process_time()
+    assert len(stats.rounds) == steps
+    wall = [(r.draft_s + r.verify_s + r.commit_s) * 1e3 for r in stats.rounds]
+    return wall, ((c2 - c1) - (c1 - c0)) / steps * 1e3
+
+
+def attention_floor_ms(config, context: int, repeats: int = 200) -> float:
+    """Median time of the decode-step attention kernels alone (one query over `context` cached keys, every
+    layer): what a step MUST spend more at a longer context, whatever the cache does."""
+    import torch.nn.functional as F
+
+    c = config
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    buf = torch.randn(2, 1, c.num_key_value_heads, context + 64, d)  # capacity > context, like the cache
+    k, v = buf[0, :, :, :context], buf[1, :, :, :context]
+    q = torch.randn(1, c.num_attention_heads, 1, d)
+    gqa = c.num_key_value_heads != c.num_attention_heads
+    times = []
+    for i in range(repeats + 20):
+        t = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        if i >= 20:
+            times.append(time.perf_counter() - t)
+    return median(times) * 1e3 * c.num_hidden_layers
 
 
 def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: int) -> dict:
-    """Vanilla step time at each context, and max/min of the medians (flat = no growth with context)."""
-    rows = [vanilla_steps(model, make_prompt(c), steps, repeats) for c in contexts]
-    out = {"rows": rows}
+    """Vanilla step time at each context, and max/min of the medians (flat = no growth with context).
+
+    Contexts are visited round-robin within each repeat, so load drift on a shared machine hits all.
+    Also reports the step minus the attention kernels' own time (`attention_floor_ms`): growth left in
+    that column would be cache overhead (copies, concatenation), which must not exist.
+    """
+    prompts = {c: make_prompt(c) for c in contexts}
+    for c in contexts:  # warm-up: allocates the caches, first-call overheads
+        vanilla_steps(model, prompts[c], steps)
+    wall = {c: [] for c in contexts}
+    cpu = {c: [] for c in contexts}
+    for _ in range(repeats):
+        for c in contexts:
+            w, cp = vanilla_steps(model, prompts[c], steps)
+            wall[c] += w
+            cpu[c].append(cp)
+    rows = [{"context": c, "wall_ms_per_step": median(wall[c]), "cpu_ms_per_step": median(cpu[c]),
+             "attention_ms": attention_floor_ms(model.base_model.config, c)} for c in contexts]
+    for r in rows:
+        r["wall_minus_attention_ms"] = r["wall_ms_per_step"] - r["attention_ms"]
     for kind in ("wall", "cpu"):
-        vals = [r[f"{kind}_ms_per_step"] for r in rows]
+        first = rows[0][f"{kind}_ms_per_step"]
         for r in rows:
-            r[f"{kind}_vs_shortest"] = r[f"{kind}_ms_per_step"] / vals[0]
+            r[f"{kind}_vs_shortest"] = r[f"{kind}_ms_per_step"] / first
+    out = {"rows": rows}
+    for kind, key in (("wall", "wall_ms_per_step"), ("cpu", "cpu_ms_per_step"),
+                      ("wall_minus_attention", "wall_minus_attention_ms")):
+        vals = [r[key] for r in rows]
         out[f"{kind}_max_over_min"] = max(vals) / min(vals)
         out[f"{kind}_flat"] = max(vals) / min(vals) <= FLAT_TOLERANCE
     return out
@@ -196,11 +236,13 @@ def eagle_vs_vanilla(model, prompts, decoding, max_new_tokens: int, repeats: int
 # ----------------------------------------------------------------------------- report
 def print_sweep(title: str, sweep: dict) -> None:
     print(f"\n{title}")
-    print(f"  {'context':>8} {'wall ms/step':>13} {'cpu ms/step':>12} {'wall vs first':>14}")
+    print(f"  {'context':>8} {'wall ms/step':>13} {'cpu ms/step':>12} {'wall vs first':>14} {'attn kernels':>13} "
+          f"{'wall - attn':>12}")
     for r in sweep["rows"]:
-        print(f"  {r['context']:>8} {r['wall_ms_per_step']:>13.3f} {r['cpu_ms_per_step']:>12.3f} {r['wall_vs_shortest']:>14.2f}")
-    print(f"  max/min: wall {sweep['wall_max_over_min']:.2f} ({'flat' if sweep['wall_flat'] else 'NOT flat'}), "
-          f"cpu {sweep['cpu_max_over_min']:.2f} ({'flat' if sweep['cpu_flat'] else 'NOT flat'}) "
+        print(f"  {r['context']:>8} {r['wall_ms_per_step']:>13.3f} {r['cpu_ms_per_step']:>12.3f} {r['wall_vs_shortest']:>14.2f} "
+              f"{r['attention_ms']:>13.3f} {r['wall_minus_attention_ms']:>12.3f}")
+    flat = lambda k: f"{sweep[k + '_max_over_min']:.2f} ({'flat' if sweep[k + '_flat'] else 'NOT flat'})"  # noqa: E731
+    print(f"  max/min: wall {flat('wall')}, cpu {flat('cpu')}, wall - attention kernels {flat('wall_minus_attention')} "
           f"[flat = within {FLAT_TOLERANCE - 1:.0%}]")
 
 
@@ -227,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", default=None, help="stories260K head folder (default: ../heads/stories260K-head if present)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps", type=int, default=32, help="decode steps timed per context and repeat")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per context and repeat")
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json", default="decode_bench.json")
