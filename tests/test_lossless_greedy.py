@@ -293,3 +293,23 @@ def test_one_model_serves_prompts_of_growing_and_shrinking_length():
     long_prompt = torch.cat([s.references[order[-1]], s.references[order[-2]]], dim=1)  # ~90 tokens, past the cache
     expected = hf_greedy(s.target, long_prompt, 40)
     assert_same(s.target, expected, model.eagenerate(long_prompt, max_new_tokens=40), "long prompt")
+
+
+# ----------------------------------------------------------------------------- a real pretrained target
+@pytest.mark.shared
+def test_stories260k_greedy_is_lossless(shared_dir):
+    """stories260K (a real pretrained Llama) with a random head: identical to transformers, stop ids {1, 2}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = shared_dir / "models" / "stories260K"
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    openings = ["Once upon a time", "Tom and Lily went to the park.", "The little dog was sad because",
+                "One day, a girl named Sue found a", "Max had a red ball. He"]
+    for name, texts in (("dyn60-5-10", openings), ("static-mc_sim_7b_63", openings[:2]), ("chain5", openings[2:4])):
+        model = EaModel(target, random_head(target), DECODINGS[name])
+        for text in texts:
+            prompt = tok(text, return_tensors="pt").input_ids
+            expected = hf_greedy(target, prompt, 40, eos_token_id=[1, 2])
+            got = model.eagenerate(prompt, max_new_tokens=40, eos_token_id=[1, 2])
+            assert_same(target, expected, got, f"{name}: {text!r}")
