@@ -185,3 +185,13 @@ def test_unknown_keys_in_tree_config_json_fail_loudly(tmp_path, llama):
     with pytest.raises(ValueError, match="totl_depth"):
         EaModel.from_pretrained(base_model_path=str(tmp_path / "target"), ea_model_path=str(tmp_path / "head"),
                                 torch_dtype=torch.float32)
+
+
+def test_load_and_generate_under_inference_mode(tmp_path, llama):
+    llama.target.save_pretrained(tmp_path / "target")
+    llama.good_head.save_pretrained(tmp_path / "head")
+    with torch.inference_mode():
+        model = EaModel.from_pretrained(base_model_path=str(tmp_path / "target"), ea_model_path=str(tmp_path / "head"),
+                                        torch_dtype=torch.float32)
+        ids = model.eagenerate(llama.prompts[0], max_new_tokens=32)
+    assert torch.equal(ids, llama.references[0])

@@ -345,3 +345,29 @@ def test_load_target_embedding_and_lm_head_reads_only_those(tmp_path, tied):
     assert torch.equal(lm, target.get_output_embeddings().weight)
     if not tied:
         assert not torch.equal(emb, lm)
+
+
+# ----------------------------------------------------------------------------- inference-time fast paths
+def test_no_grad_forward_sees_weight_updates_made_through_data():
+    """The no-grad (drafting) path must use the CURRENT weights, however they were updated. `.data.copy_`
+    (EMA, checkpoint averaging, DeepSpeed flat buffers) does not bump a parameter's version counter."""
+    head = random_head(tiny_target("llama"))
+    f, ids = torch.randn(1, 6, 64), torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        head(f, ids)  # first no-grad call (builds any inference-time cache)
+    for lin in (head.layers[0].self_attn.q_proj, head.layers[0].self_attn.v_proj, head.layers[0].mlp.up_proj):
+        lin.weight.data.copy_(torch.randn_like(lin.weight) * 0.3)
+    with torch.no_grad():
+        fast = head(f, ids)
+    slow = head(f, ids).detach()  # grad-enabled path: plain per-projection matmuls
+    assert torch.allclose(fast, slow, atol=1e-5), f"stale weights in the no-grad path: max diff {(fast - slow).abs().max():.3g}"
+
+
+def test_head_built_and_run_under_inference_mode():
+    """Serving code often wraps loading AND generation in torch.inference_mode()."""
+    with torch.inference_mode():
+        head = random_head(tiny_target("llama"))
+        out = head(torch.randn(1, 5, 64), torch.randint(0, 256, (1, 5)))
+        kv = head.new_kv_cache(16)
+        out2 = head.forward_cached(torch.randn(1, 5, 64), torch.randint(0, 256, (1, 5)), torch.arange(5), kv)
+    assert out.shape == out2.shape == (1, 5, 64)
