@@ -195,3 +195,15 @@ def test_load_and_generate_under_inference_mode(tmp_path, llama):
                                         torch_dtype=torch.float32)
         ids = model.eagenerate(llama.prompts[0], max_new_tokens=32)
     assert torch.equal(ids, llama.references[0])
+
+
+def test_mixed_sliding_and_full_attention_layers_are_refused_clearly():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                      attn_implementation="sdpa")
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    target = Qwen2ForCausalLM(cfg).eval()
+    with pytest.raises(NotImplementedError, match="sliding"):
+        EaModel(target, random_head(target))
