@@ -189,11 +189,13 @@ class Rotary(nn.Module):
     def tables(self, n: int, device, dtype):
         if self._cos is None or self._cos.shape[0] < n or self._cos.device != device or self._cos.dtype != dtype:
             size = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            t = torch.arange(size, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2]
-            emb = torch.cat([freqs, freqs], -1)  # [P, D]
-            self._cos = (emb.cos() * self.scaling).to(dtype)
-            self._sin = (emb.sin() * self.scaling).to(dtype)
+            # normal tensors even when first built under inference_mode, so training can reuse them
+            with torch.inference_mode(False), torch.no_grad():
+                t = torch.arange(size, device=device, dtype=torch.float32)
+                freqs = torch.outer(t, self.inv_freq.to(device).clone())  # [P, D/2]
+                emb = torch.cat([freqs, freqs], -1)  # [P, D]
+                self._cos = (emb.cos() * self.scaling).to(dtype)
+                self._sin = (emb.sin() * self.scaling).to(dtype)
         return self._cos, self._sin
 
     def forward(self, position_ids: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,30 +208,6 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-class FusedLinear:
-    """One matmul for several Linear layers reading the same input (q/k/v, gate/up) when no gradient
-    is needed: drafting is dominated by per-op overhead on small heads. The concatenated weight is
-    rebuilt whenever a source tensor changes (in-place update, `.to()`, `load_state_dict`)."""
-
-    def __init__(self, *linears: nn.Linear):
-        self.linears = linears
-        self.sizes = [lin.out_features for lin in linears]
-        self._key = None
-
-    def _version(self) -> tuple:
-        return tuple((t._version, t.data_ptr(), t.dtype) for lin in self.linears
-                     for t in (lin.weight, lin.bias) if t is not None)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = self._version()
-        if key != self._key:
-            self.weight = torch.cat([lin.weight for lin in self.linears])
-            biases = [lin.bias for lin in self.linears]
-            self.bias = torch.cat(biases) if biases[0] is not None else None
-            self._key = key
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, c: HeadConfig):
         super().__init__()
@@ -238,14 +216,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
-        self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, mask, kv: "DraftKVCache | None" = None, is_causal: bool = False):
         B, T, _ = x.shape
-        if torch.is_grad_enabled():
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = self.qkv(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, h, T, D]
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -266,14 +240,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x):
-        if torch.is_grad_enabled():
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
