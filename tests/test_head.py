@@ -371,3 +371,14 @@ def test_head_built_and_run_under_inference_mode():
         kv = head.new_kv_cache(16)
         out2 = head.forward_cached(torch.randn(1, 5, 64), torch.randint(0, 256, (1, 5)), torch.arange(5), kv)
     assert out.shape == out2.shape == (1, 5, 64)
+
+
+def test_training_after_an_inference_mode_forward():
+    """Cached tables (rotary) built under inference_mode must not poison a later training step."""
+    head = random_head(tiny_target("llama")).train()
+    f, ids = torch.randn(1, 7, 64), torch.randint(0, 256, (1, 7))
+    with torch.inference_mode():
+        head(f, ids)
+    loss = head(f, ids).pow(2).mean()
+    loss.backward()
+    assert head.fc.weight.grad is not None and torch.isfinite(head.fc.weight.grad).all()
