@@ -379,3 +379,21 @@ def test_push_dry_run_stages_exactly_the_upload(toy, tmp_path, dist_ctx, monkeyp
     with pytest.raises(HubPushError, match="could not push to the Hub repo 'someone/eagle2-tiny'") as e:
         push_to_hub(cfg)
     assert str(out / "hub_upload") in str(e.value) and (out / "hub_upload" / "model.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- real pretrained target (../shared)
+@pytest.mark.shared
+def test_stories260k_recipe_on_a_corpus_cache(shared_dir, tmp_path, dist_ctx):
+    """train.corpus_cache + the stories260k recipe on a few TinyStories paragraphs with the real stories260K."""
+    from train.corpus_cache import build_corpus_cache
+    from train.main import load_config, train
+
+    target = shared_dir / "models" / "stories260K"
+    cfg = load_config("stories260k", [f"target.path={target}", f"output_dir={tmp_path}", "train.max_steps=4",
+                                      "train.eval_max_records=4", "logging.backend=none", "logging.progress=false"])
+    manifest = build_corpus_cache(cfg, shared_dir / "data" / "corpora" / "tinystories_val_a.txt", first=40, progress=False)
+    assert manifest["num_records"] == 40 and manifest["num_tokens"] == manifest["num_loss_tokens"]
+    again = build_corpus_cache(cfg, shared_dir / "data" / "corpora" / "tinystories_val_a.txt", first=40, progress=False)
+    assert again["num_records"] == 40  # resumable: nothing added twice
+    summary = train(cfg, dist_ctx)
+    assert summary["steps"] == 4 and 0 < summary["eval"]["eval/top1"] <= 1
