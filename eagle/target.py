@@ -33,6 +33,11 @@ class Target:
         self.hidden_size = cfg.hidden_size
         self.sliding_window = self._uniform_sliding_window(cfg)
         self.cache = PreallocatedKVCache(self.num_layers, capacity)
+        # Families whose decoder is embed -> rotary -> layers -> norm with `layer(h, ...) -> h`: we drive the
+        # layers directly, skipping the model-level mask construction and wrappers (a large share of a
+        # decode step on small targets). Other architectures go through the model's own forward.
+        self.direct_layers = cfg.model_type in SUPPORTED_FAMILIES and all(
+            hasattr(self.body, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
 
     @staticmethod
     def _uniform_sliding_window(cfg) -> int | None:
@@ -79,9 +84,17 @@ class Target:
         mask = None
         if n > 1 or self.sliding_window is not None:
             mask = self._mask(past, n, position_ids, tree_mask)
-        out = self.body(input_ids=input_ids, position_ids=position_ids[None], attention_mask=mask,
-                        past_key_values=self.cache, use_cache=True)
-        return out.last_hidden_state
+        if not self.direct_layers:
+            out = self.body(input_ids=input_ids, position_ids=position_ids[None], attention_mask=mask,
+                            past_key_values=self.cache, use_cache=True)
+            return out.last_hidden_state
+        pos = position_ids[None]  # [1, n]
+        h = self.body.embed_tokens(input_ids)  # [1, n, H]
+        rope = self.body.rotary_emb(h, pos)
+        for layer in self.body.layers[: self.num_layers]:
+            h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=self.cache, use_cache=True,
+                      position_embeddings=rope)
+        return self.body.norm(h)
 
     def _mask(self, past: int, n: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
         dev = position_ids.device
