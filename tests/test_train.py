@@ -128,6 +128,14 @@ def test_resume_is_exact(toy, tmp_path, dist_ctx):
     assert ckpts == ["step-00000009", "step-00000010"]  # keep_last=2
 
 
+def test_dataloader_workers_do_not_change_the_run(toy, tmp_path, dist_ctx):
+    a = run_train(toy, tmp_path / "a", "train.num_workers=0", steps=5, ctx=dist_ctx)
+    b = run_train(toy, tmp_path / "b", "train.num_workers=2", steps=5, ctx=dist_ctx)
+    wa = load_file(tmp_path / "a" / "head" / "model.safetensors")
+    wb = load_file(tmp_path / "b" / "head" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa) and a["train_tokens"] == b["train_tokens"]
+
+
 def test_resume_rejects_changed_data(toy, tmp_path, dist_ctx):
     out = tmp_path / "run"
     run_train(toy, out, "train.stop_after=2", steps=4, ctx=dist_ctx)

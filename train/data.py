@@ -106,6 +106,28 @@ class Batch:
         return Batch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask), move(self.hidden))
 
 
+class MicroBatches(torch.utils.data.Dataset):
+    """The micro-batches of one epoch (lists of record indices) as a map-style dataset of collated Batches,
+    so a DataLoader can read and collate them ahead in worker processes."""
+
+    def __init__(self, records, batches: list[list[int]]):
+        self.records, self.batches = records, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> "Batch":
+        return collate([self.records[j] for j in self.batches[i]])
+
+
+def micro_batch_loader(records, batches: list[list[int]], num_workers: int, pin_memory: bool):
+    """Iterator over collated micro-batches in the given order (workers only read ahead; order is unchanged)."""
+    return iter(torch.utils.data.DataLoader(
+        MicroBatches(records, batches), batch_size=None, shuffle=False, num_workers=num_workers,
+        pin_memory=pin_memory, prefetch_factor=4 if num_workers else None, persistent_workers=False,
+        generator=torch.Generator().manual_seed(0)))  # its own seed draw: the global RNG (noise) stays untouched
+
+
 def collate(records: list[dict]) -> Batch:
     """Right-pad records to the longest one. Padding positions have attention_mask = loss_mask = 0."""
     B, T = len(records), max(r["input_ids"].shape[0] for r in records)

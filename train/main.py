@@ -70,7 +70,7 @@ def train(cfg, ctx=None) -> dict:
     from eagle.head import EagleHead, head_config_from_target
     from train.batching import MicroBatchPlan
     from train.checkpoint import checkpoint_root, latest_tag, load_checkpoint, save_checkpoint
-    from train.data import Subset, TokenizedRecords, cache_dir, collate, split_train_eval, tokenized_file
+    from train.data import Subset, TokenizedRecords, cache_dir, micro_batch_loader, split_train_eval, tokenized_file
     from train.distributed import all_reduce_sum, init_distributed
     from train.ds_config import deepspeed_config
     from train.export import export_dir, export_head, full_state_dict, standalone_head
@@ -154,16 +154,18 @@ def train(cfg, ctx=None) -> dict:
     eval_metrics: dict = {}
     bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True,
                disable=not (ctx.is_main and cfg.logging.progress))
-    epoch_cache: tuple[int, list] = (-1, [])
+    loader_epoch, loader, epoch_batches = -1, None, []
     last_eval_step = -1
     stopped_early = False
     engine.train()
     while step < total_steps:
         epoch, index = plan.position(micro)
-        if epoch_cache[0] != epoch:
-            epoch_cache = (epoch, plan.epoch(epoch))
+        if loader_epoch != epoch:  # a new epoch, or resuming in the middle of one: start at `index`
+            epoch_batches = plan.epoch(epoch)
+            loader = micro_batch_loader(train_set, epoch_batches[index:], t.num_workers, ctx.device.type == "cuda")
+            loader_epoch = epoch
         tic, cpu_tic = time.perf_counter(), time.process_time()
-        batch = collate([train_set[i] for i in epoch_cache[1][index]]).to(ctx.device)
+        batch = next(loader).to(ctx.device)
         hidden = frozen.features(batch).to(dtype)  # [B, T, H]
         feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
         pred = engine(add_input_noise(feats, t.noise, t.noise_std), next_ids, attn)  # [B, T-1, H]
@@ -173,7 +175,7 @@ def train(cfg, ctx=None) -> dict:
             state["bad_in_row"] += 1
             state["skipped"] += 1
             warnings.warn(f"non-finite loss at step {step}, micro-batch {micro - 1} (epoch {epoch}, records "
-                          f"{[train_set.source.ids[train_set.indices[i]] for i in epoch_cache[1][index]]}); skipped "
+                          f"{[train_set.source.ids[train_set.indices[i]] for i in epoch_batches[index]]}); skipped "
                           f"({state['bad_in_row']} in a row)", RuntimeWarning, stacklevel=1)
             if state["bad_in_row"] >= t.max_bad_steps:
                 raise NonFiniteLossError(

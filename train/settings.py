@@ -37,6 +37,7 @@ class TrainSettings:
     eval_max_records: int = 0  # evaluate on at most this many held-out records; 0 = all
     batching: str = "grouped"  # grouped = length-bucketed micro-batches (little padding); padded = random order, pad to the longest
     group_size: int = 32  # micro-batches per length-sorted bucket (larger = less padding, coarser shuffling)
+    num_workers: int = 2  # DataLoader processes reading + collating ahead of the GPU; 0 = in the training process
     # --- schedule
     epochs: float = 20.0
     max_steps: int = 0  # optimizer steps; 0 = derived from epochs
@@ -117,7 +118,7 @@ def validate_train_sections(cfg) -> None:
     for key in ("micro_batch_size", "grad_accum", "group_size", "checkpoint_every", "keep_last", "rollout_steps",
                 "max_bad_steps"):
         _check(t[key] >= 1, f"train.{key}", t[key], "expected >= 1")
-    for key in ("max_steps", "warmup_steps", "eval_every", "rollout_starts", "eval_max_records", "stop_after"):
+    for key in ("max_steps", "warmup_steps", "eval_every", "rollout_starts", "eval_max_records", "stop_after", "num_workers"):
         _check(t[key] >= 0, f"train.{key}", t[key], "expected >= 0")
     _check(t.lr > 0, "train.lr", t.lr, "expected > 0")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas), "expected [b1, b2] in [0, 1)")
