@@ -123,23 +123,26 @@ def vanilla_steps(model, prompt: torch.Tensor, steps: int) -> tuple[list[float],
 
 
 def attention_floor_ms(config, context: int, repeats: int = 200) -> float:
-    """Median time of the decode-step attention kernels alone (one query over `context` cached keys, every
-    layer): what a step MUST spend more at a longer context, whatever the cache does."""
+    """Median time of the decode-step attention kernels alone (one query over `context` cached keys in
+    every layer, each layer with its own K/V buffer as in the real cache, so the memory traffic is the
+    same): what a step MUST spend more at a longer context, whatever the cache bookkeeping does."""
     import torch.nn.functional as F
 
     c = config
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    buf = torch.randn(2, 1, c.num_key_value_heads, context + 64, d)  # capacity > context, like the cache
-    k, v = buf[0, :, :, :context], buf[1, :, :, :context]
-    q = torch.randn(1, c.num_attention_heads, 1, d)
+    layers = c.num_hidden_layers
+    buf = torch.randn(layers, 2, 1, c.num_key_value_heads, context + 64, d)  # capacity > context, like the cache
+    q = torch.randn(1, 1, c.num_attention_heads, d).transpose(1, 2)  # [1, h, 1, d] as a model's view
     gqa = c.num_key_value_heads != c.num_attention_heads
     times = []
     for i in range(repeats + 20):
         t = time.perf_counter()
-        F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        for layer in range(layers):
+            F.scaled_dot_product_attention(q, buf[layer, 0, :, :, :context], buf[layer, 1, :, :, :context],
+                                           enable_gqa=gqa)
         if i >= 20:
             times.append(time.perf_counter() - t)
-    return median(times) * 1e3 * c.num_hidden_layers
+    return median(times) * 1e3
 
 
 def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: int) -> dict:
