@@ -2,6 +2,8 @@
 
     python benchmarks/decode_bench.py [--shared ../shared] [--head DIR] [--threads 1] [--repeats 5] [--json FILE]
 
+Results: a table on stdout and JSON in outputs/decode_bench.json (or --json).
+
 1. Vanilla ms per decode step (`naivegenerate`, i.e. the library's Target + preallocated KV cache) at
    contexts 64 / 256 / 480 on ../shared/models/stories260K and 64 / 1024 / 2048 on a random tiny Llama.
    A step must not cost more as the context grows (no cache copies): "flat" = max/min of the medians <= 1.15.
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per context and repeat")
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--json", default="decode_bench.json")
+    p.add_argument("--json", default=str(REPO / "outputs" / "decode_bench.json"), help="results file (outputs/ is git-ignored)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -324,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print_eagle(results["eagle2_stories260K"], results["eagle2_stories260K"]["head"])
     else:
         print(f"\n{shared} not found: stories260K sections skipped")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.json}")
     return 0
