@@ -58,7 +58,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str) -> list[Path]
 
     manifest = read_json(cache_dir(cfg) / "manifest.json")
     if manifest:
-        manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens")}
+        manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens", "source")}
     # the card describes the recipe the head was trained with (stored at export), not this command's
     trained = OmegaConf.load(head_dir / RECIPE_FILE) if (head_dir / RECIPE_FILE).exists() else cfg
     card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots)

@@ -64,7 +64,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "| setting | value |",
         "|---|---|",
         f"| recipe | `{cfg.name}` (`recipe.yaml` in this repo) |",
-        f"| data | `{cfg.data.source or 'recipe default'}`"
+        f"| data | `{cfg.data.source or (data_manifest or {}).get('source') or 'see recipe.yaml'}`"
         + (f", {data_manifest.get('num_records')} records / {data_manifest.get('num_tokens')} tokens "
            f"({data_manifest.get('num_loss_tokens')} trained on)" if data_manifest else "") + " |",
         f"| feature source | {t.mode} ({'data_prep feature cache' if t.mode == 'offline' else 'target run inside the loop'}) |",
