@@ -172,7 +172,23 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
         "command": " ".join(["python evaluation/main.py", *s.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "code": code_version(),
     }
+
+
+def code_version() -> str:
+    """The repository commit the numbers were measured with ("+dirty" with uncommitted changes)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + ("+dirty" if dirty else "")
 
 
 def bench(s: Setup, questions: list) -> int:
@@ -242,7 +258,7 @@ def autotune(s: Setup, questions: list) -> int:
                            repeats=ev.tune_repeats, seed=s.cfg.seed)
     result.skipped = skipped
     meta = run_meta(s, [], "autotune")
-    meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "hardware", "command", "date")}
+    meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "hardware", "command", "date", "code")}
     meta.update(prompts=len(prompts), prompt_ids=[q.question_id for q in questions],
                 disjoint_from_bench=disjoint, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
                 finalists=ev.tune_finalists, repeats=ev.tune_repeats)
@@ -279,7 +295,7 @@ def chi2(s: Setup, questions: list) -> int:
                                        eos_token_id=s.gen.eos_token_id, alpha=float(ev.chi2_alpha),
                                        min_expected=float(ev.chi2_min_expected), seed=s.cfg.seed))
     meta = run_meta(s, methods, "chi2")
-    meta = {k: meta[k] for k in ("target", "head", "chat_format", "dtype", "command", "date")}
+    meta = {k: meta[k] for k in ("target", "head", "chat_format", "dtype", "command", "date", "code")}
     meta.update(question_id=question.question_id, prompt_tokens=len(prompt))
     paths = write_chi2_report(tests, meta, s.out_dir / "chi2")
     for t in tests:
