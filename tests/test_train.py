@@ -68,7 +68,7 @@ def test_tiny_recipe_trains_under_plain_python(toy, tmp_path):
     assert 0.0 <= summary["eval"]["eval/top1"] <= 1.0 and summary["eval"]["eval/sim_accept_len"] >= 1.0
     assert (out / "head" / "config.json").exists() and (out / "head" / "model.safetensors").exists()
     assert list((out / "train" / "tensorboard").glob("events.out.tfevents.*"))
-    assert json.loads((out / "train" / "deepspeed_config.json").read_text())["optimizer"]["params"]["lr"] == 5e-3
+    assert json.loads((out / "train" / "deepspeed_config.json").read_text())["optimizer"]["params"]["lr"] == 1e-2
     assert (out / "train" / "checkpoints" / "latest").read_text().strip() == "step-00000004"
 
 
