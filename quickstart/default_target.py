@@ -71,9 +71,11 @@ class TargetSize:
 
 
 SIZES = {
-    # ~3.1M params; ~3 min on 2 CPU cores with bf16 autocast (1.2M training tokens, ~8 epochs)
-    "default": TargetSize(vocab_size=4096, hidden_size=192, num_layers=4, num_heads=6, num_kv_heads=2,
-                          intermediate_size=512, block_size=256, batch_size=16, steps=300, lr=3e-3,
+    # 1.26M params, 2.5M training tokens (~14 epochs): ~3 min on 2 CPU cores with bf16 autocast. At this
+    # compute a small model trained on more tokens beats a wider one (measured: train/held-out loss 1.63/3.47
+    # and 14/16 greedy answers ending on their own, vs 3.27/4.02 and ~2/16 for 192 wide x 300 steps)
+    "default": TargetSize(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                          intermediate_size=352, block_size=256, batch_size=16, steps=600, lr=4e-3,
                           max_conversations=None),
     # for tests: builds in a few seconds
     "test": TargetSize(vocab_size=320, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
