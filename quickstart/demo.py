@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from quickstart.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target, read_build_info
 
 STATE_FILE = "quickstart_state.json"
@@ -165,12 +167,25 @@ def main(argv: list[str] | None = None) -> int:
         user.append(f"output_dir={args.out}")
     cfg = load_recipe(args.recipe, user)  # fails fast on unknown keys, before the target is built
     out_dir = Path(cfg.output_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(out_dir / ".quickstart.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise SystemExit(f"another `python -m quickstart` is running on {out_dir}; wait for it or use --out") from None
+    try:
+        return run_pipeline(args, user, out_dir, env, started)
+    finally:
+        lock.release()
+
+
+def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float) -> int:
+    from recipes import load_recipe
+
     if args.fresh:
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
         remove_outputs(out_dir, STAGES)
         (out_dir / STATE_FILE).unlink(missing_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     t0 = time.time()
     say("1/4 target: " + (args.target or "the embedded default target (built once, then cached)"))
     target, inputs, identity = resolve_inputs(args.target, out_dir)

@@ -141,3 +141,16 @@ def test_whole_pipeline_end_to_end_and_rerun(tmp_path, small_target, capsys):
     assert demo.main(["--target", str(small_target), "--out", str(out), *TEST_SCALE]) == 0
     err = capsys.readouterr().err
     assert err.count("already done") == 3 and "$ " not in err
+
+
+def test_a_second_run_on_the_same_folder_is_refused(monkeypatch, tmp_path, small_target):
+    from filelock import FileLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fake = FakeStages()
+    with FileLock(str(out / ".quickstart.lock")):
+        with pytest.raises(SystemExit, match="another `python -m quickstart` is running"):
+            run(monkeypatch, fake, out, small_target)
+    assert fake.names == []
+    assert run(monkeypatch, fake, out, small_target) == 0  # free again once the other run ends
