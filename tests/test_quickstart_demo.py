@@ -1,7 +1,7 @@
 """The one-command demo: stage order, the overrides each stage gets, and rerun/resume/--fresh behaviour.
 
 The orchestration tests replace the stage subprocesses with recorders (the stages have their own
-tests); the slow test runs the real pipeline end to end on a test-size target."""
+tests); the last test runs the real stage CLIs end to end on a test-size target (~25 s)."""
 from __future__ import annotations
 
 import json
@@ -126,7 +126,6 @@ TEST_SCALE = ["target.dtype=float32", "data.max_records=8", "data.max_new_tokens
               "eval.bootstrap_samples=200", "eval.warmup=0"]
 
 
-@pytest.mark.slow
 def test_whole_pipeline_end_to_end_and_rerun(tmp_path, small_target, capsys):
     out = tmp_path / "run"
     assert demo.main(["--target", str(small_target), "--out", str(out), *TEST_SCALE]) == 0
