@@ -76,6 +76,9 @@ def resolve_inputs(target: str | None, out_dir: Path) -> tuple[str, dict[str, st
                            "eval.questions": str(path / QUESTIONS_FILE)}, {"default_target": info["fingerprint"]}
     from quickstart.docstring_corpus import default_conversations, default_questions
 
+    if Path(target).exists():  # a local folder: absolute, so reports and the printed commands name it exactly
+        target = str(Path(target).resolve())
+
     prompts = out_dir / PROMPTS_DIR
     prompts.mkdir(parents=True, exist_ok=True)
     conv, questions = prompts / CONVERSATIONS_FILE, prompts / QUESTIONS_FILE
