@@ -68,7 +68,7 @@ def random_tiny_llama(seed: int = 0):
     return model
 
 
-def load_stories(shared: Path, head_arg: str | None):
+def load_stories(shared: Path, head_arg: str | None, fused: bool | None = None):
     """(EaModel on stories260K, tokenizer, head description)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -88,7 +88,7 @@ def load_stories(shared: Path, head_arg: str | None):
         torch.manual_seed(0)
         head = EagleHead.from_target(base)
         what = "RANDOM head (no trained stories260K head found: tau and speedup are not meaningful)"
-    return EaModel(base, head.eval()), tok, what
+    return EaModel(base, head.eval(), fused_target=fused), tok, what
 
 
 def story_prompts(shared: Path, tok, n: int) -> list[torch.Tensor]:
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", default=os.environ.get("EAGLE_SHARED_DIR", str(REPO.parent / "shared")))
     p.add_argument("--head", default=None, help="stories260K head folder (default: ../heads/stories260K-head if present)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-fused", action="store_true",
+                   help="run targets through the HF decoder layers instead of eagle.fused_decoder (for comparison)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per context and repeat")
     p.add_argument("--prompts", type=int, default=10)
@@ -299,13 +301,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. vanilla step time vs context
     tiny = random_tiny_llama()
-    tiny_model = EaModel(tiny, EagleHead.from_target(tiny))
+    fused = False if args.no_fused else None
+    results["target_path"] = "hf layers" if args.no_fused else "fused"
+    tiny_model = EaModel(tiny, EagleHead.from_target(tiny), fused_target=fused)
     g = torch.Generator().manual_seed(0)
     sweep_tiny = context_sweep(tiny_model, [64, 1024, 2048], lambda c: torch.randint(0, 512, (1, c), generator=g),
                                args.steps, args.repeats)
     results["vanilla_random_tiny_llama"] = sweep_tiny
     if have_shared:
-        stories, tok, head_what = load_stories(shared, args.head)
+        stories, tok, head_what = load_stories(shared, args.head, fused)
         sweep_stories = context_sweep(stories, [64, 256, 480], lambda c: corpus_context(shared, tok, c),
                                       args.steps, args.repeats)
         results["vanilla_stories260K"] = sweep_stories
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "prompts": len(prompts), **eagle}
     results["loadavg_end"] = os.getloadavg()
 
-    print(f"decode_bench: torch {torch.__version__}, {args.threads} thread(s), {args.repeats} repeats, "
+    print(f"decode_bench: target path {results['target_path']}, torch {torch.__version__}, {args.threads} thread(s), {args.repeats} repeats, "
           f"load average at start {results['loadavg_start'][0]:.1f}, end {results['loadavg_end'][0]:.1f}")
     if have_shared:
         print_sweep("vanilla ms per decode step, stories260K", results["vanilla_stories260K"])

@@ -36,15 +36,17 @@ class EaModel(nn.Module):
     """Target + draft head. `eagenerate` is lossless w.r.t. `naivegenerate` (same target code path)."""
 
     def __init__(self, base_model: nn.Module, ea_layer: EagleHead, decoding: DecodingConfig | None = None,
-                 static_tree: list[list[int]] | None = None):
-        """static_tree: a custom EAGLE-1 choice list, used instead of `decoding.static_choices` in mode "static"."""
+                 static_tree: list[list[int]] | None = None, fused_target: bool | None = None):
+        """static_tree: a custom EAGLE-1 choice list, used instead of `decoding.static_choices` in mode "static".
+        fused_target: run the target through `FusedDecoder` (None = when it supports the target and it is small;
+        False = always the HF layers)."""
         super().__init__()
         self.static_tree = static_tree
         self.base_model = base_model.eval()
         self.ea_layer = ea_layer.eval()
         self.decoding = (decoding or DecodingConfig()).validate(vocab_size=ea_layer.config.vocab_size)
         self._check_compatible()
-        self.target = Target(base_model, capacity=0)
+        self.target = Target(base_model, capacity=0, fused=fused_target)
         self.drafter = Drafter(ea_layer, self.target.lm_head, capacity=0)
         self.tokenizer = None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from eagle.fused_decoder import FusedDecoder, fused_unsupported_reason
 from eagle.kv_cache import PreallocatedKVCache
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -16,7 +17,8 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen
 class Target:
     """Wraps `AutoModelForCausalLM`: `forward` returns final hidden states (the LM-head input)."""
 
-    def __init__(self, model: nn.Module, capacity: int):
+    def __init__(self, model: nn.Module, capacity: int, fused: bool | None = None):
+        """fused: use `FusedDecoder` (None = whenever it supports the model; see eagle/fused_decoder.py)."""
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in ("sdpa", "eager", None):
@@ -38,6 +40,11 @@ class Target:
         # decode step on small targets). Other architectures go through the model's own forward.
         self.direct_layers = cfg.model_type in SUPPORTED_FAMILIES and all(
             hasattr(self.body, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
+        # Small dense targets: one module-free forward with fused weights (chosen once, here).
+        reason = fused_unsupported_reason(model) if self.direct_layers else "not a supported family"
+        if fused and reason is not None:
+            raise ValueError(f"fused=True but FusedDecoder cannot run this target: {reason}")
+        self.fused = FusedDecoder(model) if (fused is not False and reason is None) else None
 
     @staticmethod
     def _uniform_sliding_window(cfg) -> int | None:
@@ -67,6 +74,11 @@ class Target:
     def reset(self, capacity: int | None = None) -> None:
         if capacity is not None and capacity > self.cache.capacity:
             self.cache = PreallocatedKVCache(self.num_layers, capacity)
+        if self.fused is not None:
+            if self.fused.is_stale():  # the model's weights were edited since the fused copy was taken
+                self.fused.refresh()
+            if capacity is not None:
+                self.fused.reserve(capacity)
         self.cache.reset()
 
     @torch.no_grad()
@@ -84,6 +96,8 @@ class Target:
         mask = None
         if n > 1 or self.sliding_window is not None:
             mask = self._mask(past, n, position_ids, tree_mask)
+        if self.fused is not None:
+            return self.fused.forward(input_ids, position_ids, mask, self.cache)
         if not self.direct_layers:
             out = self.body(input_ids=input_ids, position_ids=position_ids[None], attention_mask=mask,
                             past_key_values=self.cache, use_cache=True)

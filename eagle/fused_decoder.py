@@ -1,0 +1,158 @@
+"""A module-free forward of small dense Llama-family decoders (llama, mistral, qwen2).
+
+Why it exists: on a target as small as stories260K a decode step is dominated by per-module and
+per-op overhead (nn.Module dispatch, transformers' attention plumbing, three q/k/v and two gate/up
+matmuls), not by arithmetic. This path does the same arithmetic as the HF layers with q|k|v and
+gate|up weights concatenated into one matmul each, a rotary table looked up by position, and the
+`PreallocatedKVCache` buffers written directly.
+
+Trade-off: the concatenated weights are a second copy of most of the decoder's parameters.
+`Target` therefore chooses this path only for targets below `FUSED_MAX_BYTES`, where overhead is
+what matters; larger targets run the HF layers (their matmuls dwarf the overhead). The copy is
+re-taken at the next `Target.reset` (every generation) when a source parameter was modified in place
+or re-allocated (autograd version counter / storage pointer); edits through `param.data` bypass the
+version counter, so call `refresh()` after those.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.kv_cache import PreallocatedKVCache
+
+FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory
+FUSED_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
+
+
+@dataclass
+class FusedLayer:
+    ln1: torch.Tensor  # [H] input_layernorm weight
+    ln2: torch.Tensor  # [H] post_attention_layernorm weight
+    w_qkv: torch.Tensor  # [(h + 2 kv) D, H]
+    b_qkv: torch.Tensor | None  # [(h + 2 kv) D] (Qwen2, Llama attention_bias)
+    w_o: torch.Tensor  # [H, h D]
+    b_o: torch.Tensor | None
+    w_gate_up: torch.Tensor  # [2 I, H]
+    b_gate_up: torch.Tensor | None  # (Llama mlp_bias)
+    w_down: torch.Tensor  # [H, I]
+    b_down: torch.Tensor | None
+
+
+def fused_unsupported_reason(model: nn.Module) -> str | None:
+    """None when `FusedDecoder` can run `model` exactly; otherwise why not (kept for logs and tests)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    body = model.get_decoder()
+    if not all(hasattr(body, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return "decoder is not embed -> rotary -> layers -> norm"
+    names = {type(layer).__name__ for layer in body.layers}
+    if not names <= set(FUSED_LAYER_CLASSES):
+        return f"decoder layers {sorted(names)} are not among {FUSED_LAYER_CLASSES}"
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"hidden_act={cfg.hidden_act!r}"
+    rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type={rope_type!r} depends on the sequence length"
+    size = sum(p.numel() * p.element_size() for p in body.layers.parameters())
+    if size > FUSED_MAX_BYTES:
+        return f"decoder has {size / 2**20:.0f} MiB of layer weights (> {FUSED_MAX_BYTES / 2**20:.0f} MiB)"
+    return None
+
+
+def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype,
+                                                          device=lin.weight.device)
+                      for b, lin in zip(biases, linears)]).detach()
+
+
+class FusedDecoder:
+    """Same outputs as `model.model(...).last_hidden_state` with a PreallocatedKVCache, fewer ops."""
+
+    def __init__(self, model: nn.Module):
+        reason = fused_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"FusedDecoder cannot run this model: {reason}")
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        body = model.get_decoder()
+        self.body = body
+        self._sources = list(body.layers.parameters())
+        attn0 = body.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.eps = body.norm.variance_epsilon
+        self.layer_eps = [layer.input_layernorm.variance_epsilon for layer in body.layers]
+        self._cos = self._sin = None  # [P, D] rotary tables, built by `reserve`
+        self.refresh()
+
+    def _fingerprint(self) -> tuple:
+        return tuple((p._version, p.data_ptr()) for p in self._sources)
+
+    def is_stale(self) -> bool:
+        return self._fingerprint() != self._seen
+
+    def refresh(self) -> None:
+        """(Re)take the fused copies of the layer weights."""
+        body = self.body
+        self.layers = []
+        with torch.no_grad():
+            for layer in body.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.layers.append(FusedLayer(
+                    ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
+                    w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+                    b_qkv=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                    w_o=a.o_proj.weight.detach(), b_o=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                    w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
+                    b_gate_up=_cat_bias(m.gate_proj, m.up_proj),
+                    w_down=m.down_proj.weight.detach(),
+                    b_down=None if m.down_proj.bias is None else m.down_proj.bias.detach(),
+                ))
+        self._seen = self._fingerprint()
+
+    def reserve(self, positions: int) -> None:
+        """Build rotary tables for positions [0, positions) with the model's own rotary module."""
+        have = 0 if self._cos is None else self._cos.shape[0]
+        if have >= positions:
+            return
+        positions = max(positions, 2 * have, 256)  # geometric growth: rebuilt O(log n) times
+        w = self.body.embed_tokens.weight
+        probe = torch.zeros(1, 1, 1, dtype=w.dtype, device=w.device)
+        pos = torch.arange(positions, device=w.device)[None]  # [1, P]
+        cos, sin = self.body.rotary_emb(probe, pos)  # [1, P, D] each, computed per position (batch-independent)
+        self._cos, self._sin = cos[0], sin[0]
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                cache: PreallocatedKVCache) -> torch.Tensor:
+        """input_ids [1, n], position_ids [n], mask additive [1, 1, n, past + n] or None (n == 1,
+        full attention). Appends K/V to `cache`; returns normed final hidden states [1, n, H]."""
+        n = input_ids.shape[1]
+        h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
+        self.reserve(int(position_ids.max()) + 1)
+        cos = self._cos[position_ids][None, None]  # [1, 1, n, D]
+        sin = self._sin[position_ids][None, None]
+        gqa = h_ != kv_
+        x = self.body.embed_tokens(input_ids)  # [1, n, H]
+        for layer, eps, cache_layer in zip(self.layers, self.layer_eps, cache.layers):
+            qkv = F.linear(self._rms(x, layer.ln1, eps), layer.w_qkv, layer.b_qkv)  # [1, n, (h + 2 kv) D]
+            qkv = qkv.view(1, n, h_ + 2 * kv_, d_).transpose(1, 2)  # [1, h + 2 kv, n, D]
+            qk = qkv[:, : h_ + kv_]  # q and k rotate together: [1, h + kv, n, D]
+            x1, x2 = qk.chunk(2, dim=-1)
+            qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin
+            k, v = cache_layer.update(qk[:, h_:], qkv[:, h_ + kv_:])  # views [1, kv, past + n, D]
+            att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
+            x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), layer.w_o, layer.b_o)
+            gate, up = F.linear(self._rms(x, layer.ln2, eps), layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+        return self._rms(x, self.body.norm.weight, self.eps)

@@ -1,0 +1,89 @@
+"""The fused target forward (eagle/fused_decoder.py) computes what the HF layers compute.
+
+Greedy losslessness of the whole decoder on top of it is pinned by test_lossless_greedy.py (small
+targets take the fused path by default); here the forward itself is compared with the HF layer path
+on prefill, tree verification (tree mask + position ids) and after KV compaction.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle.fused_decoder import FUSED_MAX_BYTES, fused_unsupported_reason
+from eagle.target import Target
+from tiny_models import single_thread, tiny_target  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _tree():
+    # root 0; children 1, 2 of the root; 3 under 1; 4 under 3; 5 under 2
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
+    depth = torch.tensor([0, 1, 1, 2, 3, 2])
+    mask = torch.eye(6, dtype=torch.bool)
+    for i in range(6):
+        j = int(parents[i])
+        while j >= 0:
+            mask[i, j] = True
+            j = int(parents[j])
+    return depth, mask
+
+
+@pytest.mark.parametrize("family,kwargs", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v bias
+    ("mistral", {"sliding_window": 5}),  # sliding-window mask on every step
+    ("llama", {"num_kv_heads": 4}),  # no GQA
+])
+def test_fused_matches_hf_layers_on_prefill_tree_and_after_keep(family, kwargs):
+    model = tiny_target(family, **kwargs)
+    fused, ref = Target(model, capacity=64, fused=True), Target(model, capacity=64, fused=False)
+    assert fused.fused is not None and ref.fused is None
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (1, 9), generator=gen)
+    depth, tree_mask = _tree()
+    tokens = torch.randint(0, 256, (1, 6), generator=gen)
+    outs = []
+    for t in (fused, ref):
+        t.reset(64)
+        a = t.forward(prompt)  # [1, 9, H]
+        b = t.forward(tokens, depth + t.length, tree_mask)  # [1, 6, H]
+        t.keep(9, torch.tensor([0, 1, 3]))
+        c = t.forward(tokens[:, :1])  # one token after the compacted path
+        outs.append((a, b, c, t.length))
+    for x, y in zip(outs[0][:3], outs[1][:3]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert outs[0][3] == outs[1][3] == 13
+
+
+def test_fused_is_chosen_for_small_dense_targets_only():
+    assert fused_unsupported_reason(tiny_target("llama")) is None
+    assert Target(tiny_target("llama"), capacity=8).fused is not None
+    mixtral = tiny_target("mixtral")
+    assert "MixtralDecoderLayer" in fused_unsupported_reason(mixtral)
+    assert Target(mixtral, capacity=8).fused is None
+    with pytest.raises(ValueError, match="FusedDecoder cannot run this target"):
+        Target(mixtral, capacity=8, fused=True)
+    assert FUSED_MAX_BYTES >= 64 * 2**20  # a stories/tiny-scale target always qualifies
+
+
+def test_fused_refuses_sequence_length_dependent_rope():
+    model = tiny_target("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "dynamic" in fused_unsupported_reason(model)
+
+
+def test_fused_copy_follows_in_place_weight_updates():
+    model = tiny_target("llama")
+    target = Target(model, capacity=16)
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    target.reset(16)
+    before = target.forward(ids)
+    with torch.no_grad():  # e.g. load_state_dict or an optimiser step
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    target.reset(16)
+    after = target.forward(ids)
+    assert not torch.allclose(before, after)
+    ref = Target(model, capacity=16, fused=False)
+    ref.reset(16)
+    torch.testing.assert_close(after, ref.forward(ids), rtol=1e-5, atol=1e-5)
