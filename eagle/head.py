@@ -375,14 +375,45 @@ class EagleHead(nn.Module):
         features [1, n, H], next_ids [1, n], position_ids [n];
         mask [n, kv.length + n] bool (True = attend) or None for plain causal over the new positions.
         Returns predicted features [1, n, H].
+
+        Same arithmetic as `forward`, written without module calls: drafting runs this 4-9 times per
+        round on a few rows, where nn.Module dispatch costs as much as the math. It reads the Parameter
+        objects themselves (no copies), so trained or reloaded weights are always the ones used.
         """
         n = next_ids.shape[1]
-        x = self.fc(torch.cat([self.embed_tokens(next_ids).to(features.dtype), features], dim=-1))  # [1, n, H]
+        c = self.config
+        h_, kv_, d_ = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        fc_w, fc_b, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln_w, g_w, u_w, dn_w, emb = self._decode_params()
+        x = torch.cat([F.embedding(next_ids, emb).to(features.dtype), features], dim=-1)  # [1, n, 2H]
+        x = F.linear(x, fc_w, fc_b)  # [1, n, H]
         if mask is None and n > 1:
             past = kv.length
             mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)  # [n, L+n]
-        cos, sin = self.rotary(position_ids[None], x.dtype)
-        return self.layers[0](x, cos, sin, mask, kv=kv)
+        cos, sin = self.rotary.tables(int(position_ids.max()) + 1, x.device, x.dtype)
+        cos, sin = cos[position_ids], sin[position_ids]  # [n, D]
+        q = F.linear(x, q_w, q_b).view(1, n, h_, d_).transpose(1, 2)  # [1, h, n, D]
+        k = F.linear(x, k_w, k_b).view(1, n, kv_, d_).transpose(1, 2)  # [1, kv, n, D]
+        v = F.linear(x, v_w, v_b).view(1, n, kv_, d_).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k, v = kv.append(k, v)  # views over the preallocated buffer: [1, kv, L+n, D]
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
+        x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), o_w)
+        xf = x.float()
+        y = ln_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+        return x + F.linear(F.silu(F.linear(y, g_w)) * F.linear(y, u_w), dn_w)
+
+    def _decode_params(self) -> tuple:
+        """The Parameter objects `forward_cached` reads, in order (cached: the objects never change;
+        `.to()`, `load_state_dict` and optimisers update their data in place)."""
+        if getattr(self, "_decode_param_refs", None) is None:
+            layer = self.layers[0]
+            a, m = layer.self_attn, layer.mlp
+            self._decode_param_refs = (self.fc.weight, self.fc.bias, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+                                       a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight,
+                                       layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                                       m.down_proj.weight, self.embed_tokens.weight)
+        return self._decode_param_refs
 
     # -- checkpoint I/O ---------------------------------------------------------------
     def official_state_dict(self) -> dict[str, torch.Tensor]:
