@@ -191,8 +191,10 @@ def test_online_mode_runs_the_target_in_the_loop(toy, tmp_path, dist_ctx):
             for i, s in enumerate(toy_sequences(40, seed=1))]
     write_tokenized(tmp_path / "tok.jsonl", recs)
     summary = run_train(toy, tmp_path / "run", "train.mode=online", f"train.tokenized={tmp_path / 'tok.jsonl'}",
-                        "target.dtype=float32", steps=4, ctx=dist_ctx)
+                        "target.dtype=float32", "train.live_tau_prompts=2", "train.live_tau_max_new_tokens=6",
+                        steps=4, ctx=dist_ctx)
     assert summary["mode"] == "online" and summary["steps"] == 4 and summary["eval"]["eval/positions"] > 0
+    assert summary["eval"]["eval/live_prompts"] == 2 and summary["eval"]["eval/live_tau"] >= 1.0  # reuses the loop's target
 
 
 def test_bf16_zero3_trains_and_exports(toy, tmp_path, dist_ctx):
@@ -212,6 +214,32 @@ def test_offline_mode_never_loads_the_whole_target(toy, tmp_path, dist_ctx, monk
     for cls in (transformers.AutoModelForCausalLM, transformers.AutoModel, transformers.LlamaForCausalLM):
         monkeypatch.setattr(cls, "from_pretrained", refuse)
     assert run_train(toy, tmp_path / "run", steps=2, ctx=dist_ctx)["steps"] == 2
+
+
+def test_live_tau_logs_real_tree_decoding_during_training(toy, tmp_path, dist_ctx):
+    """train.live_tau_prompts: the trainer decodes held-out prompts with the real EAGLE-2 tree at each eval."""
+    summary = run_train(toy, tmp_path / "run", "train.live_tau_prompts=3", "train.live_tau_max_new_tokens=8",
+                        "train.eval_every=2", "decoding.total_token=8", "decoding.depth=3", "decoding.top_k=2",
+                        "target.dtype=float32", steps=4, ctx=dist_ctx)
+    ev = summary["eval"]
+    assert ev["eval/live_prompts"] == 3 and ev["eval/live_new_tokens"] > 0
+    assert 1.0 <= ev["eval/live_tau"] <= 4.0  # accepted (<= depth 3) + bonus per round
+    assert ev["eval/live_rounds"] >= ev["eval/live_new_tokens"] / 4.0
+    assert 0.0 <= ev["eval/live_alpha_1"] <= 1.0
+
+
+def test_live_tau_prompts_are_the_turns_before_the_trained_tokens():
+    from train.live_tau import RAW_TEXT_PROMPT_TOKENS, live_prompts
+
+    def rec(ids, mask):
+        return {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask)}
+
+    records = [rec([5, 6, 7, 8], [0, 0, 1, 1]),  # conversation: the user turn is the prompt
+               rec([1, 2, 3], [0, 0, 0]),  # nothing trained on: skipped
+               rec(list(range(40)), [1] * 40),  # raw text: its first tokens are the prompt
+               rec([9, 9], [0, 1])]
+    assert live_prompts(records, 5) == [[5, 6], list(range(RAW_TEXT_PROMPT_TOKENS)), [9]]
+    assert live_prompts(records, 1) == [[5, 6]]
 
 
 # ----------------------------------------------------------------------------- export

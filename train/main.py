@@ -146,6 +146,11 @@ def train(cfg, ctx=None) -> dict:
                                f"this run has {fingerprint}; exact resume needs the same ones (or train.resume=false)")
         say(f"resumed from {ckpt_root / tag} at step {state['step']}")
     tracker = Tracker(cfg, train_dir, enabled=ctx.is_main, resumed_step=state["step"])
+    live = None
+    if t.live_tau_prompts and ctx.is_main and len(eval_set):
+        from train.live_tau import LiveTau
+
+        live = LiveTau(cfg, target_path, frozen, eval_set, ctx.device)
 
     # ================================================================== loop
     step, micro = state["step"], state["micro_step"]
@@ -223,11 +228,14 @@ def train(cfg, ctx=None) -> dict:
             state["evaluated_epochs"] = epochs_done
             eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
             eval_metrics = evaluate(eval_head, eval_set, frozen, t, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
+            if live is not None:  # rank 0 only; the other ranks wait for it at the next collective
+                eval_metrics.update(live.measure(eval_head))
             tracker.log(eval_metrics, step)
             last_eval_step = step
             say(f"step {step}: eval top1 {eval_metrics['eval/top1']:.3f}, steps 1-{t.rollout_steps} "
                 + "/".join(f"{eval_metrics[f'eval/step{j + 1}_acc']:.2f}" for j in range(t.rollout_steps))
-                + f", sim. acceptance length {eval_metrics['eval/sim_accept_len']:.2f}")
+                + f", sim. acceptance length {eval_metrics['eval/sim_accept_len']:.2f}"
+                + (f", live tau {eval_metrics['eval/live_tau']:.2f}" if live is not None else ""))
 
         state.update(step=step, micro_step=micro)
         if step % t.checkpoint_every == 0 or step == total_steps or (t.stop_after and step >= t.stop_after):
@@ -255,6 +263,8 @@ def train(cfg, ctx=None) -> dict:
         if len(eval_set) and last_eval_step != step:
             eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
             eval_metrics = evaluate(eval_head, eval_set, frozen, t, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
+            if live is not None:
+                eval_metrics.update(live.measure(eval_head))
             tracker.log(eval_metrics, step)
         summary["eval"] = eval_metrics
         weights = full_state_dict(engine.module, t.zero_stage)  # collective under ZeRO-3

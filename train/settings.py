@@ -65,6 +65,9 @@ class TrainSettings:
     eval_every: int = 0  # optimizer steps; 0 = at the end of every epoch
     rollout_steps: int = 5  # self-fed draft steps simulated per start position
     rollout_starts: int = 16  # chain starts sampled per eval record; 0 = every position (cost ~ starts x length x steps)
+    live_tau_prompts: int = 0  # >0: at every eval, REAL EAGLE decoding (recipe's `decoding` tree) of this many eval
+    # records' prompts on rank 0, logged as eval/live_tau (+ alpha_d); offline mode then loads the full target once
+    live_tau_max_new_tokens: int = 64
     # --- checkpoints and robustness
     checkpoint_every: int = 1000  # optimizer steps; a checkpoint is also written at the end
     keep_last: int = 3  # checkpoints kept (older ones are deleted)
@@ -118,8 +121,10 @@ def validate_train_sections(cfg) -> None:
     for key in ("micro_batch_size", "grad_accum", "group_size", "checkpoint_every", "keep_last", "rollout_steps",
                 "max_bad_steps"):
         _check(t[key] >= 1, f"train.{key}", t[key], "expected >= 1")
-    for key in ("max_steps", "warmup_steps", "eval_every", "rollout_starts", "eval_max_records", "stop_after", "num_workers"):
+    for key in ("max_steps", "warmup_steps", "eval_every", "rollout_starts", "eval_max_records", "stop_after", "num_workers",
+                "live_tau_prompts"):
         _check(t[key] >= 0, f"train.{key}", t[key], "expected >= 0")
+    _check(t.live_tau_max_new_tokens >= 1, "train.live_tau_max_new_tokens", t.live_tau_max_new_tokens, "expected >= 1")
     _check(t.lr > 0, "train.lr", t.lr, "expected > 0")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas), "expected [b1, b2] in [0, 1)")
     for key in ("weight_decay", "grad_clip", "feature_weight", "token_weight", "noise_std"):
