@@ -34,15 +34,17 @@ def target_config_hash(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load_target_tokenizer(target_cfg, path: str | None = None):
-    """Tokenizer of the target, with `target.chat_template` installed when set."""
+def load_target_tokenizer(target_cfg, path: str | None = None, need_template: bool = True):
+    """Tokenizer of the target, with `target.chat_template` installed when set (conversations need a template;
+    raw-text corpora pass need_template=False)."""
     from transformers import AutoTokenizer
 
     from data_prep.chat_template import setup_chat_template
 
     path = path or resolve_target_path(target_cfg)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=target_cfg.revision)
-    setup_chat_template(tokenizer, target_cfg.chat_template, where=f"tokenizer of {path}")
+    if need_template or target_cfg.chat_template:
+        setup_chat_template(tokenizer, target_cfg.chat_template, where=f"tokenizer of {path}")
     return tokenizer
 
 

@@ -34,7 +34,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     from train.data import cache_dir
 
     target_path = resolve_target_path(cfg.target)
-    tokenizer = load_target_tokenizer(cfg.target, target_path)
+    tokenizer = load_target_tokenizer(cfg.target, target_path, need_template=False)  # raw text
     model = load_target_model(cfg.target, pick_device(cfg.data.device), target_path)
     decoder = getattr(model, model.base_model_prefix)
     device = next(model.parameters()).device
