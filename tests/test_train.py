@@ -433,3 +433,30 @@ def test_stories260k_recipe_on_a_corpus_cache(shared_dir, tmp_path, dist_ctx):
     assert again["num_records"] == 40  # resumable: nothing added twice
     summary = train(cfg, dist_ctx)
     assert summary["steps"] == 4 and 0 < summary["eval"]["eval/top1"] <= 1
+
+
+@pytest.mark.shared
+def test_on_policy_corpus_cache_holds_the_targets_greedy_continuations(shared_dir, tmp_path):
+    """--continue-with-target: opening sentence (no loss) + the target's own greedy continuation (loss)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data_prep.feature_cache import FeatureCacheReader
+    from train.corpus_cache import build_corpus_cache, opening_sentence, read_paragraphs
+    from train.main import load_config
+
+    target = shared_dir / "models" / "stories260K"
+    text = shared_dir / "data" / "corpora" / "tinystories_val_a.txt"
+    cfg = load_config("stories260k", [f"target.path={target}", f"output_dir={tmp_path}"])
+    manifest = build_corpus_cache(cfg, text, first=5, batch_size=4, progress=False, continue_tokens=24)
+    assert manifest["num_records"] == 5 and 0 < manifest["num_loss_tokens"] < manifest["num_tokens"]
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    reader = FeatureCacheReader(tmp_path / "data" / "features")
+    for i, para in enumerate(read_paragraphs(text, 5)):
+        rec = reader[reader.ids.index(f"p{i:06d}")]
+        prompt = tok(opening_sentence(para), return_tensors="pt").input_ids
+        n = prompt.shape[1]
+        assert rec["input_ids"][:n].tolist() == prompt[0].tolist() and rec["loss_mask"][:n].sum() == 0
+        greedy = model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=[1, 2], pad_token_id=0)[0, n:]
+        cont = rec["input_ids"][n:].tolist()
+        assert cont == greedy[: len(cont)].tolist() and rec["loss_mask"][n:].all()

@@ -7,10 +7,19 @@ unseen for evaluation prompts), tokenised with the target's tokenizer (its BOS a
 data.max_length, loss on every token. Written with data_prep's FeatureCacheWriter to the trainer's cache
 directory ({output_dir}/data/features) with the same meta data_prep writes, so the trainer's target check
 applies. Resumable: paragraphs already in the cache are skipped.
+
+On-policy variant (`--continue-with-target N`, the raw-text analogue of data_prep's regeneration): each
+record is the paragraph's opening sentence followed by the TARGET's own continuation (greedy, or sampled
+with --temperature) of up to N tokens, loss on the continuation only. The head then learns the text it will
+draft at decoding time instead of human text the target would not have written.
+
+    python -m train.corpus_cache --recipe stories260k --text ../shared/data/corpora/tinystories_val_a.txt \
+        --first 3000 --continue-with-target 160 output_dir=runs/stories260k-onpolicy
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -24,9 +33,40 @@ def read_paragraphs(path: str | Path, first: int = 0) -> list[str]:
     return paras[:first] if first else paras
 
 
+def opening_sentence(paragraph: str) -> str:
+    """Up to and including the first sentence end (. ! ?) followed by a space; the whole text if none."""
+    m = re.search(r"[.!?](?=\s)", paragraph)
+    return paragraph[: m.end()] if m else paragraph
+
+
 @torch.no_grad()
-def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: int = 16, progress: bool = True) -> dict:
-    """Cache the target's final hidden states for every paragraph; returns the cache manifest."""
+def continue_with_target(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                         temperature: float, seed: int) -> list[list[int]]:
+    """The target's continuation of each prompt (token ids, first stop token included, if any)."""
+    device = next(model.parameters()).device
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    attn = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):  # left padding: every row's last prompt token is at T - 1
+        ids[b, T - len(p):] = torch.tensor(p)
+        attn[b, T - len(p):] = 1
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    if temperature > 0:
+        torch.manual_seed(seed)
+    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+                         eos_token_id=stop_ids or None, pad_token_id=0, **kw)[:, T:].cpu()
+    conts = []
+    for row in out.tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
+        conts.append(row[:cut])
+    return conts
+
+
+@torch.no_grad()
+def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: int = 16, progress: bool = True,
+                       continue_tokens: int = 0, temperature: float = 0.0) -> dict:
+    """Cache the target's final hidden states for every paragraph (continue_tokens > 0: for its opening
+    sentence + the target's own continuation, loss on the continuation); returns the cache manifest."""
     from tqdm.auto import tqdm
 
     from data_prep.feature_cache import FeatureCacheWriter
@@ -41,13 +81,23 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     meta = {"target": target_path, "config_hash": target_config_hash(model.config),
             "hidden_size": int(model.config.hidden_size), "vocab_size": int(model.config.vocab_size),
             "target_dtype": cfg.target.dtype, "source": f"text:{Path(text_file).name}" + (f"[:{first}]" if first else "")}
+    if continue_tokens:
+        meta["source"] += f" openings + target continuations ({continue_tokens} tokens, T={temperature})"
+        gen = model.generation_config
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+        stop_ids = sorted({int(t) for t in [*eos, *cfg.data.extra_stop_ids] if t is not None})
     writer = FeatureCacheWriter(cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
     paragraphs = read_paragraphs(text_file, first)
     todo = [(f"p{i:06d}", p) for i, p in enumerate(paragraphs) if f"p{i:06d}" not in writer]
     start = time.perf_counter()
     for k in tqdm(range(0, len(todo), batch_size), desc="cache", disable=not progress):
         chunk = todo[k : k + batch_size]
-        encoded = [tokenizer(p)["input_ids"][: cfg.data.max_length] for _, p in chunk]
+        encoded = [tokenizer(opening_sentence(p) if continue_tokens else p)["input_ids"][: cfg.data.max_length]
+                   for _, p in chunk]
+        n_prompt = [len(e) for e in encoded]
+        if continue_tokens:
+            conts = continue_with_target(model, encoded, continue_tokens, stop_ids, temperature, cfg.seed + k)
+            encoded = [(e + c)[: cfg.data.max_length] for e, c in zip(encoded, conts)]
         T = max(len(e) for e in encoded)
         ids = torch.zeros(len(chunk), T, dtype=torch.long)
         attn = torch.zeros(len(chunk), T, dtype=torch.long)
@@ -57,7 +107,10 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
         hidden = decoder(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state  # [B, T, H]
         for b, (rid, _) in enumerate(chunk):
             n = len(encoded[b])
-            writer.add(rid, ids[b, :n], hidden[b, :n].float().cpu(), torch.ones(n, dtype=torch.long))
+            loss = torch.ones(n, dtype=torch.long)
+            if continue_tokens:
+                loss[: n_prompt[b]] = 0  # the human-written opening is context, not something to draft
+            writer.add(rid, ids[b, :n], hidden[b, :n].float().cpu(), loss)
     manifest = writer.close()
     manifest["seconds"] = time.perf_counter() - start
     return manifest
@@ -73,9 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", required=True, help="UTF-8 text file, paragraphs separated by blank lines")
     p.add_argument("--first", type=int, default=0, help="use only the first N paragraphs (0 = all)")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--continue-with-target", type=int, default=0, metavar="N",
+                   help="on-policy records: opening sentence + the target's own continuation of up to N tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="continuations: 0 = greedy, else sampled")
     args = p.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
-    m = build_corpus_cache(cfg, args.text, args.first, args.batch_size)
+    m = build_corpus_cache(cfg, args.text, args.first, args.batch_size, continue_tokens=args.continue_with_target,
+                           temperature=args.temperature)
     print(f"cache: {m['num_records']} records, {m['num_tokens']} tokens, {m['bytes_on_disk']:,} bytes "
           f"({m['seconds']:.1f} s)")
     return 0
