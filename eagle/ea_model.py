@@ -265,7 +265,8 @@ class EaModel(nn.Module):
         if tree is None:  # vanilla
             empty = torch.zeros(0)
             return RoundStats(accept_length=0, new_tokens=committed, node_depth=empty.long(), node_prob=empty,
-                              node_path_prob=empty, node_accepted=empty.bool(), draft_s=0.0, verify_s=draft_s,
+                              node_path_prob=empty, node_accepted=empty.bool(), node_parent=empty.long(),
+                              draft_s=0.0, verify_s=draft_s,
                               commit_s=verify_s + commit_s)
         accepted = torch.zeros(tree.size, dtype=torch.bool)
         accepted[path.cpu()] = True
@@ -276,6 +277,7 @@ class EaModel(nn.Module):
             node_prob=tree.prob[1:].float().cpu(),
             node_path_prob=tree.path_logprob[1:].float().exp().cpu(),
             node_accepted=accepted[1:],
+            node_parent=(tree.parents[1:] - 1).cpu(),  # node i+1 of the tree is entry i here; the root becomes -1
             draft_s=draft_s,
             verify_s=verify_s,
             commit_s=commit_s,

@@ -14,6 +14,7 @@ class RoundStats:
     node_prob: torch.Tensor  # [N] float32 draft probability of the node's token given its parent
     node_path_prob: torch.Tensor  # [N] float32 product of draft probabilities along root->node
     node_accepted: torch.Tensor  # [N] bool node lies on the accepted path
+    node_parent: torch.Tensor | None = None  # [N] int64 index of the parent among these N nodes, -1 = the root
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0

@@ -65,6 +65,21 @@ def test_decoding_override_per_call(llama):
     assert model.decoding.mode == "dynamic" and model.decoding.total_token == 60  # the override did not stick
 
 
+def test_round_stats_name_each_nodes_parent(llama):
+    """node_parent lets calibration condition a node's probability on its parent being accepted."""
+    model = EaModel(llama.target, llama.good_head)
+    for mode in (DecodingConfig(), DecodingConfig(mode="static")):
+        _, stats = model.eagenerate(llama.prompts[2], max_new_tokens=32, decoding=mode, return_stats=True)
+        for r in stats.rounds:
+            par, depth, acc = r.node_parent, r.node_depth, r.node_accepted
+            assert par.shape == depth.shape and bool((par < torch.arange(par.numel())).all())  # parents first
+            top = par < 0
+            assert bool((depth[top] == 1).all())
+            assert torch.equal(depth[~top], depth[par[~top]] + 1)
+            assert bool((~acc[~top] | acc[par[~top]]).all())  # an accepted node's parent is accepted
+            assert int(acc.sum()) == r.accept_length
+
+
 # ----------------------------------------------------------------------------- bad input
 def other_head(hidden=64, vocab=256, heads=4, kv=2):
     torch.manual_seed(0)
