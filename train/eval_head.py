@@ -1,0 +1,66 @@
+"""Held-out metrics of any head on a recipe's feature cache: the trainer's eval split and eval metrics.
+
+    python -m train.eval_head --recipe stories260k --head runs/stories260k-onpolicy/head [key=value ...]
+
+Same split (train.eval_fraction, seed, by record id), same metrics as the trainer's evaluation: loss parts,
+top-1/2/3 agreement with the target's argmax, self-fed step accuracies and the simulated acceptance length.
+Use it to compare heads trained on different data (or by other code) on ONE eval set. Prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def evaluate_head(cfg, head_path: str) -> dict:
+    """Eval metrics of the head at `head_path` on the eval split of `cfg`'s feature cache (offline)."""
+    from transformers import AutoConfig
+
+    from data_prep.feature_cache import FeatureCacheReader
+    from data_prep.target import pick_device, resolve_target_path
+    from eagle.head import EagleHead
+    from train.data import Subset, cache_dir, split_train_eval
+    from train.frozen_target import check_cache_matches_target, load_frozen_target
+    from train.main import COMPUTE_DTYPES
+    from train.metrics import evaluate
+    from train.settings import validate_train_sections
+
+    validate_train_sections(cfg)
+    t = cfg.train
+    target_path = resolve_target_path(cfg.target)
+    cdir = cache_dir(cfg)
+    source = FeatureCacheReader(cdir, verify=t.verify_cache)
+    check_cache_matches_target(source.manifest, cdir, target_path, AutoConfig.from_pretrained(target_path))
+    _, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
+    if not eval_idx:
+        raise ValueError(f"the eval split of {cdir} is empty (train.eval_fraction={t.eval_fraction})")
+    device = pick_device(t.device)
+    dtype = COMPUTE_DTYPES[t.precision]
+    frozen, _ = load_frozen_target("offline", cfg.target, target_path, device, dtype)
+    head = EagleHead.from_pretrained(head_path, dtype=dtype, device=device)
+    if head.config.vocab_size != frozen.lm_head.shape[0] or head.config.hidden_size != frozen.lm_head.shape[1]:
+        raise ValueError(f"head {head_path} (hidden {head.config.hidden_size}, vocab {head.config.vocab_size}) does not "
+                         f"fit the target's lm_head {tuple(frozen.lm_head.shape)}")
+    with torch.no_grad():
+        metrics = evaluate(head, Subset(source, eval_idx, cfg.data.max_length), frozen, t, device, dtype, cfg.seed)
+    return {"head": str(head_path), "cache": str(cdir), "eval_records": len(eval_idx), **metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from train.main import load_config
+
+    p = argparse.ArgumentParser(prog="python -m train.eval_head", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--head", required=True, help="head folder (config.json + model.safetensors) or hub id")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    args = p.parse_args(argv)
+    print(json.dumps(evaluate_head(load_config(args.recipe, args.overrides), args.head), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
