@@ -16,6 +16,7 @@ class Drafter:
         self.head = head
         self.lm_head = lm_head
         self.kv = head.new_kv_cache(capacity)
+        self.fused = None  # concatenated head weights, re-taken at every reset (weights may change between generations)
 
     @property
     def length(self) -> int:
@@ -25,6 +26,7 @@ class Drafter:
         if capacity > self.kv.capacity:
             self.kv = self.head.new_kv_cache(capacity)
         self.kv.truncate(0)
+        self.fused = self.head.fuse_decode_weights()
 
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
         """[n, H] predicted features -> [n, V] float32 draft log-probs through the target's lm_head."""
@@ -38,7 +40,7 @@ class Drafter:
         """
         n = next_ids.shape[1]
         pos = torch.arange(self.kv.length, self.kv.length + n, device=next_ids.device)  # [n]
-        out = self.head.forward_cached(features.to(self.head.dtype), next_ids, pos, self.kv)  # [1, n, H]
+        out = self.head.forward_cached(features.to(self.head.dtype), next_ids, pos, self.kv, fused=self.fused)  # [1, n, H]
         return out[:, -1]
 
     @torch.no_grad()
@@ -59,7 +61,8 @@ class Drafter:
             anc[:, d * k : (d + 1) * k] = eye  # each frontier node sees itself
             mask = torch.cat([torch.ones(k, committed, dtype=torch.bool, device=dev), anc[:, : (d + 1) * k]], 1)
             pos = torch.full((k,), committed + d, device=dev)  # all nodes of a level share a position
-            out = self.head.forward_cached(front_feat[None], front_tok[None], pos, self.kv, mask[None, None])[0]
+            out = self.head.forward_cached(front_feat[None], front_tok[None], pos, self.kv, mask[None, None],
+                                           fused=self.fused)[0]
             lp, tok = self._logprobs(out).topk(k, dim=-1)  # [k, k]
             path = front_path[:, None] + lp  # [k, k] value = log of the product of confidences
             cand_tok.append(tok.flatten())
@@ -104,7 +107,7 @@ class Drafter:
             self.kv.truncate(committed + lo - 1)
             pos = torch.full((hi - lo,), committed + d - 1, device=dev)
             out = self.head.forward_cached(feats[parents[level]][None], tokens[level][None], pos, self.kv,
-                                           mask[None, None])[0]
+                                           mask[None, None], fused=self.fused)[0]
             feats[level] = out
         self.kv.truncate(committed)
         path_lp = logprob.clone()  # [N] accumulate parents' log-probs level by level

@@ -92,7 +92,7 @@ class FusedDecoder:
         self.refresh()
 
     def _fingerprint(self) -> tuple:
-        return tuple((p._version, p.data_ptr()) for p in self._sources)
+        return tuple((-1 if p.is_inference() else p._version, p.data_ptr()) for p in self._sources)
 
     def is_stale(self) -> bool:
         return self._fingerprint() != self._seen

@@ -259,6 +259,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+FUSED_HEAD_MAX_BYTES = 64 * 2**20  # q/k/v/gate/up bytes up to which decoding uses concatenated copies
+
+
+@dataclass
+class FusedHeadWeights:
+    w_qkv: torch.Tensor  # [(h + 2 kv) D, H]
+    b_qkv: torch.Tensor | None
+    w_gate_up: torch.Tensor  # [2 I, H]
+
+
 class DraftKVCache:
     """Preallocated K/V of the draft layer: committed prefix, then the nodes of the tree being drafted.
 
@@ -369,16 +379,17 @@ class EagleHead(nn.Module):
         position_ids: torch.Tensor,
         kv: DraftKVCache,
         mask: torch.Tensor | None = None,
+        fused: "FusedHeadWeights | None" = None,
     ) -> torch.Tensor:
         """Decoding forward on n new positions, appending their K/V to `kv`.
 
         features [1, n, H], next_ids [1, n], position_ids [n];
-        mask [n, kv.length + n] bool (True = attend) or None for plain causal over the new positions.
-        Returns predicted features [1, n, H].
+        mask [n, kv.length + n] bool (True = attend) or None for plain causal over the new positions;
+        fused: a `fuse_decode_weights()` snapshot (q|k|v and gate|up as one matmul each) or None (the
+        parameters themselves). Returns predicted features [1, n, H].
 
         Same arithmetic as `forward`, written without module calls: drafting runs this 4-9 times per
-        round on a few rows, where nn.Module dispatch costs as much as the math. It reads the Parameter
-        objects themselves (no copies), so trained or reloaded weights are always the ones used.
+        round on a few rows, where per-op dispatch costs as much as the math.
         """
         n = next_ids.shape[1]
         c = self.config
@@ -391,17 +402,24 @@ class EagleHead(nn.Module):
             mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)  # [n, L+n]
         cos, sin = self.rotary.tables(int(position_ids.max()) + 1, x.device, x.dtype)
         cos, sin = cos[position_ids], sin[position_ids]  # [n, D]
-        q = F.linear(x, q_w, q_b).view(1, n, h_, d_).transpose(1, 2)  # [1, h, n, D]
-        k = F.linear(x, k_w, k_b).view(1, n, kv_, d_).transpose(1, 2)  # [1, kv, n, D]
-        v = F.linear(x, v_w, v_b).view(1, n, kv_, d_).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        k, v = kv.append(k, v)  # views over the preallocated buffer: [1, kv, L+n, D]
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
+        if fused is not None:
+            qkv = F.linear(x, fused.w_qkv, fused.b_qkv).view(1, n, h_ + 2 * kv_, d_)
+        else:
+            qkv = torch.cat([F.linear(x, q_w, q_b).view(1, n, h_, d_), F.linear(x, k_w, k_b).view(1, n, kv_, d_),
+                             F.linear(x, v_w, v_b).view(1, n, kv_, d_)], dim=2)
+        qkv = qkv.transpose(1, 2)  # [1, h + 2 kv, n, D]
+        qk = qkv[:, : h_ + kv_]  # q and k rotate together: [1, h + kv, n, D]
+        qk = qk * cos + _rotate_half(qk) * sin
+        k, v = kv.append(qk[:, h_:], qkv[:, h_ + kv_:])  # views over the preallocated buffer: [1, kv, L+n, D]
+        att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
         x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), o_w)
         xf = x.float()
         y = ln_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
-        return x + F.linear(F.silu(F.linear(y, g_w)) * F.linear(y, u_w), dn_w)
+        if fused is not None:
+            gate, up = F.linear(y, fused.w_gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(y, g_w), F.linear(y, u_w)
+        return x + F.linear(F.silu(gate) * up, dn_w)
 
     def _decode_params(self) -> tuple:
         """The Parameter objects `forward_cached` reads, in order (cached: the objects never change;
@@ -414,6 +432,20 @@ class EagleHead(nn.Module):
                                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
                                        m.down_proj.weight, self.embed_tokens.weight)
         return self._decode_param_refs
+
+    def fuse_decode_weights(self) -> "FusedHeadWeights | None":
+        """A snapshot of q|k|v and gate|up concatenated, for `forward_cached(fused=...)` while the weights do
+        not change (one generation). None for heads above `FUSED_HEAD_MAX_BYTES`, where the copy would cost
+        memory and the saved dispatch is negligible next to the matmuls."""
+        _, _, q_w, q_b, k_w, k_b, v_w, v_b, _, _, g_w, u_w, _, _ = self._decode_params()
+        parts = [q_w, k_w, v_w, g_w, u_w]
+        if sum(p.numel() * p.element_size() for p in parts) > FUSED_HEAD_MAX_BYTES:
+            return None
+        with torch.no_grad():
+            return FusedHeadWeights(
+                w_qkv=torch.cat([q_w, k_w, v_w]).detach(),
+                b_qkv=torch.cat([q_b, k_b, v_b]).detach() if q_b is not None else None,
+                w_gate_up=torch.cat([g_w, u_w]).detach())
 
     # -- checkpoint I/O ---------------------------------------------------------------
     def official_state_dict(self) -> dict[str, torch.Tensor]:

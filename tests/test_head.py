@@ -143,19 +143,38 @@ def test_forward_is_causal_and_ignores_padding():
         assert torch.allclose(head(lf, lids, lam)[:, 3:], full, atol=1e-5)
 
 
-def test_cached_decoding_forward_matches_the_training_forward():
-    """What drafting computes (chunks through the head's KV cache) equals the causal training forward."""
-    head = random_head(tiny_target("qwen2"))
+@pytest.mark.parametrize("fused", [False, True])
+def test_cached_decoding_forward_matches_the_training_forward(fused):
+    """What drafting computes (chunks through the head's KV cache, with or without the fused q|k|v and
+    gate|up copies) equals the causal training forward."""
+    head = random_head(tiny_target("qwen2"))  # q/k/v bias: the fused bias is exercised too
     g = torch.Generator().manual_seed(1)
     f = torch.randn(1, 12, 64, generator=g)
     ids = torch.randint(0, 256, (1, 12), generator=g)
+    weights = head.fuse_decode_weights() if fused else None
+    assert (weights is not None) == fused
     with torch.no_grad():
         full = head(f, ids)
         kv = head.new_kv_cache(32)
         outs = []
         for lo, hi in [(0, 5), (5, 6), (6, 11), (11, 12)]:
-            outs.append(head.forward_cached(f[:, lo:hi], ids[:, lo:hi], torch.arange(lo, hi), kv))
+            outs.append(head.forward_cached(f[:, lo:hi], ids[:, lo:hi], torch.arange(lo, hi), kv, fused=weights))
     assert torch.allclose(torch.cat(outs, 1), full, atol=1e-5)
+
+
+def test_drafter_retakes_fused_weights_every_generation():
+    """Weights trained between two generations (even through `.data`, which skips version counters) are used."""
+    from eagle.draft import Drafter
+
+    target = tiny_target("llama")
+    head = random_head(target)
+    drafter = Drafter(head, target.get_output_embeddings(), capacity=16)
+    drafter.reset(16)
+    before = drafter.fused.w_gate_up.clone()
+    head.layers[0].mlp.up_proj.weight.data.mul_(2.0)
+    drafter.reset(16)
+    assert not torch.equal(before, drafter.fused.w_gate_up)
+    assert torch.equal(drafter.fused.w_gate_up[head.config.intermediate_size:], head.layers[0].mlp.up_proj.weight)
 
 
 # ----------------------------------------------------------------------------- checkpoints
