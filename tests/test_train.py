@@ -226,6 +226,10 @@ def test_live_tau_logs_real_tree_decoding_during_training(toy, tmp_path, dist_ct
     assert 1.0 <= ev["eval/live_tau"] <= 4.0  # accepted (<= depth 3) + bonus per round
     assert ev["eval/live_rounds"] >= ev["eval/live_new_tokens"] / 4.0
     assert 0.0 <= ev["eval/live_alpha_1"] <= 1.0
+    # measuring must not perturb training (RNG stream, weights, dtype): same head as a run without it
+    run_train(toy, tmp_path / "plain", "train.eval_every=2", "target.dtype=float32", steps=4, ctx=dist_ctx)
+    a, b = load_file(tmp_path / "run" / "head" / "model.safetensors"), load_file(tmp_path / "plain" / "head" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_live_tau_prompts_are_the_turns_before_the_trained_tokens():

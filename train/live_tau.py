@@ -10,6 +10,8 @@ Cost: one greedy generation per prompt; in offline mode the full target is loade
 """
 from __future__ import annotations
 
+from copy import deepcopy
+
 import torch
 
 RAW_TEXT_PROMPT_TOKENS = 16
@@ -55,7 +57,6 @@ class LiveTau:
         import dataclasses
 
         from eagle.decoding_config import DecodingConfig
-        from eagle.head import EagleHead
         from evaluation.live import measure_tau
 
         t = self.cfg.train
@@ -65,10 +66,9 @@ class LiveTau:
                 raise ValueError("train.live_tau_prompts > 0 but no eval record has a prompt followed by trained-on "
                                  "tokens (is the eval split empty?)")
         model = self._target()
-        # a copy in the target's dtype: the training module (or its dtype) must not change under the optimizer
-        copy = EagleHead(head.config)
-        copy.load_state_dict(head.state_dict(), strict=True)
-        copy = copy.to(device=self.device, dtype=model.get_output_embeddings().weight.dtype).eval()
+        # a copy in the target's dtype: the training module (or its dtype) must not change under the optimizer;
+        # deepcopy, not a fresh EagleHead: initialising one would draw from the global RNG (the noise stream)
+        copy = deepcopy(head).to(device=self.device, dtype=model.get_output_embeddings().weight.dtype).eval()
         decoding = DecodingConfig(**{f.name: self.cfg.decoding[f.name] for f in dataclasses.fields(DecodingConfig)})
         eos = list(self.cfg.eval.eos_token_ids) or None
         result = measure_tau(model, copy, self.prompts, decoding=decoding,
