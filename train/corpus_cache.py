@@ -13,8 +13,7 @@ record is the paragraph's opening sentence followed by the TARGET's own continua
 with --temperature) of up to N tokens, loss on the continuation only. The head then learns the text it will
 draft at decoding time instead of human text the target would not have written.
 
-    python -m train.corpus_cache --recipe stories260k --text ../shared/data/corpora/tinystories_val_a.txt \
-        --first 3000 --continue-with-target 160 output_dir=runs/stories260k-onpolicy
+    python -m train.corpus_cache --recipe stories260k --text ../shared/data/corpora/tinystories_val_a.txt --first 3000 --continue-with-target 160
 """
 from __future__ import annotations
 

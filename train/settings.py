@@ -65,9 +65,10 @@ class TrainSettings:
     eval_every: int = 0  # optimizer steps; 0 = at the end of every epoch
     rollout_steps: int = 5  # self-fed draft steps simulated per start position
     rollout_starts: int = 16  # chain starts sampled per eval record; 0 = every position (cost ~ starts x length x steps)
-    live_tau_prompts: int = 0  # >0: at every eval, REAL EAGLE decoding (recipe's `decoding` tree) of this many eval
-    # records' prompts on rank 0, logged as eval/live_tau (+ alpha_d); offline mode then loads the full target once
-    live_tau_max_new_tokens: int = 64
+    # live tau: at every eval, rank 0 decodes this many eval records' prompts with the recipe's `decoding` tree and
+    # logs eval/live_tau (+ live_alpha_d); offline mode then loads the full target once
+    live_tau_prompts: int = 0  # >0: real EAGLE decoding of this many held-out prompts at every eval (eval/live_tau)
+    live_tau_max_new_tokens: int = 64  # new tokens per live-tau prompt
     # --- checkpoints and robustness
     checkpoint_every: int = 1000  # optimizer steps; a checkpoint is also written at the end
     keep_last: int = 3  # checkpoints kept (older ones are deleted)
