@@ -1,7 +1,7 @@
 """Decoding settings: the ONE home of the tree defaults (EaModel, recipes and evaluation read them here)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 TREE_MODES = ("dynamic", "static", "chain", "vanilla")
 
@@ -22,6 +22,11 @@ class DecodingConfig:
     top_k: int = 10
     static_choices: str = "mc_sim_7b_63"
     chain_length: int = 5
+
+    @classmethod
+    def from_section(cls, section) -> "DecodingConfig":
+        """From a recipe's `decoding` section (any mapping holding every field)."""
+        return cls(**{f.name: section[f.name] for f in fields(cls)})
 
     def validate(self, vocab_size: int | None = None) -> "DecodingConfig":
         if self.mode not in TREE_MODES:

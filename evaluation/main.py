@@ -127,7 +127,7 @@ def build_setup(cfg) -> Setup:
                                     torch_dtype=DTYPES[cfg.target.dtype],
                                     attn_implementation=cfg.target.attn_implementation,
                                     revision=cfg.target.revision)
-    base_decoding = DecodingConfig(**{f.name: cfg.decoding[f.name] for f in dataclasses.fields(DecodingConfig)})
+    base_decoding = DecodingConfig.from_section(cfg.decoding)
     models = {"A": model}
     if cfg.eval.compare_head:
         head_b = EagleHead.from_pretrained(str(cfg.eval.compare_head), dtype=model.base_model.dtype,

@@ -54,8 +54,6 @@ class LiveTau:
 
     def measure(self, head) -> dict:
         """eval/live_tau, eval/live_alpha_d, eval/live_prompts, eval/live_seconds for `head` (an EagleHead)."""
-        import dataclasses
-
         from eagle.decoding_config import DecodingConfig
         from evaluation.live import measure_tau
 
@@ -69,7 +67,7 @@ class LiveTau:
         # a copy in the target's dtype: the training module (or its dtype) must not change under the optimizer;
         # deepcopy, not a fresh EagleHead: initialising one would draw from the global RNG (the noise stream)
         copy = deepcopy(head).to(device=self.device, dtype=model.get_output_embeddings().weight.dtype).eval()
-        decoding = DecodingConfig(**{f.name: self.cfg.decoding[f.name] for f in dataclasses.fields(DecodingConfig)})
+        decoding = DecodingConfig.from_section(self.cfg.decoding)
         eos = list(self.cfg.eval.eos_token_ids) or None
         result = measure_tau(model, copy, self.prompts, decoding=decoding,
                              max_new_tokens=t.live_tau_max_new_tokens, eos_token_id=eos)
