@@ -68,6 +68,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     sentence + the target's own continuation, loss on the continuation); returns the cache manifest."""
     from tqdm.auto import tqdm
 
+    from data_prep.chat_template import stop_token_ids
     from data_prep.feature_cache import FeatureCacheWriter
     from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
     from train.data import cache_dir
@@ -82,9 +83,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
             "target_dtype": cfg.target.dtype, "source": f"text:{Path(text_file).name}" + (f"[:{first}]" if first else "")}
     if continue_tokens:
         meta["source"] += f" openings + target continuations ({continue_tokens} tokens, T={temperature})"
-        gen = model.generation_config
-        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-        stop_ids = sorted({int(t) for t in [*eos, *cfg.data.extra_stop_ids] if t is not None})
+        stop_ids = sorted(set(stop_token_ids(tokenizer, model.generation_config)) | {int(i) for i in cfg.data.extra_stop_ids})
     writer = FeatureCacheWriter(cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
     paragraphs = read_paragraphs(text_file, first)
     todo = [(f"p{i:06d}", p) for i, p in enumerate(paragraphs) if f"p{i:06d}" not in writer]
