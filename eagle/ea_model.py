@@ -15,7 +15,7 @@ from torch import nn
 
 from eagle.decoding_config import DecodingConfig
 from eagle.draft import Drafter
-from eagle.head import EagleHead
+from eagle.head import EagleHead, text_config
 from eagle.sampling import SamplingParams, sample_token, target_probs
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
@@ -51,7 +51,7 @@ class EaModel(nn.Module):
         self.tokenizer = None
 
     def _check_compatible(self) -> None:
-        t = self.base_model.config.get_text_config() if hasattr(self.base_model.config, "get_text_config") else self.base_model.config
+        t = text_config(self.base_model.config)
         h = self.ea_layer.config
         if h.hidden_size != t.hidden_size:
             raise ValueError(f"head hidden_size={h.hidden_size} does not match the target's hidden_size={t.hidden_size}")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.head import rms_norm, rotate_half, text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory
@@ -44,7 +45,7 @@ class FusedLayer:
 
 def fused_unsupported_reason(model: nn.Module) -> str | None:
     """None when `FusedDecoder` can run `model` exactly; otherwise why not (kept for logs and tests)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     body = model.get_decoder()
     if not all(hasattr(body, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
         return "decoder is not embed -> rotary -> layers -> norm"
@@ -78,7 +79,7 @@ class FusedDecoder:
         reason = fused_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)
         body = model.get_decoder()
         self.body = body
         self._sources = list(body.layers.parameters())
@@ -128,10 +129,6 @@ class FusedDecoder:
         cos, sin = self.body.rotary_emb(probe, pos)  # [1, P, D] each, computed per position (batch-independent)
         self._cos, self._sin = cos[0], sin[0]
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                 cache: PreallocatedKVCache) -> torch.Tensor:
@@ -145,14 +142,13 @@ class FusedDecoder:
         gqa = h_ != kv_
         x = self.body.embed_tokens(input_ids)  # [1, n, H]
         for layer, eps, cache_layer in zip(self.layers, self.layer_eps, cache.layers):
-            qkv = F.linear(self._rms(x, layer.ln1, eps), layer.w_qkv, layer.b_qkv)  # [1, n, (h + 2 kv) D]
+            qkv = F.linear(rms_norm(x, layer.ln1, eps), layer.w_qkv, layer.b_qkv)  # [1, n, (h + 2 kv) D]
             qkv = qkv.view(1, n, h_ + 2 * kv_, d_).transpose(1, 2)  # [1, h + 2 kv, n, D]
             qk = qkv[:, : h_ + kv_]  # q and k rotate together: [1, h + kv, n, D]
-            x1, x2 = qk.chunk(2, dim=-1)
-            qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin
+            qk = qk * cos + rotate_half(qk) * sin
             k, v = cache_layer.update(qk[:, h_:], qkv[:, h_ + kv_:])  # views [1, kv, past + n, D]
             att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
             x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), layer.w_o, layer.b_o)
-            gate, up = F.linear(self._rms(x, layer.ln2, eps), layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+            gate, up = F.linear(rms_norm(x, layer.ln2, eps), layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
-        return self._rms(x, self.body.norm.weight, self.eps)
+        return rms_norm(x, self.body.norm.weight, self.eps)

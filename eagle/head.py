@@ -120,13 +120,14 @@ class HeadConfig:
         return cls(**kwargs, extra=extra)
 
 
-def _target_text_config(target_config):
+def text_config(target_config):
+    """The language-model part of a (possibly multimodal) HF config."""
     return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
 
 
 def head_config_from_target(target_config, bias: bool = True) -> HeadConfig:
     """Derive the head's shape from a target's HF config (Llama, Mistral, Mixtral, Qwen2 families)."""
-    c = _target_text_config(target_config)
+    c = text_config(target_config)
     rope = dict(getattr(c, "rope_parameters", None) or {})
     theta = rope.pop("rope_theta", None) or getattr(c, "rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -153,6 +154,12 @@ def head_config_from_target(target_config, bias: bool = True) -> HeadConfig:
 
 
 # ----------------------------------------------------------------------------- modules
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in float32, scale in the input dtype (exactly HF's LlamaRMSNorm)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -160,10 +167,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -203,7 +207,8 @@ class Rotary(nn.Module):
         return cos[position_ids], sin[position_ids]  # [..., T, D]
 
 
-def _rotate_half(x):
+def rotate_half(x):
+    """[x1, x2] -> [-x2, x1] over the last dim (rotary embedding)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -224,8 +229,8 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B|1, 1, T, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         if kv is not None:
             k, v = kv.append(k, v)  # views over the preallocated buffer: [B, kv, L+T, D]
         # enable_gqa: no copy of K/V per query-head group (a copy would cost O(context) every draft step)
@@ -409,12 +414,11 @@ class EagleHead(nn.Module):
                              F.linear(x, v_w, v_b).view(1, n, kv_, d_)], dim=2)
         qkv = qkv.transpose(1, 2)  # [1, h + 2 kv, n, D]
         qk = qkv[:, : h_ + kv_]  # q and k rotate together: [1, h + kv, n, D]
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = qk * cos + rotate_half(qk) * sin
         k, v = kv.append(qk[:, h_:], qkv[:, h_ + kv_:])  # views over the preallocated buffer: [1, kv, L+n, D]
         att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
         x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), o_w)
-        xf = x.float()
-        y = ln_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+        y = rms_norm(x, ln_w, c.rms_norm_eps)
         if fused is not None:
             gate, up = F.linear(y, fused.w_gate_up).chunk(2, dim=-1)
         else:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from eagle.fused_decoder import FusedDecoder, fused_unsupported_reason
+from eagle.head import text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -19,7 +20,7 @@ class Target:
 
     def __init__(self, model: nn.Module, capacity: int, fused: bool | None = None):
         """fused: use `FusedDecoder` (None = whenever it supports the model; see eagle/fused_decoder.py)."""
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in ("sdpa", "eager", None):
             raise ValueError(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle.head import load_target_embedding_and_lm_head
+from eagle.head import load_target_embedding_and_lm_head, text_config
 
 
 class CacheMismatchError(ValueError):
@@ -24,7 +24,7 @@ def check_cache_matches_target(manifest: dict, cache_path: Path, target_path: st
     """Raise CacheMismatchError, naming both sides, unless the cache's meta fits the recipe's target."""
     from data_prep.target import target_config_hash
 
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text = text_config(target_config)
     problems = []
     if int(manifest.get("hidden_size", -1)) != int(text.hidden_size):
         problems.append(f"hidden_size {manifest.get('hidden_size')} (cache) != {text.hidden_size} (target)")
