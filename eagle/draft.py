@@ -16,7 +16,8 @@ class Drafter:
         self.head = head
         self.lm_head = lm_head
         self.kv = head.new_kv_cache(capacity)
-        self.fused = None  # concatenated head weights, re-taken at every reset (weights may change between generations)
+        self.weights = None  # head.decode_weights() snapshot, re-taken at every reset (weights may change between generations)
+        self._depth_layouts: dict[tuple, torch.Tensor] = {}
 
     @property
     def length(self) -> int:
@@ -26,7 +27,7 @@ class Drafter:
         if capacity > self.kv.capacity:
             self.kv = self.head.new_kv_cache(capacity)
         self.kv.truncate(0)
-        self.fused = self.head.fuse_decode_weights()
+        self.weights = self.head.decode_weights()
 
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
         """[n, H] predicted features -> [n, V] float32 draft log-probs through the target's lm_head."""
@@ -38,9 +39,8 @@ class Drafter:
 
         Returns the predicted feature after the last one, [1, H]: it scores the root's children.
         """
-        n = next_ids.shape[1]
-        pos = torch.arange(self.kv.length, self.kv.length + n, device=next_ids.device)  # [n]
-        out = self.head.forward_cached(features.to(self.head.dtype), next_ids, pos, self.kv, fused=self.fused)  # [1, n, H]
+        pos = range(self.kv.length, self.kv.length + next_ids.shape[1])
+        out = self.head.forward_cached(features.to(self.head.dtype), next_ids, pos, self.kv, weights=self.weights)  # [1, n, H]
         return out[:, -1]
 
     @torch.no_grad()
@@ -51,33 +51,47 @@ class Drafter:
         dev = root.device
         k = top_k
         lp, tok = self._logprobs(feature)[0].topk(k)  # [k], [k] depth-1 candidates
-        cand_tok, cand_lp, cand_path, cand_parent = [tok], [lp], [lp], [torch.full((k,), -1, device=dev)]
+        cand_tok, cand_lp, cand_path, front_cands = [tok], [lp], [lp], []
         front_feat = feature.expand(k, -1)  # [k, H] input feature of each frontier node (its parent's prediction)
         front_tok, front_path, front_cand = tok, lp, torch.arange(k, device=dev)  # [k] each
-        anc = torch.zeros(k, depth * k, dtype=torch.bool, device=dev)  # [k, tree-KV] ancestors of frontier nodes
+        # [k, committed + depth k] attention rows of the frontier: the whole committed prefix, then the tree
+        # nodes already in the draft KV cache that are its ancestors or itself (columns of later levels stay False)
+        mask = torch.ones(k, committed + depth * k, dtype=torch.bool, device=dev)
+        mask[:, committed:] = False
         eye = torch.eye(k, dtype=torch.bool, device=dev)
-        n_cand = k
         for d in range(depth):
-            anc[:, d * k : (d + 1) * k] = eye  # each frontier node sees itself
-            mask = torch.cat([torch.ones(k, committed, dtype=torch.bool, device=dev), anc[:, : (d + 1) * k]], 1)
-            pos = torch.full((k,), committed + d, device=dev)  # all nodes of a level share a position
-            out = self.head.forward_cached(front_feat[None], front_tok[None], pos, self.kv, mask[None, None],
-                                           fused=self.fused)[0]
+            end = committed + (d + 1) * k
+            mask[:, end - k : end] = eye  # each frontier node sees itself
+            out = self.head.forward_cached(front_feat[None], front_tok[None], committed + d, self.kv,
+                                           mask[None, None, :, :end], weights=self.weights)[0]  # level shares a position
             lp, tok = self._logprobs(out).topk(k, dim=-1)  # [k, k]
-            path = front_path[:, None] + lp  # [k, k] value = log of the product of confidences
-            cand_tok.append(tok.flatten())
-            cand_lp.append(lp.flatten())
-            cand_path.append(path.flatten())
-            cand_parent.append(front_cand.repeat_interleave(k))
-            best = path.flatten().topk(k).indices  # [k] new frontier among the k*k children
+            path = (front_path[:, None] + lp).flatten()  # [k k] value = log of the product of confidences
+            lp, tok = lp.flatten(), tok.flatten()  # [k k]: children of frontier row r at r k .. r k + k - 1
+            cand_tok.append(tok)
+            cand_lp.append(lp)
+            cand_path.append(path)
+            front_cands.append(front_cand)
+            if d == depth - 1:
+                break  # the last level's children are candidates only, never expanded
+            best = path.topk(k).indices  # [k] new frontier among the k k children
             parent_row = best // k
-            front_feat, front_tok, front_path = out[parent_row], tok.flatten()[best], path.flatten()[best]
-            front_cand = n_cand + best
-            anc = anc[parent_row]
-            n_cand += k * k
+            front_feat, front_tok, front_path = out[parent_row], tok[best], path[best]
+            front_cand = best + (k + d * k * k)  # candidate ids of the new frontier (this level starts at k + d k^2)
+            mask[:, committed:end] = mask[parent_row, committed:end]  # a child sees what its parent saw
         self.kv.truncate(committed)
-        return rerank_tree(root, torch.cat(cand_tok), torch.cat(cand_lp), torch.cat(cand_path),
-                           torch.cat(cand_parent), total_token)
+        # parent candidate id of every candidate: -1 (root) for level 1, then each frontier node k times
+        parents = torch.cat([torch.full((k,), -1, device=dev),
+                             torch.stack(front_cands)[:, :, None].expand(depth, k, k).flatten()])
+        return rerank_tree(root, torch.cat(cand_tok), torch.cat(cand_lp), torch.cat(cand_path), parents,
+                           self._candidate_depth(k, depth, dev), total_token)
+
+    def _candidate_depth(self, k: int, depth: int, device) -> torch.Tensor:
+        """[k + depth k^2] tree depth of every candidate `draft_dynamic` generates (fixed by k and depth)."""
+        key = (k, depth, str(device))
+        if key not in self._depth_layouts:
+            sizes = torch.tensor([k] + [k * k] * depth, device=device)
+            self._depth_layouts[key] = torch.arange(1, depth + 2, device=device).repeat_interleave(sizes)
+        return self._depth_layouts[key]
 
     @torch.no_grad()
     def draft_static(self, root: torch.Tensor, feature: torch.Tensor, spec: StaticTreeSpec) -> DraftTree:
@@ -105,9 +119,8 @@ class Drafter:
             mask = torch.cat([torch.ones(hi - lo, committed, dtype=torch.bool, device=dev),
                               spec.ancestors[lo:hi, 1:hi].to(dev)], 1)
             self.kv.truncate(committed + lo - 1)
-            pos = torch.full((hi - lo,), committed + d - 1, device=dev)
-            out = self.head.forward_cached(feats[parents[level]][None], tokens[level][None], pos, self.kv,
-                                           mask[None, None], fused=self.fused)[0]
+            out = self.head.forward_cached(feats[parents[level]][None], tokens[level][None], committed + d - 1, self.kv,
+                                           mask[None, None], weights=self.weights)[0]
             feats[level] = out
         self.kv.truncate(committed)
         path_lp = logprob.clone()  # [N] accumulate parents' log-probs level by level
@@ -115,5 +128,7 @@ class Drafter:
         for _ in range(spec.max_depth - 1):
             path_lp += torch.where(anc > 0, logprob[anc], 0.0)
             anc = parents.clamp(min=0)[anc]
-        return DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
+        tree = DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
                          path_logprob=path_lp)
+        tree._ancestors = spec.ancestors.to(dev)  # the fixed shape's mask, computed once per spec
+        return tree

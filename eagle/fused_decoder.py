@@ -21,12 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.head import rms_norm, rotate_half, text_config
+from eagle.head import rms_norm, rotate_rolled, signed_sin, text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory
 FUSED_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
+# Tree verification on tiny heads: with head_dim <= 16 and >= 16 query rows, bmm attention beats sdpa's CPU
+# flash kernel (head_dim 8, 20 rows x 220 keys: 71 vs 89 us; 60 x 260: 202 vs 273 us); at head_dim 32+
+# or a few rows sdpa wins (benchmarks/attention_paths.py). float32 only: sdpa accumulates bf16 in float32.
+BMM_ATTENTION_MAX_HEAD_DIM = 16
+BMM_ATTENTION_MIN_ROWS = 16
 
 
 @dataclass
@@ -89,7 +94,7 @@ class FusedDecoder:
         self.n_kv = cfg.num_key_value_heads
         self.eps = body.norm.variance_epsilon
         self.layer_eps = [layer.input_layernorm.variance_epsilon for layer in body.layers]
-        self._cos = self._sin = None  # [P, D] rotary tables, built by `reserve`
+        self._cos = self._sin_signed = None  # [P, D] rotary tables (see head.rotate_rolled), built by `reserve`
         self.refresh()
 
     def _fingerprint(self) -> tuple:
@@ -127,28 +132,53 @@ class FusedDecoder:
         probe = torch.zeros(1, 1, 1, dtype=w.dtype, device=w.device)
         pos = torch.arange(positions, device=w.device)[None]  # [1, P]
         cos, sin = self.body.rotary_emb(probe, pos)  # [1, P, D] each, computed per position (batch-independent)
-        self._cos, self._sin = cos[0], sin[0]
+        self._cos, self._sin_signed = cos[0], signed_sin(sin[0])
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | range, mask: torch.Tensor | None,
                 cache: PreallocatedKVCache) -> torch.Tensor:
-        """input_ids [1, n], position_ids [n], mask additive [1, 1, n, past + n] or None (n == 1,
-        full attention). Appends K/V to `cache`; returns normed final hidden states [1, n, H]."""
+        """input_ids [1, n]; positions: a tensor [n] (a tree: every entry < cache.length + n, as node
+        depths guarantee) or a `range` of consecutive positions (sliced, no gather); mask additive
+        [1, 1, n, past + n] or None (n == 1, full attention). Appends K/V to `cache`; returns normed final
+        hidden states [1, n, H]."""
         n = input_ids.shape[1]
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
-        self.reserve(int(position_ids.max()) + 1)
-        cos = self._cos[position_ids][None, None]  # [1, 1, n, D]
-        sin = self._sin[position_ids][None, None]
+        if isinstance(positions, range):
+            self.reserve(positions.stop)
+            cos, sin = self._cos[positions.start : positions.stop], self._sin_signed[positions.start : positions.stop]
+        else:
+            self.reserve(cache.length + n)
+            cos, sin = self._cos[positions], self._sin_signed[positions]  # [n, D] each
         gqa = h_ != kv_
+        bmm_bias = None
+        if (mask is not None and n >= BMM_ATTENTION_MIN_ROWS and d_ <= BMM_ATTENTION_MAX_HEAD_DIM
+                and mask.dtype == torch.float32):
+            bmm_bias = mask[0, 0].repeat(h_ // kv_, 1)  # [g n, past + n]: the mask per query row of a kv group
         x = self.body.embed_tokens(input_ids)  # [1, n, H]
         for layer, eps, cache_layer in zip(self.layers, self.layer_eps, cache.layers):
             qkv = F.linear(rms_norm(x, layer.ln1, eps), layer.w_qkv, layer.b_qkv)  # [1, n, (h + 2 kv) D]
             qkv = qkv.view(1, n, h_ + 2 * kv_, d_).transpose(1, 2)  # [1, h + 2 kv, n, D]
-            qk = qkv[:, : h_ + kv_]  # q and k rotate together: [1, h + kv, n, D]
-            qk = qk * cos + rotate_half(qk) * sin
+            qk = rotate_rolled(qkv[:, : h_ + kv_], cos, sin)  # q and k rotate together: [1, h + kv, n, D]
             k, v = cache_layer.update(qk[:, h_:], qkv[:, h_ + kv_:])  # views [1, kv, past + n, D]
-            att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
+            if bmm_bias is None:
+                att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
+            else:
+                att = bmm_attention(qk[:, :h_], k, v, bmm_bias)
             x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), layer.w_o, layer.b_o)
             gate, up = F.linear(rms_norm(x, layer.ln2, eps), layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
         return rms_norm(x, self.body.norm.weight, self.eps)
+
+
+def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v for q [1, h, n, D], k, v [1, kv, L, D], bias [g n, L] additive
+    (g = h / kv: query head i g + a reads kv head i, as HF's repeat_kv). Returns [1, h, n, D].
+
+    Three batched matmuls over the kv groups; P V is computed as (V^T P^T)^T because MKL is several times
+    slower on an output only D = 8 wide than on one n wide."""
+    _, h, n, d = q.shape
+    kv = k.shape[1]
+    scores = torch.baddbmm(bias, q[0].reshape(kv, h // kv * n, d), k[0].transpose(1, 2), alpha=d ** -0.5)  # [kv, g n, L]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(v[0].transpose(1, 2), probs.transpose(1, 2))  # [kv, D, g n]
+    return out.transpose(1, 2).reshape(1, h, n, d)

@@ -155,9 +155,9 @@ def head_config_from_target(target_config, bias: bool = True) -> HeadConfig:
 
 # ----------------------------------------------------------------------------- modules
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in float32, scale in the input dtype (exactly HF's LlamaRMSNorm)."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """Llama RMSNorm: normalise in float32, scale in the input dtype (bit-identical to HF's LlamaRMSNorm,
+    pinned by a test; torch's rms_norm does the x * rsqrt(mean(x^2) + eps) part in fewer ops)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -188,9 +188,10 @@ class Rotary(nn.Module):
         ref = LlamaRotaryEmbedding(lc)
         self.inv_freq = nn.Buffer(ref.inv_freq.float().clone(), persistent=False)
         self.scaling = float(ref.attention_scaling)
-        self._cos = self._sin = None
+        self._cos = self._sin = self._sin_signed = None
 
     def tables(self, n: int, device, dtype):
+        """cos, sin [P >= n, D] (rows = positions)."""
         if self._cos is None or self._cos.shape[0] < n or self._cos.device != device or self._cos.dtype != dtype:
             size = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             # normal tensors even when first built under inference_mode, so training can reuse them
@@ -200,17 +201,41 @@ class Rotary(nn.Module):
                 emb = torch.cat([freqs, freqs], -1)  # [P, D]
                 self._cos = (emb.cos() * self.scaling).to(dtype)
                 self._sin = (emb.sin() * self.scaling).to(dtype)
+                self._sin_signed = signed_sin(self._sin)
         return self._cos, self._sin
 
     def forward(self, position_ids: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.tables(int(position_ids.max()) + 1, position_ids.device, dtype)
         return cos[position_ids], sin[position_ids]  # [..., T, D]
 
+    def at(self, positions: "torch.Tensor | range | int", device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) rows for `rotate_rolled`: [n, D] for a tensor or range of positions, [1, D] for
+        one int shared by every row. Ranges and ints are slices (no gather, no host sync)."""
+        if isinstance(positions, int):
+            positions = range(positions, positions + 1)
+        if isinstance(positions, range):
+            self.tables(positions.stop, device, dtype)
+            return self._cos[positions.start : positions.stop], self._sin_signed[positions.start : positions.stop]
+        self.tables(int(positions.max()) + 1, device, dtype)
+        return self._cos[positions], self._sin_signed[positions]
+
 
 def rotate_half(x):
     """[x1, x2] -> [-x2, x1] over the last dim (rotary embedding)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[s1, s2] -> [-s1, s2] over the last dim: the sin table `rotate_rolled` multiplies with."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((-s1, s2), dim=-1)
+
+
+def rotate_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in 3 ops instead of 6, bit-identical:
+    rotate_half(x) * sin = [-x2 s1, x1 s2] = roll(x) * [-s1, s2], and IEEE negation is exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -268,10 +293,30 @@ FUSED_HEAD_MAX_BYTES = 64 * 2**20  # q/k/v/gate/up bytes up to which decoding us
 
 
 @dataclass
-class FusedHeadWeights:
-    w_qkv: torch.Tensor  # [(h + 2 kv) D, H]
-    b_qkv: torch.Tensor | None
-    w_gate_up: torch.Tensor  # [2 I, H]
+class DecodeWeights:
+    """The head's weights as `forward_cached` multiplies them: transposed [in, out] views for torch.mm /
+    addmm (no per-call transpose or dispatch through F.linear) and, for heads up to FUSED_HEAD_MAX_BYTES,
+    q|k|v and gate|up concatenated into one matmul each (copies; views of the separate weights otherwise)."""
+
+    emb: torch.Tensor  # [V, H]
+    fc_t: torch.Tensor  # [2H, H]
+    fc_b: torch.Tensor | None
+    qkv_t: tuple[torch.Tensor, ...]  # ([H, (h + 2 kv) D],) fused, else (q, k, v) each [H, out]
+    qkv_b: tuple[torch.Tensor | None, ...]
+    o_t: torch.Tensor  # [h D, H]
+    ln: torch.Tensor  # [H] post_attention_layernorm
+    gate_up_t: tuple[torch.Tensor, ...]  # ([H, 2 I],) fused, else (gate, up)
+    down_t: torch.Tensor  # [I, H]
+
+    @property
+    def fused(self) -> bool:
+        return len(self.qkv_t) == 1
+
+
+def _project(x: torch.Tensor, weights_t: tuple[torch.Tensor, ...], biases: tuple) -> torch.Tensor:
+    """x [n, in] @ each weight (+ bias), concatenated over the output dim."""
+    outs = [torch.mm(x, w) if b is None else torch.addmm(b, x, w) for w, b in zip(weights_t, biases)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class DraftKVCache:
@@ -381,75 +426,64 @@ class EagleHead(nn.Module):
         self,
         features: torch.Tensor,
         next_ids: torch.Tensor,
-        position_ids: torch.Tensor,
+        position_ids: "torch.Tensor | range | int",
         kv: DraftKVCache,
         mask: torch.Tensor | None = None,
-        fused: "FusedHeadWeights | None" = None,
+        weights: DecodeWeights | None = None,
     ) -> torch.Tensor:
         """Decoding forward on n new positions, appending their K/V to `kv`.
 
-        features [1, n, H], next_ids [1, n], position_ids [n];
-        mask [n, kv.length + n] bool (True = attend) or None for plain causal over the new positions;
-        fused: a `fuse_decode_weights()` snapshot (q|k|v and gate|up as one matmul each) or None (the
-        parameters themselves). Returns predicted features [1, n, H].
+        features [1, n, H], next_ids [1, n]; position_ids: a tensor [n], a `range` of n consecutive
+        positions, or one int shared by all n rows (a draft-tree level); ranges and ints cost no gather;
+        mask [n, kv.length + n] bool (True = attend; leading singleton dims allowed) or None for plain
+        causal over the new positions; weights: a `decode_weights()` snapshot, taken once per generation
+        by the Drafter (None: views of the current parameters, built per call). Returns [1, n, H].
 
-        Same arithmetic as `forward`, written without module calls: drafting runs this 4-9 times per
-        round on a few rows, where per-op dispatch costs as much as the math.
+        Same arithmetic as `forward` (up to float rounding: fused matmuls, residual adds inside addmm),
+        written without module calls on 2-D activations: drafting runs this 4-9 times per round on a few
+        rows, where per-op dispatch costs as much as the math.
         """
+        w = self.decode_weights(fuse=False) if weights is None else weights
         n = next_ids.shape[1]
         c = self.config
         h_, kv_, d_ = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        fc_w, fc_b, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln_w, g_w, u_w, dn_w, emb = self._decode_params()
-        x = torch.cat([F.embedding(next_ids, emb).to(features.dtype), features], dim=-1)  # [1, n, 2H]
-        x = F.linear(x, fc_w, fc_b)  # [1, n, H]
+        x = torch.cat([F.embedding(next_ids[0], w.emb).to(features.dtype), features[0]], dim=-1)  # [n, 2H]
+        x = torch.mm(x, w.fc_t) if w.fc_b is None else torch.addmm(w.fc_b, x, w.fc_t)  # [n, H]
         if mask is None and n > 1:
             past = kv.length
             mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)  # [n, L+n]
-        cos, sin = self.rotary.tables(int(position_ids.max()) + 1, x.device, x.dtype)
-        cos, sin = cos[position_ids], sin[position_ids]  # [n, D]
-        if fused is not None:
-            qkv = F.linear(x, fused.w_qkv, fused.b_qkv).view(1, n, h_ + 2 * kv_, d_)
-        else:
-            qkv = torch.cat([F.linear(x, q_w, q_b).view(1, n, h_, d_), F.linear(x, k_w, k_b).view(1, n, kv_, d_),
-                             F.linear(x, v_w, v_b).view(1, n, kv_, d_)], dim=2)
-        qkv = qkv.transpose(1, 2)  # [1, h + 2 kv, n, D]
-        qk = qkv[:, : h_ + kv_]  # q and k rotate together: [1, h + kv, n, D]
-        qk = qk * cos + rotate_half(qk) * sin
-        k, v = kv.append(qk[:, h_:], qkv[:, h_ + kv_:])  # views over the preallocated buffer: [1, kv, L+n, D]
-        att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
-        x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), o_w)
-        y = rms_norm(x, ln_w, c.rms_norm_eps)
-        if fused is not None:
-            gate, up = F.linear(y, fused.w_gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = F.linear(y, g_w), F.linear(y, u_w)
-        return x + F.linear(F.silu(gate) * up, dn_w)
+        cos, sin_signed = self.rotary.at(position_ids, x.device, x.dtype)  # [n | 1, D]
+        qkv = _project(x, w.qkv_t, w.qkv_b).view(n, h_ + 2 * kv_, d_).transpose(0, 1)  # [h + 2 kv, n, D]
+        qk = rotate_rolled(qkv[: h_ + kv_], cos, sin_signed)  # q and k rotate together: [h + kv, n, D]
+        k, v = kv.append(qk[None, h_:], qkv[None, h_ + kv_:])  # views over the preallocated buffer: [1, kv, L+n, D]
+        att = F.scaled_dot_product_attention(qk[None, :h_], k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
+        x = torch.addmm(x, att[0].transpose(0, 1).reshape(n, h_ * d_), w.o_t)  # residual + o_proj
+        gate, up = _project(rms_norm(x, w.ln, c.rms_norm_eps), w.gate_up_t, (None,) * len(w.gate_up_t)).chunk(2, -1)
+        return torch.addmm(x, F.silu(gate) * up, w.down_t)[None]  # residual + down_proj: [1, n, H]
 
-    def _decode_params(self) -> tuple:
-        """The Parameter objects `forward_cached` reads, in order (cached: the objects never change;
-        `.to()`, `load_state_dict` and optimisers update their data in place)."""
-        if getattr(self, "_decode_param_refs", None) is None:
-            layer = self.layers[0]
-            a, m = layer.self_attn, layer.mlp
-            self._decode_param_refs = (self.fc.weight, self.fc.bias, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
-                                       a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight,
-                                       layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
-                                       m.down_proj.weight, self.embed_tokens.weight)
-        return self._decode_param_refs
-
-    def fuse_decode_weights(self) -> "FusedHeadWeights | None":
-        """A snapshot of q|k|v and gate|up concatenated, for `forward_cached(fused=...)` while the weights do
-        not change (one generation). None for heads above `FUSED_HEAD_MAX_BYTES`, where the copy would cost
-        memory and the saved dispatch is negligible next to the matmuls."""
-        _, _, q_w, q_b, k_w, k_b, v_w, v_b, _, _, g_w, u_w, _, _ = self._decode_params()
-        parts = [q_w, k_w, v_w, g_w, u_w]
-        if sum(p.numel() * p.element_size() for p in parts) > FUSED_HEAD_MAX_BYTES:
-            return None
+    def decode_weights(self, fuse: bool | None = None) -> DecodeWeights:
+        """A `DecodeWeights` snapshot for `forward_cached` while the weights do not change (one generation).
+        fuse: concatenate q|k|v and gate|up (None = when they fit in FUSED_HEAD_MAX_BYTES; above that the
+        copy costs memory and the saved dispatch is negligible next to the matmuls)."""
+        layer = self.layers[0]
+        a, m = layer.self_attn, layer.mlp
+        qkv, gate_up = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+        if fuse is None:
+            fuse = sum(lin.weight.numel() * lin.weight.element_size() for lin in qkv + gate_up) <= FUSED_HEAD_MAX_BYTES
         with torch.no_grad():
-            return FusedHeadWeights(
-                w_qkv=torch.cat([q_w, k_w, v_w]).detach(),
-                b_qkv=torch.cat([q_b, k_b, v_b]).detach() if q_b is not None else None,
-                w_gate_up=torch.cat([g_w, u_w]).detach())
+            if fuse:
+                qkv_t = (torch.cat([lin.weight for lin in qkv]).t(),)
+                qkv_b = (None if a.q_proj.bias is None else torch.cat([lin.bias for lin in qkv]),)
+                gate_up_t = (torch.cat([lin.weight for lin in gate_up]).t(),)
+            else:
+                qkv_t = tuple(lin.weight.detach().t() for lin in qkv)
+                qkv_b = tuple(None if lin.bias is None else lin.bias.detach() for lin in qkv)
+                gate_up_t = tuple(lin.weight.detach().t() for lin in gate_up)
+            return DecodeWeights(
+                emb=self.embed_tokens.weight.detach(), fc_t=self.fc.weight.detach().t(),
+                fc_b=None if self.fc.bias is None else self.fc.bias.detach(), qkv_t=qkv_t, qkv_b=qkv_b,
+                o_t=a.o_proj.weight.detach().t(), ln=layer.post_attention_layernorm.weight.detach(),
+                gate_up_t=gate_up_t, down_t=m.down_proj.weight.detach().t())
 
     # -- checkpoint I/O ---------------------------------------------------------------
     def official_state_dict(self) -> dict[str, torch.Tensor]:

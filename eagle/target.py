@@ -92,13 +92,14 @@ class Target:
         """
         n = input_ids.shape[1]
         past = self.cache.length
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=input_ids.device)
         mask = None
         if n > 1 or self.sliding_window is not None:
             mask = self._mask(past, n, position_ids, tree_mask)
         if self.fused is not None:
-            return self.fused.forward(input_ids, position_ids, mask, self.cache)
+            positions = range(past, past + n) if position_ids is None else position_ids
+            return self.fused.forward(input_ids, positions, mask, self.cache)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=input_ids.device)
         if not self.direct_layers:
             out = self.body(input_ids=input_ids, position_ids=position_ids[None], attention_mask=mask,
                             past_key_values=self.cache, use_cache=True)
@@ -111,18 +112,22 @@ class Target:
                       position_embeddings=rope)
         return self.body.norm(h)
 
-    def _mask(self, past: int, n: int, position_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
-        dev = position_ids.device
+    def _mask(self, past: int, n: int, position_ids: torch.Tensor | None,
+              tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """Additive float mask [1, 1, n, past + n]: read the same way by sdpa and eager (a bool mask is
+        misread by eager), and sdpa does not have to convert it again in every layer."""
+        dev = self.device
         if tree_mask is None:
             tree_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # [n, n] causal
-        mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev), tree_mask], dim=1)  # [n, past + n]
+        mask = torch.zeros(n, past + n, dtype=self.dtype, device=dev)  # [n, past + n]: the prefix is visible
+        mask[:, past:].masked_fill_(~tree_mask, torch.finfo(self.dtype).min)
         if self.sliding_window is not None:
+            if position_ids is None:
+                position_ids = torch.arange(past, past + n, device=dev)
             key_pos = torch.cat([torch.arange(past, device=dev), position_ids])  # [past + n]
-            mask &= (position_ids[:, None] - key_pos[None, :]) < self.sliding_window
-        # Additive float mask: read the same way by sdpa and eager (a bool mask is misread by eager),
-        # and sdpa does not have to convert it again in every layer.
-        additive = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, torch.finfo(self.dtype).min)
-        return additive[None, None]  # [1, 1, n, past + n]
+            mask.masked_fill_((position_ids[:, None] - key_pos[None, :]) >= self.sliding_window,
+                              torch.finfo(self.dtype).min)
+        return mask[None, None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on features [..., H] -> float32 logits [..., V]."""

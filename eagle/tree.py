@@ -5,7 +5,7 @@ ordered so that parents precede children. All tensors are 1-D over nodes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,22 +17,27 @@ class DraftTree:
     depth: torch.Tensor  # [N] int64, root 0
     prob: torch.Tensor  # [N] float32, draft prob of the token given its parent (root 1.0)
     path_logprob: torch.Tensor  # [N] float32, cumulative draft log-prob root->node (root 0)
+    _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return self.tokens.numel()
 
     def attention_mask(self) -> torch.Tensor:
-        """[N, N] bool: node i sees node j iff j is i or an ancestor of i."""
-        n = self.size
-        dev = self.tokens.device
-        mask = torch.eye(n, dtype=torch.bool, device=dev)  # [N, N]
-        rows = torch.arange(n, device=dev)
-        anc = self.parents.clamp(min=0)  # [N] current ancestor of each node (root maps to itself)
-        for _ in range(int(self.depth.max())):  # one vectorised step per level
-            mask[rows, anc] = True
-            anc = self.parents.clamp(min=0)[anc]
-        return mask
+        """[N, N] bool: node i sees node j iff j is i or an ancestor of i. Computed once per tree (the
+        target's verification forward and `verify_greedy` both read it); treat it as read-only."""
+        if self._ancestors is None:
+            n = self.size
+            dev = self.tokens.device
+            mask = torch.eye(n, dtype=torch.bool, device=dev)  # [N, N]
+            rows = torch.arange(n, device=dev)
+            up = self.parents.clamp(min=0)  # [N] parent pointers, the root its own
+            anc = up
+            for _ in range(int(self.depth.max())):  # one vectorised step per level
+                mask[rows, anc] = True
+                anc = up[anc]
+            self._ancestors = mask
+        return self._ancestors
 
     def position_ids(self, prefix_len: int) -> torch.Tensor:
         """[N] target position of each node: the root sits right after the cached prefix."""
@@ -70,37 +75,33 @@ def rerank_tree(
     cand_logprob: torch.Tensor,
     cand_path_logprob: torch.Tensor,
     cand_parent: torch.Tensor,
+    cand_depth: torch.Tensor,
     total_token: int,
 ) -> DraftTree:
     """EAGLE-2 rerank: keep the total_token - 1 candidates with the highest path value.
 
     Candidates must be listed parents-before-children (as drafting generates them level by level);
-    cand_parent indexes candidates (-1 = root). Path values never increase along a path and ties
-    go to the lower candidate index, so every kept node's parent is kept: the result is a tree.
+    cand_parent indexes candidates (-1 = root), cand_depth is each candidate's depth (root's children 1).
+    Path values never increase along a path and ties go to the lower candidate index, so every kept
+    node's parent is kept: the result is a tree.
     """
     m = cand_tokens.numel()
+    dev = cand_tokens.device
     keep_n = min(total_token - 1, m)
     order = torch.sort(cand_path_logprob, descending=True, stable=True).indices[:keep_n]  # [K]
     keep = torch.sort(order).values  # [K] candidate ids, parents first
-    node_of = torch.full((m + 1,), -1, dtype=torch.long, device=cand_tokens.device)  # cand id -> node, slot m = root
+    node_of = torch.full((m + 1,), -1, dtype=torch.long, device=dev)  # cand id -> node; id -1 (root) -> slot m
     node_of[m] = 0
-    node_of[keep] = torch.arange(1, keep_n + 1, device=cand_tokens.device)
-    parent_cand = cand_parent[keep].clone()  # [K]
-    parent_cand[parent_cand < 0] = m
-    parents = node_of[parent_cand]  # [K]
+    node_of[keep] = torch.arange(1, keep_n + 1, device=dev)
+    parents = node_of[cand_parent[keep]]  # [K] (-1 indexes slot m: the root)
     if bool((parents < 0).any()):
         raise AssertionError("rerank produced an orphan node: candidate values increase along a path")
-    dev = cand_tokens.device
-    parents = torch.cat([torch.tensor([-1], device=dev), parents])
-    depth_list = [0]
-    for p in parents.tolist()[1:]:  # parents precede children
-        depth_list.append(depth_list[p] + 1)
-    depth = torch.tensor(depth_list, dtype=torch.long, device=dev)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
     root = torch.as_tensor(root_token, device=dev).reshape(1).long()
     return DraftTree(
         tokens=torch.cat([root, cand_tokens[keep].long()]),
-        parents=parents,
-        depth=depth,
+        parents=torch.cat([zero - 1, parents]),
+        depth=torch.cat([zero, cand_depth[keep]]),
         prob=torch.cat([torch.ones(1, device=dev), cand_logprob[keep].float().exp()]),
         path_logprob=torch.cat([torch.zeros(1, device=dev), cand_path_logprob[keep].float()]),
     )

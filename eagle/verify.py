@@ -8,20 +8,20 @@ from eagle.tree import DraftTree
 
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest root->leaf prefix whose tokens equal the target argmax at their parent.
+    """Longest root->node path whose tokens equal the target argmax at their parent.
 
     target_logits [N, V]. Returns (path [a+1] node indices incl. root, bonus token [1]).
     """
     pred = target_logits.argmax(-1)  # [N] target's token after each node
-    parent = tree.parents.clamp(min=0)
-    correct = tree.tokens == pred[parent]  # [N] bool (root's entry is meaningless)
-    paths = tree.retrieve_paths()  # [L, D+1]
-    ok = correct[paths.clamp(min=0)] & (paths >= 0)  # [L, D+1]
-    accepted = ok[:, 1:].long().cumprod(dim=1).sum(dim=1)  # [L] accepted draft tokens per path
-    best = int(accepted.argmax())  # host sync: the one per round
-    n_acc = int(accepted[best])
-    path = paths[best, : n_acc + 1]  # [a+1]
-    return path, pred[path[-1]].reshape(1)
+    correct = tree.tokens == pred[tree.parents.clamp(min=0)]  # [N] bool
+    correct[0] = True  # the root is already committed
+    anc = tree.attention_mask()  # [N, N] ancestor-or-self
+    ok = ~(anc & ~correct).any(-1)  # [N] every node root..i matches the target
+    # Siblings carry distinct tokens, so at most one child of an accepted node matches: the accepted
+    # nodes form one path from the root, ending at the deepest of them.
+    end = torch.where(ok, tree.depth, -1).argmax()
+    path = anc[end].nonzero().flatten()  # [a+1] host sync, the one per round; node order = root..end
+    return path, pred[path[-1:]]
 
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,

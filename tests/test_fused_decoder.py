@@ -118,3 +118,73 @@ def test_fused_bf16_target_matches_hf_layers_and_decodes_losslessly_up_to_near_t
         ulp = 2.0 ** (torch.floor(torch.log2(logits.abs().max())) - 7)  # bf16 spacing at the top logit
         assert abs(logits[a[0, i]] - logits[b[0, i]]) <= 4 * ulp, f"prompt {seed}: divergence at {i} is not a near-tie"
     assert identical >= 7
+
+
+def _random_tree(n: int, gen: torch.Generator):
+    """A random tree of n nodes (parents precede children): depth [n], ancestor-or-self mask [n, n]."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    depth, mask = [0] * n, torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+        mask[i] |= mask[parents[i]]
+    return torch.tensor(depth), mask
+
+
+@pytest.mark.parametrize("family,kwargs", [("llama", {}), ("mistral", {"sliding_window": 12}),
+                                           ("llama", {"num_kv_heads": 4})])
+def test_bmm_attention_path_matches_hf_layers(family, kwargs):
+    """Prefill and trees of >= BMM_ATTENTION_MIN_ROWS rows on a head_dim-16 target take `bmm_attention`."""
+    from eagle.fused_decoder import BMM_ATTENTION_MAX_HEAD_DIM, BMM_ATTENTION_MIN_ROWS
+
+    model = tiny_target(family, **kwargs)
+    assert model.config.hidden_size // model.config.num_attention_heads <= BMM_ATTENTION_MAX_HEAD_DIM
+    n = BMM_ATTENTION_MIN_ROWS + 4
+    fused, ref = Target(model, capacity=96, fused=True), Target(model, capacity=96, fused=False)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (1, 30), generator=gen)
+    depth, tree_mask = _random_tree(n, gen)
+    tokens = torch.randint(0, 256, (1, n), generator=gen)
+    path = tree_mask[-1].nonzero().flatten()  # root .. last node
+    outs = []
+    for t in (fused, ref):
+        t.reset(96)
+        a = t.forward(prompt)
+        b = t.forward(tokens, depth + t.length, tree_mask)
+        t.keep(30, path)
+        c = t.forward(tokens[:, :1])
+        outs.append((a, b, c))
+    for x, y in zip(*outs):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_bmm_attention_equals_sdpa_with_gqa_and_a_tree_mask():
+    import torch.nn.functional as F
+
+    from eagle.fused_decoder import bmm_attention
+
+    gen = torch.Generator().manual_seed(0)
+    for h, kv in ((8, 4), (6, 6), (8, 1)):
+        q, k, v = torch.randn(1, h, 20, 8, generator=gen), torch.randn(1, kv, 50, 8, generator=gen), torch.randn(1, kv, 50, 8, generator=gen)
+        mask = torch.zeros(1, 1, 20, 50)
+        _, tree = _random_tree(20, gen)
+        mask[0, 0, :, 30:].masked_fill_(~tree, torch.finfo(torch.float32).min)
+        out = bmm_attention(q, k, v, mask[0, 0].repeat(h // kv, 1))
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kv),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_kv_cache_keep_compacts_every_layer_in_one_storage():
+    from eagle.kv_cache import PreallocatedKVCache
+
+    cache = PreallocatedKVCache(num_layers=3, capacity=10)
+    for i, layer in enumerate(cache.layers):  # K = 100 layer + position, V = -K
+        k = (100 * i + torch.arange(7.0)).view(1, 1, 7, 1).expand(1, 2, 7, 4)
+        layer.update(k, -k)
+    assert cache.storage.shape == (3, 2, 1, 2, 10, 4) and cache.length == 7
+    cache.keep(3, torch.tensor([0, 2, 3]))  # keep positions 3, 5, 6 at 3, 4, 5
+    assert cache.length == 6
+    for i, layer in enumerate(cache.layers):
+        expect = 100 * i + torch.tensor([0.0, 1, 2, 3, 5, 6])
+        assert torch.equal(layer.keys[0, 1, :6, 2], expect) and torch.equal(layer.values[0, 0, :6, 0], -expect)
+    with pytest.raises(RuntimeError, match="overflow"):
+        cache.layers[0].update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))

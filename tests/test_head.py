@@ -151,14 +151,14 @@ def test_cached_decoding_forward_matches_the_training_forward(fused):
     g = torch.Generator().manual_seed(1)
     f = torch.randn(1, 12, 64, generator=g)
     ids = torch.randint(0, 256, (1, 12), generator=g)
-    weights = head.fuse_decode_weights() if fused else None
-    assert (weights is not None) == fused
+    weights = head.decode_weights(fuse=fused)
+    assert weights.fused == fused
     with torch.no_grad():
         full = head(f, ids)
         kv = head.new_kv_cache(32)
         outs = []
         for lo, hi in [(0, 5), (5, 6), (6, 11), (11, 12)]:
-            outs.append(head.forward_cached(f[:, lo:hi], ids[:, lo:hi], torch.arange(lo, hi), kv, fused=weights))
+            outs.append(head.forward_cached(f[:, lo:hi], ids[:, lo:hi], torch.arange(lo, hi), kv, weights=weights))
     assert torch.allclose(torch.cat(outs, 1), full, atol=1e-5)
 
 
@@ -170,11 +170,12 @@ def test_drafter_retakes_fused_weights_every_generation():
     head = random_head(target)
     drafter = Drafter(head, target.get_output_embeddings(), capacity=16)
     drafter.reset(16)
-    before = drafter.fused.w_gate_up.clone()
+    assert drafter.weights.fused
+    before = drafter.weights.gate_up_t[0].clone()
     head.layers[0].mlp.up_proj.weight.data.mul_(2.0)
     drafter.reset(16)
-    assert not torch.equal(before, drafter.fused.w_gate_up)
-    assert torch.equal(drafter.fused.w_gate_up[head.config.intermediate_size:], head.layers[0].mlp.up_proj.weight)
+    assert not torch.equal(before, drafter.weights.gate_up_t[0])
+    assert torch.equal(drafter.weights.gate_up_t[0].t()[head.config.intermediate_size:], head.layers[0].mlp.up_proj.weight)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -401,3 +402,34 @@ def test_training_after_an_inference_mode_forward():
     loss = head(f, ids).pow(2).mean()
     loss.backward()
     assert head.fc.weight.grad is not None and torch.isfinite(head.fc.weight.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_rolled_rotary_are_bit_identical_to_hf(dtype):
+    """The decode paths' fewer-op forms compute exactly what HF's LlamaRMSNorm and rotate_half compute."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from eagle.head import rms_norm, rotate_half, rotate_rolled, signed_sin
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 17, 64, generator=gen).to(dtype)
+    ref = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(64, generator=gen))
+        assert torch.equal(rms_norm(x, ref.weight, 1e-5), ref(x))
+    q = torch.randn(1, 6, 17, 8, generator=gen).to(dtype)
+    cos, sin = torch.randn(17, 8, generator=gen).to(dtype), torch.randn(17, 8, generator=gen).to(dtype)
+    assert torch.equal(rotate_rolled(q, cos, signed_sin(sin)), q * cos + rotate_half(q) * sin)
+
+
+def test_rotary_rows_from_a_tensor_a_range_or_one_position_agree():
+    head = random_head(tiny_target("llama"))
+    cos, sin = head.rotary.tables(40, torch.device("cpu"), torch.float32)
+    a = head.rotary.at(torch.tensor([5, 6, 7]), torch.device("cpu"), torch.float32)
+    b = head.rotary.at(range(5, 8), torch.device("cpu"), torch.float32)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    c, s = head.rotary.at(9, torch.device("cpu"), torch.float32)
+    assert c.shape == (1, head.config.head_dim) and torch.equal(c[0], cos[9])
+    assert torch.equal(s, head.rotary.at(torch.tensor([9]), torch.device("cpu"), torch.float32)[1])
+    big = head.rotary.at(range(1000, 1002), torch.device("cpu"), torch.float32)[0]  # grows the table
+    assert big.shape == (2, head.config.head_dim)

@@ -36,9 +36,17 @@ def candidate_tensors(cands=CANDS):
     return tokens, logprob, path, parent
 
 
+def candidate_depth(parent: torch.Tensor) -> torch.Tensor:
+    """Depth of each candidate from its parent pointer (parents listed first; -1 = root)."""
+    depth: list[int] = []
+    for p in parent.tolist():
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return torch.tensor(depth)
+
+
 def build(total_token, cands=CANDS):
     tokens, logprob, path, parent = candidate_tensors(cands)
-    return rerank_tree(ROOT, tokens, logprob, path, parent, total_token)
+    return rerank_tree(ROOT, tokens, logprob, path, parent, candidate_depth(parent), total_token)
 
 
 def parent_token_map(tree: DraftTree) -> dict[int, int | None]:
@@ -165,7 +173,7 @@ def _random_candidates(seed: int, k: int, depth: int, vocab: int = 50):
                                                       (4, 8, 4, 80), (5, 1, 5, 6)])
 def test_rerank_on_drafting_shaped_candidates(seed, k, depth, total_token):
     tokens, logprob, path, parent = _random_candidates(seed, k, depth)
-    tree = rerank_tree(3, tokens, logprob, path, parent, total_token)
+    tree = rerank_tree(3, tokens, logprob, path, parent, candidate_depth(parent), total_token)
     assert tree.size == total_token
     check_tree_invariants(tree)
     kept_values = sorted(tree.path_logprob[1:].tolist(), reverse=True)
@@ -254,3 +262,31 @@ def test_static_tree_rejects_bad_choice_lists(choices, match):
 def test_unknown_static_tree_name_is_a_clear_error():
     with pytest.raises(ValueError, match="mc_sim_7b_64"):
         static_choices("mc_sim_7b_64")
+
+
+@pytest.mark.parametrize("total_token,depth,top_k", [(60, 5, 10), (20, 5, 4), (8, 3, 3), (2, 1, 1), (40, 2, 6)])
+def test_drafter_dynamic_trees_are_reranked_drafts(total_token, depth, top_k):
+    """draft_dynamic on a real (random) head: a valid tree of the highest-value candidates, each node's
+    probability the head's own, and the draft KV cache rolled back to the committed prefix."""
+    from eagle.draft import Drafter
+    from tiny_models import random_head, tiny_target
+
+    target = tiny_target("llama")
+    head = random_head(target)
+    drafter = Drafter(head, target.get_output_embeddings(), capacity=64)
+    drafter.reset(64)
+    gen = torch.Generator().manual_seed(0)
+    feats, ids = torch.randn(1, 7, 64, generator=gen), torch.randint(0, 256, (1, 7), generator=gen)
+    feature = drafter.extend(feats, ids)
+    tree = drafter.draft_dynamic(ids[0, -1:], feature, total_token, depth, top_k)
+    assert drafter.length == 7
+    assert tree.size == min(total_token, 1 + top_k + depth * top_k * top_k)
+    check_tree_invariants(tree)
+    assert int(tree.depth.max()) <= depth + 1
+    # depth-1 nodes: the head's top-k after the committed prefix, with its probabilities
+    top = torch.log_softmax(target.get_output_embeddings()(feature), -1)[0].topk(top_k)
+    level1 = (tree.depth == 1).nonzero().flatten()
+    assert set(tree.tokens[level1].tolist()) <= set(top.indices.tolist())
+    for node in level1.tolist():
+        j = top.indices.tolist().index(int(tree.tokens[node]))
+        assert float(tree.prob[node]) == pytest.approx(float(top.values[j].exp()), rel=1e-5)
