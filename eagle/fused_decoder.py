@@ -36,15 +36,18 @@ BMM_ATTENTION_MIN_ROWS = 16
 
 @dataclass
 class FusedLayer:
+    """One decoder layer's weights as the fused forward multiplies them: transposed [in, out] (views of
+    contiguous tensors, read by torch.mm / addmm without a per-call transpose)."""
+
     ln1: torch.Tensor  # [H] input_layernorm weight
     ln2: torch.Tensor  # [H] post_attention_layernorm weight
-    w_qkv: torch.Tensor  # [(h + 2 kv) D, H]
+    w_qkv_t: torch.Tensor  # [H, (h + 2 kv) D]
     b_qkv: torch.Tensor | None  # [(h + 2 kv) D] (Qwen2, Llama attention_bias)
-    w_o: torch.Tensor  # [H, h D]
+    w_o_t: torch.Tensor  # [h D, H]
     b_o: torch.Tensor | None
-    w_gate_up: torch.Tensor  # [2 I, H]
+    w_gate_up_t: torch.Tensor  # [H, 2 I]
     b_gate_up: torch.Tensor | None  # (Llama mlp_bias)
-    w_down: torch.Tensor  # [H, I]
+    w_down_t: torch.Tensor  # [I, H]
     b_down: torch.Tensor | None
 
 
@@ -112,12 +115,12 @@ class FusedDecoder:
                 a, m = layer.self_attn, layer.mlp
                 self.layers.append(FusedLayer(
                     ln1=layer.input_layernorm.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
-                    w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+                    w_qkv_t=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().t(),
                     b_qkv=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                    w_o=a.o_proj.weight.detach(), b_o=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
-                    w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
+                    w_o_t=a.o_proj.weight.detach().t(), b_o=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                    w_gate_up_t=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().t(),
                     b_gate_up=_cat_bias(m.gate_proj, m.up_proj),
-                    w_down=m.down_proj.weight.detach(),
+                    w_down_t=m.down_proj.weight.detach().t(),
                     b_down=None if m.down_proj.bias is None else m.down_proj.bias.detach(),
                 ))
         self._seen = self._fingerprint()
@@ -154,21 +157,28 @@ class FusedDecoder:
         if (mask is not None and n >= BMM_ATTENTION_MIN_ROWS and d_ <= BMM_ATTENTION_MAX_HEAD_DIM
                 and mask.dtype == torch.float32):
             bmm_bias = mask[0, 0].repeat(h_ // kv_, 1)  # [g n, past + n]: the mask per query row of a kv group
-        x = self.body.embed_tokens(input_ids)  # [1, n, H]
+        x = F.embedding(input_ids[0], self.body.embed_tokens.weight)  # [n, H]: 2-D activations, mm / addmm
         for layer, eps, cache_layer in zip(self.layers, self.layer_eps, cache.layers):
-            qkv = F.linear(rms_norm(x, layer.ln1, eps), layer.w_qkv, layer.b_qkv)  # [1, n, (h + 2 kv) D]
-            qkv = qkv.view(1, n, h_ + 2 * kv_, d_).transpose(1, 2)  # [1, h + 2 kv, n, D]
-            qk = rotate_rolled(qkv[:, : h_ + kv_], cos, sin)  # q and k rotate together: [1, h + kv, n, D]
-            k, v = cache_layer.update(qk[:, h_:], qkv[:, h_ + kv_:])  # views [1, kv, past + n, D]
+            qkv = _linear(rms_norm(x, layer.ln1, eps), layer.w_qkv_t, layer.b_qkv)  # [n, (h + 2 kv) D]
+            qkv = qkv.view(n, h_ + 2 * kv_, d_).transpose(0, 1)  # [h + 2 kv, n, D]
+            qk = rotate_rolled(qkv[: h_ + kv_], cos, sin)  # q and k rotate together: [h + kv, n, D]
+            k, v = cache_layer.update(qk[None, h_:], qkv[None, h_ + kv_:])  # views [1, kv, past + n, D]
             if bmm_bias is None:
-                att = F.scaled_dot_product_attention(qk[:, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
+                att = F.scaled_dot_product_attention(qk[None, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
             else:
-                att = bmm_attention(qk[:, :h_], k, v, bmm_bias)
-            x = x + F.linear(att.transpose(1, 2).reshape(1, n, h_ * d_), layer.w_o, layer.b_o)
-            gate, up = F.linear(rms_norm(x, layer.ln2, eps), layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
-        return rms_norm(x, self.body.norm.weight, self.eps)
+                att = bmm_attention(qk[None, :h_], k, v, bmm_bias)
+            x = torch.addmm(x, att[0].transpose(0, 1).reshape(n, h_ * d_), layer.w_o_t)  # residual + o_proj
+            if layer.b_o is not None:
+                x = x + layer.b_o
+            gate, up = _linear(rms_norm(x, layer.ln2, eps), layer.w_gate_up_t, layer.b_gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, layer.w_down_t)  # residual + down_proj
+            if layer.b_down is not None:
+                x = x + layer.b_down
+        return rms_norm(x, self.body.norm.weight, self.eps)[None]  # [1, n, H]
 
+
+def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
 
 def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v for q [1, h, n, D], k, v [1, kv, L, D], bias [g n, L] additive
