@@ -40,8 +40,8 @@ class Drafter:
         Returns the predicted feature after the last one, [1, H]: it scores the root's children.
         """
         pos = range(self.kv.length, self.kv.length + next_ids.shape[1])
-        out = self.head.forward_cached(features.to(self.head.dtype), next_ids, pos, self.kv, weights=self.weights)  # [1, n, H]
-        return out[:, -1]
+        out = self.head.forward_cached(features[0].to(self.head.dtype), next_ids[0], pos, self.kv, weights=self.weights)
+        return out[-1:]  # [1, H]
 
     @torch.no_grad()
     def draft_dynamic(self, root: torch.Tensor, feature: torch.Tensor, total_token: int, depth: int,
@@ -56,14 +56,16 @@ class Drafter:
         front_tok, front_path, front_cand = tok, lp, torch.arange(k, device=dev)  # [k] each
         # [k, committed + depth k] attention rows of the frontier: the whole committed prefix, then the tree
         # nodes already in the draft KV cache that are its ancestors or itself (columns of later levels stay False)
-        mask = torch.ones(k, committed + depth * k, dtype=torch.bool, device=dev)
-        mask[:, committed:] = False
-        eye = torch.eye(k, dtype=torch.bool, device=dev)
+        # (additive float: sdpa would convert a bool mask at every level)
+        hidden = torch.finfo(feature.dtype).min
+        mask = torch.full((k, committed + depth * k), hidden, dtype=feature.dtype, device=dev)
+        mask[:, :committed] = 0.0
+        eye = torch.full((k, k), hidden, dtype=feature.dtype, device=dev).fill_diagonal_(0.0)
         for d in range(depth):
             end = committed + (d + 1) * k
             mask[:, end - k : end] = eye  # each frontier node sees itself
-            out = self.head.forward_cached(front_feat[None], front_tok[None], committed + d, self.kv,
-                                           mask[None, None, :, :end], weights=self.weights)[0]  # level shares a position
+            out = self.head.forward_cached(front_feat, front_tok, committed + d, self.kv, mask[:, :end],
+                                           weights=self.weights)  # [k, H]; the level shares a position
             lp, tok = self._logprobs(out).topk(k, dim=-1)  # [k, k]
             path = (front_path[:, None] + lp).flatten()  # [k k] value = log of the product of confidences
             lp, tok = lp.flatten(), tok.flatten()  # [k k]: children of frontier row r at r k .. r k + k - 1
@@ -106,22 +108,19 @@ class Drafter:
         feats = torch.zeros(n, feature.shape[-1], dtype=feature.dtype, device=dev)  # predicted feature AT each node
         feats[0] = feature[0]
         depth, parents, ranks = spec.depth.to(dev), spec.parents.to(dev), spec.ranks.to(dev)
-        for d in range(1, spec.max_depth + 1):
-            level = (depth == d).nonzero().flatten()  # [m] nodes of this level
-            lp, tok = self._logprobs(feats[parents[level]]).topk(kmax, dim=-1)  # [m, kmax]
-            pick = ranks[level][:, None]
-            tokens[level] = tok.gather(1, pick)[:, 0]
-            logprob[level] = lp.gather(1, pick)[:, 0]
+        ancestors = spec.ancestors.to(dev)
+        for d, (lo, hi) in enumerate(spec.levels, start=1):  # Python bounds: no host sync per level
+            lp, tok = self._logprobs(feats[parents[lo:hi]]).topk(kmax, dim=-1)  # [m, kmax]
+            pick = ranks[lo:hi, None]
+            tokens[lo:hi] = tok.gather(1, pick)[:, 0]
+            logprob[lo:hi] = lp.gather(1, pick)[:, 0]
             if d == spec.max_depth:
                 break
             # run the head on this level to predict the features its children will read
-            lo, hi = int(level[0]), int(level[-1]) + 1  # levels are contiguous in node order
-            mask = torch.cat([torch.ones(hi - lo, committed, dtype=torch.bool, device=dev),
-                              spec.ancestors[lo:hi, 1:hi].to(dev)], 1)
+            mask = torch.cat([torch.ones(hi - lo, committed, dtype=torch.bool, device=dev), ancestors[lo:hi, 1:hi]], 1)
             self.kv.truncate(committed + lo - 1)
-            out = self.head.forward_cached(feats[parents[level]][None], tokens[level][None], committed + d - 1, self.kv,
-                                           mask[None, None], weights=self.weights)[0]
-            feats[level] = out
+            feats[lo:hi] = self.head.forward_cached(feats[parents[lo:hi]], tokens[lo:hi], committed + d - 1, self.kv,
+                                                    mask, weights=self.weights)
         self.kv.truncate(committed)
         path_lp = logprob.clone()  # [N] accumulate parents' log-probs level by level
         anc = parents.clamp(min=0)
@@ -130,5 +129,5 @@ class Drafter:
             anc = parents.clamp(min=0)[anc]
         tree = DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
                          path_logprob=path_lp)
-        tree._ancestors = spec.ancestors.to(dev)  # the fixed shape's mask, computed once per spec
+        tree._ancestors = ancestors  # the fixed shape's mask, computed once per spec
         return tree

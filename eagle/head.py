@@ -431,23 +431,23 @@ class EagleHead(nn.Module):
         mask: torch.Tensor | None = None,
         weights: DecodeWeights | None = None,
     ) -> torch.Tensor:
-        """Decoding forward on n new positions, appending their K/V to `kv`.
+        """Decoding forward on n new positions (batch 1, 2-D activations), appending their K/V to `kv`.
 
-        features [1, n, H], next_ids [1, n]; position_ids: a tensor [n], a `range` of n consecutive
+        features [n, H], next_ids [n]; position_ids: a tensor [n], a `range` of n consecutive
         positions, or one int shared by all n rows (a draft-tree level); ranges and ints cost no gather;
-        mask [n, kv.length + n] bool (True = attend; leading singleton dims allowed) or None for plain
-        causal over the new positions; weights: a `decode_weights()` snapshot, taken once per generation
-        by the Drafter (None: views of the current parameters, built per call). Returns [1, n, H].
+        mask [n, kv.length + n]: bool (True = attend) or additive float, or None for plain causal over the
+        new positions; weights: a `decode_weights()` snapshot, taken once per generation by the Drafter
+        (None: views of the current parameters, built per call). Returns predicted features [n, H].
 
         Same arithmetic as `forward` (up to float rounding: fused matmuls, residual adds inside addmm),
         written without module calls on 2-D activations: drafting runs this 4-9 times per round on a few
         rows, where per-op dispatch costs as much as the math.
         """
         w = self.decode_weights(fuse=False) if weights is None else weights
-        n = next_ids.shape[1]
+        n = next_ids.shape[0]
         c = self.config
         h_, kv_, d_ = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = torch.cat([F.embedding(next_ids[0], w.emb).to(features.dtype), features[0]], dim=-1)  # [n, 2H]
+        x = torch.cat([F.embedding(next_ids, w.emb).to(features.dtype), features], dim=-1)  # [n, 2H]
         x = torch.mm(x, w.fc_t) if w.fc_b is None else torch.addmm(w.fc_b, x, w.fc_t)  # [n, H]
         if mask is None and n > 1:
             past = kv.length
@@ -459,7 +459,7 @@ class EagleHead(nn.Module):
         att = F.scaled_dot_product_attention(qk[None, :h_], k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
         x = torch.addmm(x, att[0].transpose(0, 1).reshape(n, h_ * d_), w.o_t)  # residual + o_proj
         gate, up = _project(rms_norm(x, w.ln, c.rms_norm_eps), w.gate_up_t, (None,) * len(w.gate_up_t)).chunk(2, -1)
-        return torch.addmm(x, F.silu(gate) * up, w.down_t)[None]  # residual + down_proj: [1, n, H]
+        return torch.addmm(x, F.silu(gate) * up, w.down_t)  # residual + down_proj: [n, H]
 
     def decode_weights(self, fuse: bool | None = None) -> DecodeWeights:
         """A `DecodeWeights` snapshot for `forward_cached` while the weights do not change (one generation).

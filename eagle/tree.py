@@ -119,6 +119,8 @@ class StaticTreeSpec:
     ranks: torch.Tensor  # [N] child rank of each node (root 0)
     depth: torch.Tensor  # [N]
     ancestors: torch.Tensor  # [N, N] bool, ancestor-or-self
+    levels: list[tuple[int, int]]  # [lo, hi) node range of depth 1, 2, ... (contiguous: nodes sorted by depth)
+    max_rank: int
 
     @classmethod
     def from_choices(cls, choices: list[list[int]] | list[tuple[int, ...]]) -> "StaticTreeSpec":
@@ -139,8 +141,9 @@ class StaticTreeSpec:
             depth.append(len(c))
         tree = DraftTree(tokens=torch.zeros(len(parents), dtype=torch.long), parents=torch.tensor(parents),
                          depth=torch.tensor(depth), prob=torch.ones(len(parents)), path_logprob=torch.zeros(len(parents)))
+        levels = [(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(1, depth[-1] + 1)]
         return cls(choices=ch, parents=tree.parents, ranks=torch.tensor(ranks), depth=tree.depth,
-                   ancestors=tree.attention_mask())
+                   ancestors=tree.attention_mask(), levels=levels, max_rank=max(ranks))
 
     @property
     def size(self) -> int:
@@ -148,11 +151,7 @@ class StaticTreeSpec:
 
     @property
     def max_depth(self) -> int:
-        return int(self.depth.max())
-
-    @property
-    def max_rank(self) -> int:
-        return int(self.ranks.max())
+        return len(self.levels)
 
 
 def chain_choices(length: int) -> list[tuple[int, ...]]:
