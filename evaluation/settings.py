@@ -46,9 +46,11 @@ class EvalSettings:
     fail_on_mismatch: bool = True  # exit code 1 when a T = 0 output diverges from vanilla's (beyond a near-tie)
     tie_ulps: float = 4.0  # a mismatch whose target logits differ by <= this many ulps (target dtype) is a near-tie
     # --- tree auto-tuning (`autotune` command) -----------------------------------------
-    tune_total_tokens: list[int] = field(default_factory=lambda: [10, 20, 30, 45, 60, 80])
+    # narrow trees (top_k 2-3, 10-20 nodes) win on small or CPU targets, where a draft row or a verified
+    # node is not free; wide ones on large GPU targets
+    tune_total_tokens: list[int] = field(default_factory=lambda: [10, 16, 20, 30, 45, 60, 80])
     tune_depths: list[int] = field(default_factory=lambda: [3, 4, 5, 6, 7, 8])
-    tune_top_ks: list[int] = field(default_factory=lambda: [4, 6, 8, 10])
+    tune_top_ks: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8, 10])
     tune_prompts: int = 4  # taken after the first num_questions (disjoint from the bench) when the source has enough
     tune_max_new_tokens: int = 96
     tune_finalists: int = 5  # the fastest screened settings that are re-timed
