@@ -2,9 +2,11 @@
 
 Acceptance length grows with the tree, but so does the cost of drafting and verifying it;
 where the optimum lies depends on the model, the head and the machine. Two stages, because
-single timings on a shared machine vary by +-20%: a screening pass times every grid point once
-on a few prompts (shuffled order, vanilla re-timed every few points), then the fastest few are
-re-timed several times interleaved with vanilla and the best final median wins.
+single timings on a shared machine vary by +-20% (and drift over seconds): a screening pass times
+every grid point once on a few prompts (shuffled order, vanilla re-timed every few points, each
+point ranked by its speedup over the vanilla timed closest to it), then the best few are re-timed
+with every finalist AND vanilla run back to back on each prompt (so a slow spell hits all of them),
+and the highest median per-repeat speedup wins.
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ class TunePoint:
     top_k: int
     tokens_per_s: float  # screening pass: tokens / seconds over all tune prompts
     tau: float  # over every pass of this setting
-    speedup: float  # screening tokens/s / vanilla tokens/s timed closest in the sweep
-    final_tokens_per_s: float | None = None  # finalists: median over the re-timed passes
-    final_speedup: float | None = None  # finalists: final median / vanilla's final median
+    speedup: float  # screening tokens/s / vanilla tokens/s timed closest in the sweep (the screening rank)
+    final_tokens_per_s: float | None = None  # finalists: median over the re-timed repeats
+    final_speedup: float | None = None  # finalists: median over repeats of tokens/s / vanilla's in the same repeat
 
 
 @dataclass
@@ -72,13 +74,13 @@ def grid(total_tokens: list[int], depths: list[int], top_ks: list[int], base: De
 
 
 def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig], gen: GenerationArgs, *,
-                  finalists: int = 5, repeats: int = 3, vanilla_every: int = 8, seed: int = 0,
+                  finalists: int = 5, repeats: int = 3, vanilla_every: int = 4, seed: int = 0,
                   progress: bool = True) -> TuneResult:
-    """Screen every config once, then re-time the `finalists` fastest `repeats` more times
-    (interleaved with vanilla, shuffled per pass); the best has the highest final median tokens/s.
+    """Screen every config once, then re-time the `finalists` with the highest screening speedup
+    `repeats` more times, interleaved with vanilla per prompt; the best has the highest median speedup.
 
-    One pass over a setting = all `prompts` (T as in `gen`). During screening vanilla is timed
-    every `vanilla_every` settings, so each point's speedup uses vanilla measured close to it."""
+    One screening pass over a setting = all `prompts` (T as in `gen`); vanilla is timed every
+    `vanilla_every` settings, so each point's speedup uses vanilla measured close to it."""
     if not configs:
         raise ValueError("autotune: no valid grid point")
     vanilla = Method("vanilla", dataclasses.replace(configs[0], mode="vanilla"))
@@ -88,19 +90,18 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
         generate(model, m, prompts[0], dataclasses.replace(gen, max_new_tokens=min(8, gen.max_new_tokens)))
     tau: dict[str, tuple[int, int]] = {}  # label -> (committed tokens in rounds, rounds)
 
-    def one_pass(m: Method) -> float:
-        tokens, secs, committed, rounds = 0, 0.0, 0, 0
-        for p in prompts:
-            out, stats, wall = generate(model, m, p, gen)
-            tokens, secs = tokens + len(out), secs + wall
-            committed += sum(int(r.new_tokens) for r in stats.rounds)
-            rounds += len(stats.rounds)
+    def timed(m: Method, prompt: list[int]) -> tuple[int, float]:
+        out, stats, wall = generate(model, m, prompt, gen)
         c0, r0 = tau.get(m.label, (0, 0))
-        tau[m.label] = (c0 + committed, r0 + rounds)
-        return tokens / secs
+        tau[m.label] = (c0 + sum(int(r.new_tokens) for r in stats.rounds), r0 + len(stats.rounds))
+        return len(out), wall
+
+    def one_pass(m: Method) -> float:
+        runs = [timed(m, p) for p in prompts]
+        return sum(n for n, _ in runs) / sum(w for _, w in runs)
 
     n_final = min(finalists, len(methods))
-    bar = tqdm(total=len(methods) + len(methods) // vanilla_every + 1 + repeats * (n_final + 1),
+    bar = tqdm(total=len(methods) + len(methods) // vanilla_every + 1 + repeats * len(prompts),
                disable=not progress, desc="autotune")
     screen, screen_vanilla = {}, []  # label -> tokens/s; [(index in order, vanilla tokens/s)]
     order = methods[:]
@@ -111,27 +112,36 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
             bar.update(1)
         screen[m.label] = one_pass(m)
         bar.update(1)
-    top = sorted(methods, key=lambda m: -screen[m.label])[:n_final]
-    final: dict[str, list[float]] = {m.label: [] for m in [vanilla] + top}
+    speedup = {m.label: screen[m.label] / min(screen_vanilla, key=lambda iv: abs(iv[0] - i))[1]
+               for i, m in enumerate(order)}
+    top = sorted(methods, key=lambda m: -speedup[m.label])[:n_final]
+    group = [vanilla] + top
+    final_tps: dict[str, list[float]] = {m.label: [] for m in group}
     for _ in range(repeats):
-        passes = [vanilla] + top
-        rng.shuffle(passes)
-        for m in passes:
-            final[m.label].append(one_pass(m))
+        tokens, secs = {m.label: 0 for m in group}, {m.label: 0.0 for m in group}
+        for p in prompts:
+            rng.shuffle(group)
+            for m in group:  # back to back on one prompt: a slow spell hits every method alike
+                n, wall = timed(m, p)
+                tokens[m.label] += n
+                secs[m.label] += wall
             bar.update(1)
+        for label in final_tps:
+            final_tps[label].append(tokens[label] / secs[label])
     bar.close()
-    v_final = float(np.median(final["vanilla"])) if repeats else float(np.median([v for _, v in screen_vanilla]))
+    v_reps = final_tps["vanilla"]
+    v_final = float(np.median(v_reps)) if repeats else float(np.median([v for _, v in screen_vanilla]))
     result = TuneResult(vanilla_tokens_per_s=v_final)
-    for i, m in enumerate(order):
-        near = min(screen_vanilla, key=lambda iv: abs(iv[0] - i))[1]  # vanilla timed closest to this point
+    for m in order:
         c = m.decoding
         committed, rounds = tau[m.label]
-        fin = float(np.median(final[m.label])) if final.get(m.label) else None
-        result.points.append(TunePoint(c.total_token, c.depth, c.top_k, screen[m.label], committed / max(rounds, 1),
-                                       screen[m.label] / near, final_tokens_per_s=fin,
-                                       final_speedup=fin / v_final if fin is not None else None))
-    ranked = [p for p in result.points if p.final_tokens_per_s is not None] or result.points
-    best = max(ranked, key=lambda p: p.final_tokens_per_s if p.final_tokens_per_s is not None else p.tokens_per_s)
+        reps = final_tps.get(m.label) if repeats else None
+        result.points.append(TunePoint(
+            c.total_token, c.depth, c.top_k, screen[m.label], committed / max(rounds, 1), speedup[m.label],
+            final_tokens_per_s=float(np.median(reps)) if reps else None,
+            final_speedup=float(np.median([t / v for t, v in zip(reps, v_reps)])) if reps else None))
+    ranked = [p for p in result.points if p.final_speedup is not None] or result.points
+    best = max(ranked, key=lambda p: p.final_speedup if p.final_speedup is not None else p.speedup)
     result.best = dataclasses.replace(configs[0], mode="dynamic", total_token=best.total_token, depth=best.depth,
                                       top_k=best.top_k)
     return result

@@ -118,20 +118,21 @@ def plot_calibration(calibrations: dict[str, Calibration], title: str, path: Pat
 
 
 def plot_autotune(result: TuneResult, path: Path) -> Path:
-    """tokens/s over (depth, total_token), one panel per top_k; the best point is starred."""
+    """Screening speedup vs the vanilla timed nearby, over (depth, total_token), one panel per top_k; the
+    best point is starred. (Speedup, not raw tokens/s: the machine's speed drifts during a sweep.)"""
     top_ks = sorted({p.top_k for p in result.points})
     depths = sorted({p.depth for p in result.points})
     totals = sorted({p.total_token for p in result.points})
     fig, axes = plt.subplots(1, len(top_ks), figsize=(3.6 * len(top_ks) + 1, 3.6), squeeze=False)
-    vmax = max(p.tokens_per_s for p in result.points)
-    vmin = min(p.tokens_per_s for p in result.points)
+    vmax = max(p.speedup for p in result.points)
+    vmin = min(p.speedup for p in result.points)
     im = None
     for j, k in enumerate(top_ks):
         ax = axes[0, j]
         grid = np.full((len(depths), len(totals)), np.nan)  # [D, T]
         for p in result.points:
             if p.top_k == k:
-                grid[depths.index(p.depth), totals.index(p.total_token)] = p.tokens_per_s
+                grid[depths.index(p.depth), totals.index(p.total_token)] = p.speedup
         im = ax.imshow(grid, origin="lower", aspect="auto", vmin=vmin, vmax=vmax, cmap="viridis")
         ax.set_xticks(range(len(totals)), totals)
         ax.set_yticks(range(len(depths)), depths)
@@ -141,7 +142,7 @@ def plot_autotune(result: TuneResult, path: Path) -> Path:
         b = result.best
         if b is not None and b.top_k == k:
             ax.plot(totals.index(b.total_token), depths.index(b.depth), marker="*", color="red", ms=14)
-    fig.colorbar(im, ax=axes[0, :].tolist(), label=f"tokens/s (vanilla {result.vanilla_tokens_per_s:.1f})")
+    fig.colorbar(im, ax=axes[0, :].tolist(), label="speedup vs vanilla (screening)")
     fig.suptitle("EAGLE-2 tree auto-tuning surface")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
