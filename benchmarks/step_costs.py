@@ -1,0 +1,129 @@
+"""What one speculative round costs, in single-token target steps, on stories260K (one thread).
+
+Each piece is timed in isolation (best of 9 bursts, so noise from other jobs is mostly excluded), then
+a full generation loop over 10 prompts gives the real round cost. A round pays off when it costs less
+than tau single-token steps.
+
+    python benchmarks/step_costs.py --head HEAD --total-token 16 --depth 4 --top-k 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+
+from decode_bench import STOP_IDS, corpus_context, load_stories, story_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def best_ms(fn, calls: int = 400, bursts: int = 9) -> float:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(bursts):
+        t = time.perf_counter()
+        for _ in range(calls // bursts):
+            fn()
+        times.append((time.perf_counter() - t) / (calls // bursts) * 1e3)
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shared", default=os.environ.get("EAGLE_SHARED_DIR", str(REPO.parent / "shared")))
+    p.add_argument("--head", default=None, help="stories260K head folder (default: ../heads/stories260K-head)")
+    p.add_argument("--total-token", type=int, default=16)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--context", type=int, default=200, help="committed tokens when timing the pieces")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from eagle import DecodingConfig
+    from eagle.verify import verify_greedy
+
+    shared = Path(args.shared)
+    if not (shared / "models" / "stories260K" / "config.json").exists():
+        print(f"needs {shared}/models/stories260K", file=sys.stderr)
+        return 2
+    model, tok, head_what = load_stories(shared, args.head)
+    target, drafter = model.target, model.drafter
+    tt, depth, k = args.total_token, args.depth, args.top_k
+    prompt = corpus_context(shared, tok, args.context)
+    target.reset(args.context + 200)
+    drafter.reset(args.context + 200)
+    with torch.no_grad():
+        hidden = target.forward(prompt)
+        feature = drafter.extend(hidden, prompt)
+    root, past, committed = prompt[0, -1:], target.length, drafter.length
+    tree = drafter.draft_dynamic(root, feature, tt, depth, k)
+    positions = tree.position_ids(past)
+    verified = target.forward(tree.tokens[None], positions, tree.attention_mask())
+    target.truncate(past)
+
+    def one_step():
+        target.forward(root[None])
+        target.truncate(past)
+
+    def verify_forward():
+        target.forward(tree.tokens[None], positions, tree.attention_mask())
+        target.truncate(past)
+
+    def extend():
+        drafter.extend(hidden[:, :5], prompt[:, :5])
+        drafter.kv.truncate(committed)
+
+    def head_forward():
+        mask = torch.ones(k, committed + k, dtype=torch.bool)
+        drafter.head.forward_cached(feature.expand(k, -1), prompt[0, :k], committed, drafter.kv, mask,
+                                    weights=drafter.weights)
+        drafter.kv.truncate(committed)
+
+    def accept():
+        path, _ = verify_greedy(tree, target.logits(verified[0]))
+        target.cache.truncate(past + tree.size)
+        target.keep(past, path)
+        target.truncate(past)
+
+    pieces = {
+        "target forward, 1 token": one_step,
+        f"target forward, {tree.size}-node tree": verify_forward,
+        "draft: extend (5 accepted tokens)": extend,
+        f"draft: one head forward ({k} rows)": head_forward,
+        f"draft: whole tree {tt}/{depth}/{k} (levels, top-k, rerank)": lambda: drafter.draft_dynamic(root, feature, tt, depth, k),
+        "logits + verify_greedy + keep": accept,
+    }
+    times = {name: best_ms(fn) for name, fn in pieces.items()}
+    unit = times["target forward, 1 token"]
+    print(f"stories260K, head {head_what}, context {args.context}, one thread")
+    for name, ms in times.items():
+        print(f"  {name:55s} {ms:6.3f} ms  {ms / unit:5.2f} steps")
+
+    decoding = DecodingConfig(mode="dynamic", total_token=tt, depth=depth, top_k=k)
+    prompts = story_prompts(shared, tok, 10)
+    for q in prompts[:2]:
+        model.eagenerate(q, max_new_tokens=32, eos_token_id=STOP_IDS, decoding=decoding)
+    best = None
+    for _ in range(3):
+        t, rounds, tokens = time.perf_counter(), 0, 0
+        for q in prompts:
+            _, n, r = model.eagenerate(q, max_new_tokens=128, eos_token_id=STOP_IDS, decoding=decoding, log=True)
+            rounds, tokens = rounds + r, tokens + n
+        ms = (time.perf_counter() - t) * 1e3 / rounds
+        best = ms if best is None else min(best, ms)
+    tau = tokens / rounds
+    print(f"  {'full generation loop, per round (best of 3)':55s} {best:6.3f} ms  {best / unit:5.2f} steps   "
+          f"tau {tau:.2f}: a round pays off below {tau:.2f} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
