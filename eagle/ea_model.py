@@ -181,7 +181,10 @@ class EaModel(nn.Module):
             return spec.size, spec.size
         return decoding.total_token, decoding.depth * decoding.top_k
 
-    @torch.no_grad()
+    # inference_mode, not just no_grad: views and in-place writes skip version counting, ~15% off every step on
+    # dispatch-bound targets (benchmarks/step_costs.py). Buffers first allocated here (KV caches, fused weight
+    # copies) become inference tensors, so drive Target / Drafter directly only under inference_mode too.
+    @torch.inference_mode()
     def _rounds(self, input_ids: torch.Tensor, decoding: DecodingConfig, sampling: SamplingParams, stop: StopRule,
                 generator: torch.Generator | None, collect: bool, stats: GenerationStats | None = None
                 ) -> Iterator[tuple[torch.Tensor, RoundStats | None]]:
