@@ -1,4 +1,4 @@
-"""What one speculative round costs, in single-token target steps, on stories260K (one thread).
+"""What one speculative round costs, in single-token target steps, on stories260K (one thread, inference_mode).
 
 Each piece is timed in isolation (best of 9 bursts, so noise from other jobs is mostly excluded), then
 a full generation loop over 10 prompts gives the real round cost. A round pays off when it costs less
@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=200, help="committed tokens when timing the pieces")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    with torch.inference_mode():  # as EaModel decodes
+        return measure(args)
+
+
+def measure(args) -> int:
     from eagle import DecodingConfig
     from eagle.verify import verify_greedy
 
@@ -60,9 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = corpus_context(shared, tok, args.context)
     target.reset(args.context + 200)
     drafter.reset(args.context + 200)
-    with torch.no_grad():
-        hidden = target.forward(prompt)
-        feature = drafter.extend(hidden, prompt)
+    hidden = target.forward(prompt)
+    feature = drafter.extend(hidden, prompt)
     root, past, committed = prompt[0, -1:], target.length, drafter.length
     tree = drafter.draft_dynamic(root, feature, tt, depth, k)
     positions = tree.position_ids(past)
