@@ -57,10 +57,10 @@ class Drafter:
         # [k, committed + depth k] attention rows of the frontier: the whole committed prefix, then the tree
         # nodes already in the draft KV cache that are its ancestors or itself (columns of later levels stay False)
         # (additive float: sdpa would convert a bool mask at every level)
-        hidden = torch.finfo(feature.dtype).min
-        mask = torch.full((k, committed + depth * k), hidden, dtype=feature.dtype, device=dev)
+        blocked = torch.finfo(feature.dtype).min
+        mask = torch.full((k, committed + depth * k), blocked, dtype=feature.dtype, device=dev)
         mask[:, :committed] = 0.0
-        eye = torch.full((k, k), hidden, dtype=feature.dtype, device=dev).fill_diagonal_(0.0)
+        eye = torch.full((k, k), blocked, dtype=feature.dtype, device=dev).fill_diagonal_(0.0)
         for d in range(depth):
             end = committed + (d + 1) * k
             mask[:, end - k : end] = eye  # each frontier node sees itself
@@ -127,7 +127,5 @@ class Drafter:
         for _ in range(spec.max_depth - 1):
             path_lp += torch.where(anc > 0, logprob[anc], 0.0)
             anc = parents.clamp(min=0)[anc]
-        tree = DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
-                         path_logprob=path_lp)
-        tree._ancestors = ancestors  # the fixed shape's mask, computed once per spec
-        return tree
+        return DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
+                         path_logprob=path_lp, ancestors=ancestors)  # the fixed shape's mask, built once per spec

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.head import rms_norm, rotate_rolled, signed_sin, text_config
+from eagle.head import linear_t, rms_norm, rotate_rolled, signed_sin, text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory
@@ -159,7 +159,7 @@ class FusedDecoder:
             bmm_bias = mask[0, 0].repeat(h_ // kv_, 1)  # [g n, past + n]: the mask per query row of a kv group
         x = F.embedding(input_ids[0], self.body.embed_tokens.weight)  # [n, H]: 2-D activations, mm / addmm
         for layer, eps, cache_layer in zip(self.layers, self.layer_eps, cache.layers):
-            qkv = _linear(rms_norm(x, layer.ln1, eps), layer.w_qkv_t, layer.b_qkv)  # [n, (h + 2 kv) D]
+            qkv = linear_t(rms_norm(x, layer.ln1, eps), layer.w_qkv_t, layer.b_qkv)  # [n, (h + 2 kv) D]
             qkv = qkv.view(n, h_ + 2 * kv_, d_).transpose(0, 1)  # [h + 2 kv, n, D]
             qk = rotate_rolled(qkv[: h_ + kv_], cos, sin)  # q and k rotate together: [h + kv, n, D]
             k, v = cache_layer.update(qk[None, h_:], qkv[None, h_ + kv_:])  # views [1, kv, past + n, D]
@@ -170,15 +170,12 @@ class FusedDecoder:
             x = torch.addmm(x, att[0].transpose(0, 1).reshape(n, h_ * d_), layer.w_o_t)  # residual + o_proj
             if layer.b_o is not None:
                 x = x + layer.b_o
-            gate, up = _linear(rms_norm(x, layer.ln2, eps), layer.w_gate_up_t, layer.b_gate_up).chunk(2, dim=-1)
+            gate, up = linear_t(rms_norm(x, layer.ln2, eps), layer.w_gate_up_t, layer.b_gate_up).chunk(2, dim=-1)
             x = torch.addmm(x, F.silu(gate) * up, layer.w_down_t)  # residual + down_proj
             if layer.b_down is not None:
                 x = x + layer.b_down
         return rms_norm(x, self.body.norm.weight, self.eps)[None]  # [1, n, H]
 
-
-def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
 
 def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v for q [1, h, n, D], k, v [1, kv, L, D], bias [g n, L] additive

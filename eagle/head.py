@@ -160,6 +160,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] @ w_t [in, out] (+ b): a transposed-weight linear as one mm / addmm call (decode paths)."""
+    return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -315,7 +320,7 @@ class DecodeWeights:
 
 def _project(x: torch.Tensor, weights_t: tuple[torch.Tensor, ...], biases: tuple) -> torch.Tensor:
     """x [n, in] @ each weight (+ bias), concatenated over the output dim."""
-    outs = [torch.mm(x, w) if b is None else torch.addmm(b, x, w) for w, b in zip(weights_t, biases)]
+    outs = [linear_t(x, w, b) for w, b in zip(weights_t, biases)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
@@ -448,7 +453,7 @@ class EagleHead(nn.Module):
         c = self.config
         h_, kv_, d_ = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = torch.cat([F.embedding(next_ids, w.emb).to(features.dtype), features], dim=-1)  # [n, 2H]
-        x = torch.mm(x, w.fc_t) if w.fc_b is None else torch.addmm(w.fc_b, x, w.fc_t)  # [n, H]
+        x = linear_t(x, w.fc_t, w.fc_b)  # [n, H]
         if mask is None and n > 1:
             past = kv.length
             mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)  # [n, L+n]

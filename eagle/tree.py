@@ -17,16 +17,17 @@ class DraftTree:
     depth: torch.Tensor  # [N] int64, root 0
     prob: torch.Tensor  # [N] float32, draft prob of the token given its parent (root 1.0)
     path_logprob: torch.Tensor  # [N] float32, cumulative draft log-prob root->node (root 0)
-    _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [N, N]; see attention_mask
 
     @property
     def size(self) -> int:
         return self.tokens.numel()
 
     def attention_mask(self) -> torch.Tensor:
-        """[N, N] bool: node i sees node j iff j is i or an ancestor of i. Computed once per tree (the
-        target's verification forward and `verify_greedy` both read it); treat it as read-only."""
-        if self._ancestors is None:
+        """[N, N] bool: node i sees node j iff j is i or an ancestor of i. Taken from `ancestors` when the
+        builder knows it, else computed once per tree (the target's verification forward and `verify_greedy`
+        both read it); treat it as read-only."""
+        if self.ancestors is None:
             n = self.size
             dev = self.tokens.device
             mask = torch.eye(n, dtype=torch.bool, device=dev)  # [N, N]
@@ -36,8 +37,8 @@ class DraftTree:
             for _ in range(int(self.depth.max())):  # one vectorised step per level
                 mask[rows, anc] = True
                 anc = up[anc]
-            self._ancestors = mask
-        return self._ancestors
+            self.ancestors = mask
+        return self.ancestors
 
     def position_ids(self, prefix_len: int) -> torch.Tensor:
         """[N] target position of each node: the root sits right after the cached prefix."""

@@ -20,7 +20,7 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.T
     # Siblings carry distinct tokens, so at most one child of an accepted node matches: the accepted
     # nodes form one path from the root, ending at the deepest of them.
     end = torch.where(ok, tree.depth, -1).argmax()
-    path = anc[end].nonzero().flatten()  # [a+1] host sync, the one per round; node order = root..end
+    path = anc[end].nonzero().flatten()  # [a+1] host sync; node order = root..end
     return path, pred[path[-1:]]
 
 
