@@ -83,13 +83,12 @@ def measure(args) -> int:
 
     def extend():
         drafter.extend(hidden[:, :5], prompt[:, :5])
-        drafter.kv.truncate(committed)
+        drafter.decoder.truncate(committed)
 
     def head_forward():
         mask = torch.ones(k, committed + k, dtype=torch.bool)
-        drafter.head.forward_cached(feature.expand(k, -1), prompt[0, :k], committed, drafter.kv, mask,
-                                    weights=drafter.weights)
-        drafter.kv.truncate(committed)
+        drafter.decoder.forward(feature.expand(k, -1), prompt[0, :k], committed, mask)
+        drafter.decoder.truncate(committed)
 
     def accept():
         path, _ = verify_greedy(tree, target.logits(verified[0]))

@@ -1,13 +1,15 @@
 """Drafting: run the head on committed positions, then grow a draft tree from its own guesses.
 
-`Drafter` owns the head's preallocated KV cache. Committed positions stay in it across rounds;
-tree nodes are appended while drafting and rolled back afterwards (`truncate`).
+`Drafter` owns the head's `HeadDecoder` (its decoding forward and preallocated KV cache). Committed
+positions stay in the cache across rounds; tree nodes are appended while drafting and rolled back
+afterwards (`truncate`).
 """
 from __future__ import annotations
 
 import torch
 
-from eagle.head import EagleHead
+from eagle.head import EagleHead, linear_t
+from eagle.head_decoder import HeadDecoder
 from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree
 
 
@@ -15,23 +17,26 @@ class Drafter:
     def __init__(self, head: EagleHead, lm_head: torch.nn.Module, capacity: int):
         self.head = head
         self.lm_head = lm_head
-        self.kv = head.new_kv_cache(capacity)
-        self.weights = None  # head.decode_weights() snapshot, re-taken at every reset (weights may change between generations)
+        self.decoder: HeadDecoder | None = None  # built by the first reset, under the caller's grad mode
         self._depth_layouts: dict[tuple, torch.Tensor] = {}
 
     @property
     def length(self) -> int:
-        return self.kv.length
+        return self.decoder.length
 
     def reset(self, capacity: int) -> None:
-        if capacity > self.kv.capacity:
-            self.kv = self.head.new_kv_cache(capacity)
-        self.kv.truncate(0)
-        self.weights = self.head.decode_weights()
+        """Empty the draft cache (at least `capacity` positions) and re-take the head's and lm_head's weights
+        (they may have changed between generations)."""
+        if self.decoder is None:
+            self.decoder = HeadDecoder(self.head, capacity)
+        else:
+            self.decoder.reset(capacity)
+        self._lm_t = self.lm_head.weight.detach().t()  # [H, V]
+        self._lm_b = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
 
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
         """[n, H] predicted features -> [n, V] float32 draft log-probs through the target's lm_head."""
-        return torch.log_softmax(self.lm_head(features.to(self.lm_head.weight.dtype)).float(), dim=-1)
+        return torch.log_softmax(linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float(), dim=-1)
 
     @torch.no_grad()
     def extend(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
@@ -39,15 +44,15 @@ class Drafter:
 
         Returns the predicted feature after the last one, [1, H]: it scores the root's children.
         """
-        pos = range(self.kv.length, self.kv.length + next_ids.shape[1])
-        out = self.head.forward_cached(features[0].to(self.head.dtype), next_ids[0], pos, self.kv, weights=self.weights)
+        pos = range(self.decoder.length, self.decoder.length + next_ids.shape[1])
+        out = self.decoder.forward(features[0], next_ids[0], pos)
         return out[-1:]  # [1, H]
 
     @torch.no_grad()
     def draft_dynamic(self, root: torch.Tensor, feature: torch.Tensor, total_token: int, depth: int,
                       top_k: int) -> DraftTree:
         """EAGLE-2 dynamic tree. root [1] token, feature [1, H] predicted feature at the root."""
-        committed = self.kv.length
+        committed = self.decoder.length
         dev = root.device
         k = top_k
         lp, tok = self._logprobs(feature)[0].topk(k)  # [k], [k] depth-1 candidates
@@ -64,8 +69,7 @@ class Drafter:
         for d in range(depth):
             end = committed + (d + 1) * k
             mask[:, end - k : end] = eye  # each frontier node sees itself
-            out = self.head.forward_cached(front_feat, front_tok, committed + d, self.kv, mask[:, :end],
-                                           weights=self.weights)  # [k, H]; the level shares a position
+            out = self.decoder.forward(front_feat, front_tok, committed + d, mask[:, :end])  # [k, H]; one position per level
             lp, tok = self._logprobs(out).topk(k, dim=-1)  # [k, k]
             path = (front_path[:, None] + lp).flatten()  # [k k] value = log of the product of confidences
             lp, tok = lp.flatten(), tok.flatten()  # [k k]: children of frontier row r at r k .. r k + k - 1
@@ -75,12 +79,12 @@ class Drafter:
             front_cands.append(front_cand)
             if d == depth - 1:
                 break  # the last level's children are candidates only, never expanded
-            best = path.topk(k).indices  # [k] new frontier among the k k children
+            front_path, best = path.topk(k)  # [k] new frontier among the k k children
             parent_row = best // k
-            front_feat, front_tok, front_path = out[parent_row], tok[best], path[best]
+            front_feat, front_tok = out[parent_row], tok[best]
             front_cand = best + (k + d * k * k)  # candidate ids of the new frontier (this level starts at k + d k^2)
             mask[:, committed:end] = mask[parent_row, committed:end]  # a child sees what its parent saw
-        self.kv.truncate(committed)
+        self.decoder.truncate(committed)
         # parent candidate id of every candidate: -1 (root) for level 1, then each frontier node k times
         parents = torch.cat([torch.full((k,), -1, device=dev),
                              torch.stack(front_cands)[:, :, None].expand(depth, k, k).flatten()])
@@ -98,7 +102,7 @@ class Drafter:
     @torch.no_grad()
     def draft_static(self, root: torch.Tensor, feature: torch.Tensor, spec: StaticTreeSpec) -> DraftTree:
         """EAGLE-1 static tree (a chain is the tree [0], [0, 0], ...)."""
-        committed = self.kv.length
+        committed = self.decoder.length
         dev = root.device
         n = spec.size
         kmax = spec.max_rank + 1
@@ -118,10 +122,9 @@ class Drafter:
                 break
             # run the head on this level to predict the features its children will read
             mask = torch.cat([torch.ones(hi - lo, committed, dtype=torch.bool, device=dev), ancestors[lo:hi, 1:hi]], 1)
-            self.kv.truncate(committed + lo - 1)
-            feats[lo:hi] = self.head.forward_cached(feats[parents[lo:hi]], tokens[lo:hi], committed + d - 1, self.kv,
-                                                    mask, weights=self.weights)
-        self.kv.truncate(committed)
+            self.decoder.truncate(committed + lo - 1)
+            feats[lo:hi] = self.decoder.forward(feats[parents[lo:hi]], tokens[lo:hi], committed + d - 1, mask)
+        self.decoder.truncate(committed)
         path_lp = logprob.clone()  # [N] accumulate parents' log-probs level by level
         anc = parents.clamp(min=0)
         for _ in range(spec.max_depth - 1):

@@ -252,7 +252,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, kv: "DraftKVCache | None" = None, is_causal: bool = False):
+    def forward(self, x, cos, sin, mask, is_causal: bool = False):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, h, T, D]
@@ -261,8 +261,6 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B|1, 1, T, D]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if kv is not None:
-            k, v = kv.append(k, v)  # views over the preallocated buffer: [B, kv, L+T, D]
         # enable_gqa: no copy of K/V per query-head group (a copy would cost O(context) every draft step)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                              enable_gqa=self.n_kv != self.n_heads)
@@ -289,69 +287,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, kv=None, is_causal=False):
-        x = x + self.self_attn(x, cos, sin, mask, kv, is_causal)
+    def forward(self, x, cos, sin, mask, is_causal=False):
+        x = x + self.self_attn(x, cos, sin, mask, is_causal)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-FUSED_HEAD_MAX_BYTES = 64 * 2**20  # q/k/v/gate/up bytes up to which decoding uses concatenated copies
-
-
-@dataclass
-class DecodeWeights:
-    """The head's weights as `forward_cached` multiplies them: transposed [in, out] views for torch.mm /
-    addmm (no per-call transpose or dispatch through F.linear) and, for heads up to FUSED_HEAD_MAX_BYTES,
-    q|k|v and gate|up concatenated into one matmul each (copies; views of the separate weights otherwise)."""
-
-    emb: torch.Tensor  # [V, H]
-    fc_t: torch.Tensor  # [2H, H]
-    fc_b: torch.Tensor | None
-    qkv_t: tuple[torch.Tensor, ...]  # ([H, (h + 2 kv) D],) fused, else (q, k, v) each [H, out]
-    qkv_b: tuple[torch.Tensor | None, ...]
-    o_t: torch.Tensor  # [h D, H]
-    ln: torch.Tensor  # [H] post_attention_layernorm
-    gate_up_t: tuple[torch.Tensor, ...]  # ([H, 2 I],) fused, else (gate, up)
-    down_t: torch.Tensor  # [I, H]
-
-    @property
-    def fused(self) -> bool:
-        return len(self.qkv_t) == 1
-
-
-def _project(x: torch.Tensor, weights_t: tuple[torch.Tensor, ...], biases: tuple) -> torch.Tensor:
-    """x [n, in] @ each weight (+ bias), concatenated over the output dim."""
-    outs = [linear_t(x, w, b) for w, b in zip(weights_t, biases)]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-
-
-class DraftKVCache:
-    """Preallocated K/V of the draft layer: committed prefix, then the nodes of the tree being drafted.
-
-    `append` writes at `length` and returns views (no concatenation); `length` is rolled back to the
-    committed prefix after each round with `truncate`.
-    """
-
-    def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device):
-        self.k = torch.zeros(batch, n_kv, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        n = k.shape[2]
-        end = self.length + n
-        if end > self.capacity:
-            raise RuntimeError(f"draft KV cache overflow: {end} > capacity {self.capacity}")
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def truncate(self, length: int) -> None:
-        self.length = length
 
 
 class EagleHead(nn.Module):
@@ -395,9 +333,11 @@ class EagleHead(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def new_kv_cache(self, capacity: int, batch: int = 1) -> DraftKVCache:
-        c = self.config
-        return DraftKVCache(batch, c.num_key_value_heads, c.head_dim, capacity, self.dtype, self.device)
+    def decoder(self, capacity: int, fast: bool | None = None):
+        """A `HeadDecoder` (eagle/head_decoder.py): the decoding forward with its own KV cache of `capacity`."""
+        from eagle.head_decoder import HeadDecoder
+
+        return HeadDecoder(self, capacity, fast=fast)
 
     # -- forward ----------------------------------------------------------------------
     def forward(
@@ -426,69 +366,6 @@ class EagleHead(nn.Module):
             position_ids = torch.arange(T, device=x.device)[None]  # [1, T]
         cos, sin = self.rotary(position_ids, x.dtype)
         return self.layers[0](x, cos, sin, mask, is_causal=mask is None)
-
-    def forward_cached(
-        self,
-        features: torch.Tensor,
-        next_ids: torch.Tensor,
-        position_ids: "torch.Tensor | range | int",
-        kv: DraftKVCache,
-        mask: torch.Tensor | None = None,
-        weights: DecodeWeights | None = None,
-    ) -> torch.Tensor:
-        """Decoding forward on n new positions (batch 1, 2-D activations), appending their K/V to `kv`.
-
-        features [n, H], next_ids [n]; position_ids: a tensor [n], a `range` of n consecutive
-        positions, or one int shared by all n rows (a draft-tree level); ranges and ints cost no gather;
-        mask [n, kv.length + n]: bool (True = attend) or additive float, or None for plain causal over the
-        new positions; weights: a `decode_weights()` snapshot, taken once per generation by the Drafter
-        (None: views of the current parameters, built per call). Returns predicted features [n, H].
-
-        Same arithmetic as `forward` (up to float rounding: fused matmuls, residual adds inside addmm),
-        written without module calls on 2-D activations: drafting runs this 4-9 times per round on a few
-        rows, where per-op dispatch costs as much as the math.
-        """
-        w = self.decode_weights(fuse=False) if weights is None else weights
-        n = next_ids.shape[0]
-        c = self.config
-        h_, kv_, d_ = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = torch.cat([F.embedding(next_ids, w.emb).to(features.dtype), features], dim=-1)  # [n, 2H]
-        x = linear_t(x, w.fc_t, w.fc_b)  # [n, H]
-        if mask is None and n > 1:
-            past = kv.length
-            mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)  # [n, L+n]
-        cos, sin_signed = self.rotary.at(position_ids, x.device, x.dtype)  # [n | 1, D]
-        qkv = _project(x, w.qkv_t, w.qkv_b).view(n, h_ + 2 * kv_, d_).transpose(0, 1)  # [h + 2 kv, n, D]
-        qk = rotate_rolled(qkv[: h_ + kv_], cos, sin_signed)  # q and k rotate together: [h + kv, n, D]
-        k, v = kv.append(qk[None, h_:], qkv[None, h_ + kv_:])  # views over the preallocated buffer: [1, kv, L+n, D]
-        att = F.scaled_dot_product_attention(qk[None, :h_], k, v, attn_mask=mask, enable_gqa=kv_ != h_)  # [1, h, n, D]
-        x = torch.addmm(x, att[0].transpose(0, 1).reshape(n, h_ * d_), w.o_t)  # residual + o_proj
-        gate, up = _project(rms_norm(x, w.ln, c.rms_norm_eps), w.gate_up_t, (None,) * len(w.gate_up_t)).chunk(2, -1)
-        return torch.addmm(x, F.silu(gate) * up, w.down_t)  # residual + down_proj: [n, H]
-
-    def decode_weights(self, fuse: bool | None = None) -> DecodeWeights:
-        """A `DecodeWeights` snapshot for `forward_cached` while the weights do not change (one generation).
-        fuse: concatenate q|k|v and gate|up (None = when they fit in FUSED_HEAD_MAX_BYTES; above that the
-        copy costs memory and the saved dispatch is negligible next to the matmuls)."""
-        layer = self.layers[0]
-        a, m = layer.self_attn, layer.mlp
-        qkv, gate_up = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-        if fuse is None:
-            fuse = sum(lin.weight.numel() * lin.weight.element_size() for lin in qkv + gate_up) <= FUSED_HEAD_MAX_BYTES
-        with torch.no_grad():
-            if fuse:
-                qkv_t = (torch.cat([lin.weight for lin in qkv]).t(),)
-                qkv_b = (None if a.q_proj.bias is None else torch.cat([lin.bias for lin in qkv]),)
-                gate_up_t = (torch.cat([lin.weight for lin in gate_up]).t(),)
-            else:
-                qkv_t = tuple(lin.weight.detach().t() for lin in qkv)
-                qkv_b = tuple(None if lin.bias is None else lin.bias.detach() for lin in qkv)
-                gate_up_t = tuple(lin.weight.detach().t() for lin in gate_up)
-            return DecodeWeights(
-                emb=self.embed_tokens.weight.detach(), fc_t=self.fc.weight.detach().t(),
-                fc_b=None if self.fc.bias is None else self.fc.bias.detach(), qkv_t=qkv_t, qkv_b=qkv_b,
-                o_t=a.o_proj.weight.detach().t(), ln=layer.post_attention_layernorm.weight.detach(),
-                gate_up_t=gate_up_t, down_t=m.down_proj.weight.detach().t())
 
     # -- checkpoint I/O ---------------------------------------------------------------
     def official_state_dict(self) -> dict[str, torch.Tensor]:
@@ -653,6 +530,6 @@ def count_parameters(head: EagleHead) -> int:
 
 
 __all__ = [
-    "HeadConfig", "EagleHead", "DraftKVCache", "head_config_from_target", "load_target_embedding_and_lm_head",
+    "HeadConfig", "EagleHead", "head_config_from_target", "load_target_embedding_and_lm_head",
     "count_parameters",
 ]

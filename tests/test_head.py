@@ -143,39 +143,70 @@ def test_forward_is_causal_and_ignores_padding():
         assert torch.allclose(head(lf, lids, lam)[:, 3:], full, atol=1e-5)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_cached_decoding_forward_matches_the_training_forward(fused):
-    """What drafting computes (chunks through the head's KV cache, with or without the fused q|k|v and
-    gate|up copies) equals the causal training forward."""
-    head = random_head(tiny_target("qwen2"))  # q/k/v bias: the fused bias is exercised too
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v bias (rolled with the fast path's copies)
+def test_head_decoder_matches_the_training_forward(family, fast):
+    """What drafting computes (chunks through the head's KV cache; positions as a tensor, a range and an int;
+    a prefix longer than the fast path's first scratch allocation) equals the causal training forward."""
+    head = random_head(tiny_target(family))
     g = torch.Generator().manual_seed(1)
-    f = torch.randn(1, 12, 64, generator=g)
-    ids = torch.randint(0, 256, (1, 12), generator=g)
-    weights = head.decode_weights(fuse=fused)
-    assert weights.fused == fused
+    T = 80
+    f = torch.randn(1, T, 64, generator=g)
+    ids = torch.randint(0, 256, (1, T), generator=g)
     with torch.no_grad():
         full = head(f, ids)
-        kv = head.new_kv_cache(32)
-        outs = []
-        for lo, hi in [(0, 5), (5, 6), (6, 11), (11, 12)]:
-            outs.append(head.forward_cached(f[0, lo:hi], ids[0, lo:hi], torch.arange(lo, hi), kv, weights=weights))
+        dec = head.decoder(96, fast=fast)
+        assert dec.fast == fast
+        outs = [dec.forward(f[0, :70], ids[0, :70], torch.arange(70)),
+                dec.forward(f[0, 70:71], ids[0, 70:71], 70),
+                dec.forward(f[0, 71:79], ids[0, 71:79], range(71, 79)),
+                dec.forward(f[0, 79:], ids[0, 79:], torch.tensor([79]))]
     assert torch.allclose(torch.cat(outs)[None], full, atol=1e-5)
 
 
-def test_drafter_retakes_fused_weights_every_generation():
+def test_head_decoder_fast_and_plain_paths_agree_on_a_tree_level():
+    """A draft-tree level: k rows at ONE shared position, each seeing the prefix and its own ancestors."""
+    head = random_head(tiny_target("llama"))
+    g = torch.Generator().manual_seed(2)
+    f, ids = torch.randn(20, 64, generator=g), torch.randint(0, 256, (20,), generator=g)
+    level_f, level_ids = torch.randn(3, 64, generator=g), torch.randint(0, 256, (3,), generator=g)
+    mask = torch.cat([torch.ones(3, 20, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], 1)  # [3, 23]
+    outs = []
+    with torch.no_grad():
+        for fast in (False, True):
+            dec = head.decoder(32, fast=fast)
+            dec.forward(f, ids, range(20))
+            outs.append(dec.forward(level_f, level_ids, 20, mask))
+            assert dec.length == 23
+            dec.truncate(20)  # the level is rolled back; the prefix stays
+            assert torch.allclose(dec.forward(level_f, level_ids, 20, mask), outs[-1])
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_head_decoder_overflow_is_a_clear_error():
+    head = random_head(tiny_target("llama"))
+    dec = head.decoder(4)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="draft KV cache overflow: 5 positions > capacity 4"):
+        dec.forward(torch.randn(5, 64), torch.zeros(5, dtype=torch.long), range(5))
+
+
+def test_drafter_retakes_the_head_weights_every_generation():
     """Weights trained between two generations (even through `.data`, which skips version counters) are used."""
     from eagle.draft import Drafter
 
     target = tiny_target("llama")
     head = random_head(target)
     drafter = Drafter(head, target.get_output_embeddings(), capacity=16)
-    drafter.reset(16)
-    assert drafter.weights.fused
-    before = drafter.weights.gate_up_t[0].clone()
-    head.layers[0].mlp.up_proj.weight.data.mul_(2.0)
-    drafter.reset(16)
-    assert not torch.equal(before, drafter.weights.gate_up_t[0])
-    assert torch.equal(drafter.weights.gate_up_t[0].t()[head.config.intermediate_size:], head.layers[0].mlp.up_proj.weight)
+    f, ids = torch.randn(1, 6, 64), torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        drafter.reset(16)
+        assert drafter.decoder.fast
+        before = drafter.decoder.forward(f[0], ids[0], range(6))
+        head.layers[0].mlp.up_proj.weight.data.mul_(2.0)
+        drafter.reset(16)
+        after = drafter.decoder.forward(f[0], ids[0], range(6))
+        assert not torch.allclose(before, after, atol=1e-4)
+        assert torch.allclose(after, head(f, ids)[0], atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -388,8 +419,7 @@ def test_head_built_and_run_under_inference_mode():
     with torch.inference_mode():
         head = random_head(tiny_target("llama"))
         out = head(torch.randn(1, 5, 64), torch.randint(0, 256, (1, 5)))
-        kv = head.new_kv_cache(16)
-        out2 = head.forward_cached(torch.randn(5, 64), torch.randint(0, 256, (5,)), torch.arange(5), kv)
+        out2 = head.decoder(16).forward(torch.randn(5, 64), torch.randint(0, 256, (5,)), torch.arange(5))
     assert out.shape == (1, 5, 64) and out2.shape == (5, 64)
 
 

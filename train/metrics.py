@@ -54,8 +54,8 @@ def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_to
     T, device = hidden.shape[0], hidden.device
     n = len(starts)
     s_idx = torch.tensor(starts, device=device)  # [n]
-    kv = head.new_kv_cache(capacity=T - 1 + (steps - 1) * n)
-    prefix = head.forward_cached(hidden[: T - 1], input_ids[1:], range(T - 1), kv)  # [T-1, H]
+    decoder = head.decoder(capacity=T - 1 + (steps - 1) * n)
+    prefix = decoder.forward(hidden[: T - 1], input_ids[1:], range(T - 1))  # [T-1, H]
     pred = prefix[s_idx]  # [n, H]: step 1 drafts f^_{s+1} from the true prefix 0..s
     correct = torch.zeros(n, steps, dtype=torch.bool, device=device)
     cols = torch.arange(T - 1, device=device)  # [T-1]
@@ -68,7 +68,7 @@ def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_to
         # node j+1 of each chain: input (f^_{s+j}, x_{s+j+1}) at position s+j
         prefix_mask = cols[None, :] <= s_idx[:, None]  # [n, T-1] true features 0..s only
         mask = torch.cat([prefix_mask, own.repeat(1, j)], dim=1)  # [n, T-1 + j*n]: + earlier nodes + self
-        pred = head.forward_cached(pred.to(hidden.dtype), input_ids[s_idx + j + 1], s_idx + j, kv, mask=mask)  # [n, H] = f^_{s+j+1}
+        pred = decoder.forward(pred, input_ids[s_idx + j + 1], s_idx + j, mask)  # [n, H] = f^_{s+j+1}
     return correct
 
 

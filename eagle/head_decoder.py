@@ -1,0 +1,187 @@
+"""The draft head's decoding forward: its own preallocated KV cache and weights laid out for few-row steps.
+
+Drafting runs the head 4-9 times per round on a handful of rows, where every tensor op costs several
+microseconds of dispatch whatever its size, so the op count IS the cost. `HeadDecoder` computes what
+`EagleHead.forward` computes (same math; float rounding differs in the last bits, which only the draft sees:
+verification by the target keeps decoding lossless) with as few ops as the head's size allows.
+
+Small heads (the extra copies below fit in FAST_HEAD_MAX_BYTES) take the fast path, 15 ops per call:
+  * fc:      fc(cat[embed(tok), f]) = T[tok] + f @ W_f^T, with T = embed @ W_e^T + b precomputed ([V, H]);
+  * rotary:  one matmul yields q|k|v AND a copy with each head's rows rolled by D/2, so
+             x * cos + rotate_half(x) * sin = y * cos + y_rolled * sin_signed is a mul and an addcmul; the
+             tables hold cos = 1, sin = 0 for the v heads, so k and v come out side by side and enter the
+             cache in ONE copy;
+  * norm:    the post-attention RMSNorm weight (and sqrt(H)) is folded into gate|up, and the residual is
+             written into a scratch row that ends with sqrt(H * eps), so ||row|| = sqrt(H (mean(x^2) + eps))
+             and the whole norm is one vector_norm and one division.
+Large heads (7B-class) keep views of their parameters and the plain formulation: their matmuls dwarf the
+dispatch cost and the copies would cost hundreds of MB.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from eagle.head import EagleHead, linear_t, rms_norm, rotate_rolled, signed_sin
+
+FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
+
+
+class HeadDecoder:
+    """Decoding forward of an `EagleHead` over its own KV cache: committed positions, then tree nodes
+    that are rolled back with `truncate`.
+
+    Weights are snapshotted at construction and by `refresh()` (call it when the head's weights change,
+    e.g. every generation: `Drafter.reset` does). Build and use it under the same grad mode: buffers made
+    under `torch.inference_mode` cannot be written outside it.
+    """
+
+    def __init__(self, head: EagleHead, capacity: int, fast: bool | None = None):
+        """fast: the small-head path (None = when its copies fit in FAST_HEAD_MAX_BYTES)."""
+        c = head.config
+        self.head = head
+        self.n_heads, self.n_kv, self.head_dim, self.hidden = (c.num_attention_heads, c.num_key_value_heads,
+                                                               c.head_dim, c.hidden_size)
+        self.eps = c.rms_norm_eps
+        self.fast = self._fast_fits(capacity) if fast is None else fast
+        self.length = 0
+        self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=head.dtype, device=head.device)  # [2 kv, cap, D]: K heads, then V heads
+        self._cos = self._sin = None  # fast path: [P, h + 2 kv, D] rotary tables (identity on v heads)
+        self._norm_rows = None  # fast path: [rows, H + 1] residual scratch ending in sqrt(H eps)
+        self.refresh()
+
+    # ------------------------------------------------------------------ setup
+    def _fast_fits(self, capacity: int) -> bool:
+        c = self.head.config
+        heads = self.n_heads + 2 * self.n_kv
+        extra = (c.vocab_size * c.hidden_size  # fc token table
+                 + 2 * heads * self.head_dim * c.hidden_size  # q|k|v and its rolled copy
+                 + 2 * c.intermediate_size * c.hidden_size  # folded gate|up
+                 + 2 * max(capacity, 256) * heads * self.head_dim)  # rotary tables
+        return extra * self.head.fc.weight.element_size() <= FAST_HEAD_MAX_BYTES
+
+    @property
+    def capacity(self) -> int:
+        return self._kv.shape[1]
+
+    def reset(self, capacity: int) -> None:
+        """Empty the cache (growing it to `capacity`) and re-take the weights."""
+        if capacity > self.capacity:
+            self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=self._kv.dtype, device=self._kv.device)
+        self.length = 0
+        self.refresh()
+
+    def truncate(self, length: int) -> None:
+        self.length = length
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """(Re)take the weights: transposed views, or for the fast path the folded / rolled copies."""
+        head, layer = self.head, self.head.layers[0]
+        a, m = layer.self_attn, layer.mlp
+        H, D = self.hidden, self.head_dim
+        self.o_t = a.o_proj.weight.detach().t()  # [h D, H]
+        self.down_t = m.down_proj.weight.detach().t()  # [I, H]
+        if not self.fast:
+            self.emb = head.embed_tokens.weight.detach()
+            self.fc_t, self.fc_b = head.fc.weight.detach().t(), None if head.fc.bias is None else head.fc.bias.detach()
+            self.qkv_t = [p.weight.detach().t() for p in (a.q_proj, a.k_proj, a.v_proj)]
+            self.qkv_b = [None if p.bias is None else p.bias.detach() for p in (a.q_proj, a.k_proj, a.v_proj)]
+            self.ln = layer.post_attention_layernorm.weight.detach()
+            self.gate_t, self.up_t = m.gate_proj.weight.detach().t(), m.up_proj.weight.detach().t()
+            return
+        w_fc = head.fc.weight.float()
+        table = head.embed_tokens.weight.float() @ w_fc[:, :H].t()  # [V, H]
+        if head.fc.bias is not None:
+            table += head.fc.bias.float()
+        dt = head.dtype
+        self.tok_fc = table.to(dt)
+        self.feat_fc_t = head.fc.weight[:, H:].detach().t()  # [H, H]
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # [(h + 2 kv) D, H]
+        heads = self.n_heads + 2 * self.n_kv
+        rolled = w_qkv.view(heads, D, H).roll(D // 2, dims=1).reshape(-1, H)  # output row i of a head -> i + D/2
+        self.qkv2_t = torch.cat([w_qkv, rolled]).t()  # [H, 2 (h + 2 kv) D]
+        self.qkv2_b = None
+        if a.q_proj.bias is not None:
+            b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            self.qkv2_b = torch.cat([b, b.view(heads, D).roll(D // 2, dims=1).flatten()])
+        w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).float()  # [2 I, H]
+        self.gate_up_t = (w_gu * (layer.post_attention_layernorm.weight.float() * math.sqrt(H))).to(dt).t()
+        self._cos = None
+        self._reserve(self.capacity)
+
+    def _reserve(self, positions: int) -> None:
+        """Fast-path rotary tables for positions [0, positions): cos / signed sin on q and k heads, 1 / 0 on v."""
+        if self._cos is not None and self._cos.shape[0] >= positions:
+            return
+        size = max(positions, 256) if self._cos is None else max(positions, 2 * self._cos.shape[0])
+        cos, sin = self.head.rotary.tables(size, self._kv.device, self._kv.dtype)  # [P, D]
+        qk = self.n_heads + self.n_kv
+        shape = (size, qk + self.n_kv, self.head_dim)
+        self._cos = torch.ones(shape, dtype=cos.dtype, device=cos.device)
+        self._sin = torch.zeros(shape, dtype=cos.dtype, device=cos.device)
+        self._cos[:, :qk] = cos[:size, None]
+        self._sin[:, :qk] = signed_sin(sin[:size])[:, None]
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        """[n, H + 1] rows whose last column is sqrt(H eps) (the fast path's norm)."""
+        if self._norm_rows is None or self._norm_rows.shape[0] < n:
+            rows = max(n, 64) if self._norm_rows is None else max(n, 2 * self._norm_rows.shape[0])
+            self._norm_rows = torch.full((rows, self.hidden + 1), math.sqrt(self.hidden * self.eps),
+                                         dtype=self._kv.dtype, device=self._kv.device)
+        return self._norm_rows[:n]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: "torch.Tensor | range | int",
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """n new positions (batch 1): features [n, H] (target features or the head's own predictions), next_ids
+        [n] the tokens that follow them, positions a tensor [n], a `range`, or one int shared by every row (a
+        draft-tree level); mask [n, length + n] bool (True = attend) or additive float, None = causal over the
+        new rows. Appends their K/V; returns the predicted features [n, H]."""
+        n = next_ids.shape[0]
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(f"draft KV cache overflow: {end} positions > capacity {self.capacity}")
+        if mask is None and n > 1:
+            mask = torch.ones(n, end, dtype=torch.bool, device=features.device).tril(diagonal=self.length)  # [n, L + n]
+        h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
+        features = features.to(self._kv.dtype)
+        if self.fast:
+            x = torch.addmm(F.embedding(next_ids, self.tok_fc), features, self.feat_fc_t)  # [n, H] = fc(cat[embed, f])
+            y = linear_t(x, self.qkv2_t, self.qkv2_b).view(n, 2, h_ + 2 * kv_, d_)  # q|k|v, then rolled
+            cos, sin = self._rotary(positions)  # [n | 1, h + 2 kv, D]
+            qkv = torch.addcmul(y[:, 0] * cos, y[:, 1], sin).transpose(0, 1)  # rotated q, k; v as is: [h + 2 kv, n, D]
+            self._kv[:, self.length : end] = qkv[h_:]  # K and V in one copy
+            q = qkv[:h_]
+        else:
+            x = linear_t(torch.cat([F.embedding(next_ids, self.emb), features], dim=-1), self.fc_t, self.fc_b)  # [n, H]
+            q, k, v = (linear_t(x, w, b).view(n, -1, d_).transpose(0, 1) for w, b in zip(self.qkv_t, self.qkv_b))
+            cos, sin = self.head.rotary.at(positions, x.device, x.dtype)  # [n | 1, D]
+            q = rotate_rolled(q, cos, sin)  # [h, n, D]
+            self._kv[:kv_, self.length : end] = rotate_rolled(k, cos, sin)
+            self._kv[kv_:, self.length : end] = v
+        self.length = end
+        keys, values = self._kv[None, :kv_, :end], self._kv[None, kv_:, :end]  # [1, kv, L + n, D] views
+        att = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=kv_ != h_)
+        att = att[0].transpose(0, 1).reshape(n, h_ * d_)  # [n, h D]
+        if self.fast:
+            rows = self._scratch(n)
+            x = torch.addmm(x, att, self.o_t, out=rows[:, :-1])  # residual + o_proj, written into the scratch rows
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(H (mean(x^2) + eps))
+            gate, up = torch.mm(x, self.gate_up_t).div_(norm).chunk(2, -1)
+        else:
+            x = torch.addmm(x, att, self.o_t)  # residual + o_proj
+            normed = rms_norm(x, self.ln, self.eps)
+            gate, up = torch.mm(normed, self.gate_t), torch.mm(normed, self.up_t)
+        return torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]
+
+    def _rotary(self, positions: "torch.Tensor | range | int") -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(positions, int):
+            positions = range(positions, positions + 1)
+        if isinstance(positions, range):
+            self._reserve(positions.stop)
+            return self._cos[positions.start : positions.stop], self._sin[positions.start : positions.stop]
+        self._reserve(int(positions.max()) + 1)
+        return self._cos[positions], self._sin[positions]
