@@ -56,11 +56,11 @@ class Drafter:
         dev = root.device
         k = top_k
         lp, tok = self._logprobs(feature)[0].topk(k)  # [k], [k] depth-1 candidates
-        cand_tok, cand_lp, cand_path, front_cands = [tok], [lp], [lp], []
+        cand_tok, cand_lp, cand_path, bests = [tok], [lp], [lp], []
         front_feat = feature.expand(k, -1)  # [k, H] input feature of each frontier node (its parent's prediction)
-        front_tok, front_path, front_cand = tok, lp, torch.arange(k, device=dev)  # [k] each
+        front_tok, front_path = tok, lp  # [k] each
         # [k, committed + depth k] attention rows of the frontier: the whole committed prefix, then the tree
-        # nodes already in the draft KV cache that are its ancestors or itself (columns of later levels stay False)
+        # nodes already in the draft KV cache that are its ancestors or itself (columns of later levels blocked)
         # (additive float: sdpa would convert a bool mask at every level)
         blocked = torch.finfo(feature.dtype).min
         mask = torch.full((k, committed + depth * k), blocked, dtype=feature.dtype, device=dev)
@@ -69,27 +69,37 @@ class Drafter:
         for d in range(depth):
             end = committed + (d + 1) * k
             mask[:, end - k : end] = eye  # each frontier node sees itself
-            out = self.decoder.forward(front_feat, front_tok, committed + d, mask[:, :end])  # [k, H]; one position per level
+            out = self.decoder.forward(front_feat, front_tok, committed + d, mask.narrow(1, 0, end))  # [k, H]; one position per level
             lp, tok = self._logprobs(out).topk(k, dim=-1)  # [k, k]
-            path = (front_path[:, None] + lp).flatten()  # [k k] value = log of the product of confidences
+            path = (front_path.unsqueeze(1) + lp).flatten()  # [k k] value = log of the product of confidences
             lp, tok = lp.flatten(), tok.flatten()  # [k k]: children of frontier row r at r k .. r k + k - 1
             cand_tok.append(tok)
             cand_lp.append(lp)
             cand_path.append(path)
-            front_cands.append(front_cand)
             if d == depth - 1:
                 break  # the last level's children are candidates only, never expanded
             front_path, best = path.topk(k)  # [k] new frontier among the k k children
+            bests.append(best)
             parent_row = best // k
-            front_feat, front_tok = out[parent_row], tok[best]
-            front_cand = best + (k + d * k * k)  # candidate ids of the new frontier (this level starts at k + d k^2)
-            mask[:, committed:end] = mask[parent_row, committed:end]  # a child sees what its parent saw
+            front_feat, front_tok = out.index_select(0, parent_row), tok.index_select(0, best)
+            mask = mask.index_select(0, parent_row)  # a child sees what its parent saw (the prefix: every row)
         self.decoder.truncate(committed)
-        # parent candidate id of every candidate: -1 (root) for level 1, then each frontier node k times
-        parents = torch.cat([torch.full((k,), -1, device=dev),
-                             torch.stack(front_cands)[:, :, None].expand(depth, k, k).flatten()])
-        return rerank_tree(root, torch.cat(cand_tok), torch.cat(cand_lp), torch.cat(cand_path), parents,
-                           self._candidate_depth(k, depth, dev), total_token)
+        return rerank_tree(root, torch.cat(cand_tok), torch.cat(cand_lp), torch.cat(cand_path),
+                           self._candidate_parents(bests, k, depth, dev), self._candidate_depth(k, depth, dev),
+                           total_token)
+
+    def _candidate_parents(self, bests: list[torch.Tensor], k: int, depth: int, device) -> torch.Tensor:
+        """[k + depth k^2] parent candidate id of every candidate: -1 (the root) for level 1, then each
+        frontier node k times. The frontier of level 0 is candidates 0..k-1; that of level d >= 1 is
+        bests[d - 1] (indices among the k^2 candidates of level d, which start at id k + (d - 1) k^2)."""
+        key = ("parents", k, depth, str(device))
+        if key not in self._depth_layouts:
+            base = torch.tensor([0] + [k + d * k * k for d in range(depth - 1)], device=device)[:, None]  # [depth, 1]
+            self._depth_layouts[key] = (torch.full((k,), -1, device=device), torch.zeros(1, k, dtype=torch.long, device=device),
+                                        base + torch.cat([torch.arange(k, device=device)[None], base.new_zeros(depth - 1, k)]))
+        root_parents, zeros, offsets = self._depth_layouts[key]
+        fronts = torch.cat([zeros] + [b[None] for b in bests]) + offsets  # [depth, k] candidate ids of each frontier
+        return torch.cat([root_parents, fronts[:, :, None].expand(depth, k, k).flatten()])
 
     def _candidate_depth(self, k: int, depth: int, device) -> torch.Tensor:
         """[k + depth k^2] tree depth of every candidate `draft_dynamic` generates (fixed by k and depth)."""

@@ -47,7 +47,7 @@ class HeadDecoder:
         self.eps = c.rms_norm_eps
         self.fast = self._fast_fits(capacity) if fast is None else fast
         self.length = 0
-        self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=head.dtype, device=head.device)  # [2 kv, cap, D]: K heads, then V heads
+        self._allocate(capacity, head.dtype, head.device)
         self._cos = self._sin = None  # fast path: [P, h + 2 kv, D] rotary tables (identity on v heads)
         self._norm_rows = None  # fast path: [rows, H + 1] residual scratch ending in sqrt(H eps)
         self.refresh()
@@ -62,6 +62,10 @@ class HeadDecoder:
                  + 2 * max(capacity, 256) * heads * self.head_dim)  # rotary tables
         return extra * self.head.fc.weight.element_size() <= FAST_HEAD_MAX_BYTES
 
+    def _allocate(self, capacity: int, dtype, device) -> None:
+        self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=dtype, device=device)  # [2 kv, cap, D]: K heads, then V heads
+        self._keys, self._values = self._kv[None, : self.n_kv], self._kv[None, self.n_kv :]  # [1, kv, cap, D] views
+
     @property
     def capacity(self) -> int:
         return self._kv.shape[1]
@@ -69,7 +73,7 @@ class HeadDecoder:
     def reset(self, capacity: int) -> None:
         """Empty the cache (growing it to `capacity`) and re-take the weights."""
         if capacity > self.capacity:
-            self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=self._kv.dtype, device=self._kv.device)
+            self._allocate(capacity, self._kv.dtype, self._kv.device)
         self.length = 0
         self.refresh()
 
@@ -152,7 +156,8 @@ class HeadDecoder:
             x = torch.addmm(F.embedding(next_ids, self.tok_fc), features, self.feat_fc_t)  # [n, H] = fc(cat[embed, f])
             y = linear_t(x, self.qkv2_t, self.qkv2_b).view(n, 2, h_ + 2 * kv_, d_)  # q|k|v, then rolled
             cos, sin = self._rotary(positions)  # [n | 1, h + 2 kv, D]
-            qkv = torch.addcmul(y[:, 0] * cos, y[:, 1], sin).transpose(0, 1)  # rotated q, k; v as is: [h + 2 kv, n, D]
+            y, y_rolled = y.unbind(1)
+            qkv = torch.addcmul(y * cos, y_rolled, sin).transpose(0, 1)  # rotated q, k; v as is: [h + 2 kv, n, D]
             self._kv[:, self.length : end] = qkv[h_:]  # K and V in one copy
             q = qkv[:h_]
         else:
@@ -163,12 +168,12 @@ class HeadDecoder:
             self._kv[:kv_, self.length : end] = rotate_rolled(k, cos, sin)
             self._kv[kv_:, self.length : end] = v
         self.length = end
-        keys, values = self._kv[None, :kv_, :end], self._kv[None, kv_:, :end]  # [1, kv, L + n, D] views
-        att = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=kv_ != h_)
-        att = att[0].transpose(0, 1).reshape(n, h_ * d_)  # [n, h D]
+        keys, values = self._keys.narrow(2, 0, end), self._values.narrow(2, 0, end)  # [1, kv, L + n, D] views
+        att = F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask, enable_gqa=kv_ != h_)
+        att = att.transpose(1, 2).reshape(n, h_ * d_)  # [n, h D]
         if self.fast:
             rows = self._scratch(n)
-            x = torch.addmm(x, att, self.o_t, out=rows[:, :-1])  # residual + o_proj, written into the scratch rows
+            x = torch.addmm(x, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj, into the scratch rows
             norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(H (mean(x^2) + eps))
             gate, up = torch.mm(x, self.gate_up_t).div_(norm).chunk(2, -1)
         else:

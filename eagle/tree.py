@@ -28,16 +28,13 @@ class DraftTree:
         builder knows it, else computed once per tree (the target's verification forward and `verify_greedy`
         both read it); treat it as read-only."""
         if self.ancestors is None:
+            # With P the child -> parent adjacency, ancestor-or-self = I + P + P^2 + ... = (I - P)^-1: one
+            # triangular solve (parents precede children, so I - P is unit lower triangular; the sums are path
+            # counts, 0 or 1 in a tree, exact in float) instead of one gather per tree level.
             n = self.size
-            dev = self.tokens.device
-            mask = torch.eye(n, dtype=torch.bool, device=dev)  # [N, N]
-            rows = torch.arange(n, device=dev)
-            up = self.parents.clamp(min=0)  # [N] parent pointers, the root its own
-            anc = up
-            for _ in range(int(self.depth.max())):  # one vectorised step per level
-                mask[rows, anc] = True
-                anc = up[anc]
-            self.ancestors = mask
+            eye = torch.eye(n, device=self.tokens.device)  # [N, N] float32
+            unit_lower = eye.index_put((torch.arange(1, n, device=eye.device), self.parents[1:]), eye.new_tensor(-1.0))
+            self.ancestors = torch.linalg.solve_triangular(unit_lower, eye, upper=False, unitriangular=True) != 0
         return self.ancestors
 
     def position_ids(self, prefix_len: int) -> torch.Tensor:
