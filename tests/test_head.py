@@ -463,3 +463,17 @@ def test_rotary_rows_from_a_tensor_a_range_or_one_position_agree():
     assert torch.equal(s, head.rotary.at(torch.tensor([9]), torch.device("cpu"), torch.float32)[1])
     big = head.rotary.at(range(1000, 1002), torch.device("cpu"), torch.float32)[0]  # grows the table
     assert big.shape == (2, head.config.head_dim)
+
+
+def test_head_decoder_fast_path_in_bfloat16():
+    """bf16 heads: the folded / rolled copies are rounded once from float32, the norm accumulates in float32."""
+    head = random_head(tiny_target("llama"))
+    f, ids = torch.randn(1, 9, 64), torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        ref = head(f, ids)[0]
+        head16 = head.to(torch.bfloat16)
+        dec = head16.decoder(16)
+        assert dec.fast
+        out = dec.forward(f[0], ids[0], range(9))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2)
