@@ -27,11 +27,12 @@ from eagle.kv_cache import PreallocatedKVCache
 FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory
 FUSED_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
-# Tree verification on tiny heads: with head_dim <= 16 and >= 16 query rows, bmm attention beats sdpa's CPU
-# flash kernel (head_dim 8, 20 rows x 220 keys: 71 vs 89 us; 60 x 260: 202 vs 273 us); at head_dim 32+
-# or a few rows sdpa wins (benchmarks/attention_paths.py). float32 only: sdpa accumulates bf16 in float32.
-BMM_ATTENTION_MAX_HEAD_DIM = 16
-BMM_ATTENTION_MIN_ROWS = 16
+# Tree verification on tiny heads: with head_dim <= 8 and >= 8 query rows, bmm attention beats sdpa's CPU
+# flash kernel (8 heads / 4 kv, 220 keys: 8 rows 36 vs 44 us, 16 rows 54 vs 79, 60 rows x 260 keys 183 vs 271);
+# with fewer rows, or at head_dim 16 (4 heads, 16 rows: 42 vs 36 us) and above, sdpa wins
+# (benchmarks/attention_paths.py). float32 only: sdpa accumulates bf16 in float32.
+BMM_ATTENTION_MAX_HEAD_DIM = 8
+BMM_ATTENTION_MIN_ROWS = 8
 
 
 @dataclass

@@ -45,11 +45,8 @@ class HeadDecoder:
         self.n_heads, self.n_kv, self.head_dim, self.hidden = (c.num_attention_heads, c.num_key_value_heads,
                                                                c.head_dim, c.hidden_size)
         self.eps = c.rms_norm_eps
-        self.fast = self._fast_fits(capacity) if fast is None else fast
-        self.length = 0
-        self._allocate(capacity, head.dtype, head.device)
-        self._cos = self._sin = None  # fast path: [P, h + 2 kv, D] rotary tables (identity on v heads)
-        self._norm_rows = None  # fast path: [rows, H + 1] residual scratch ending in sqrt(H eps)
+        self._fast_request = fast
+        self._allocate(capacity)
         self.refresh()
 
     # ------------------------------------------------------------------ setup
@@ -62,18 +59,25 @@ class HeadDecoder:
                  + 2 * max(capacity, 256) * heads * self.head_dim)  # rotary tables
         return extra * self.head.fc.weight.element_size() <= FAST_HEAD_MAX_BYTES
 
-    def _allocate(self, capacity: int, dtype, device) -> None:
-        self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=dtype, device=device)  # [2 kv, cap, D]: K heads, then V heads
+    def _allocate(self, capacity: int) -> None:
+        """Buffers for `capacity` positions in the head's current dtype and device; decides the path."""
+        self.fast = self._fast_fits(capacity) if self._fast_request is None else self._fast_request
+        self.length = 0
+        self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=self.head.dtype, device=self.head.device)  # [2 kv, cap, D]: K heads, then V heads
         self._keys, self._values = self._kv[None, : self.n_kv], self._kv[None, self.n_kv :]  # [1, kv, cap, D] views
+        self._cos = self._sin = None  # fast path: [P, h + 2 kv, D] rotary tables (identity on v heads), built on use
+        self._norm_rows = None  # fast path: [rows, H + 1] residual scratch ending in sqrt(H eps)
 
     @property
     def capacity(self) -> int:
         return self._kv.shape[1]
 
     def reset(self, capacity: int) -> None:
-        """Empty the cache (growing it to `capacity`) and re-take the weights."""
-        if capacity > self.capacity:
-            self._allocate(capacity, self._kv.dtype, self._kv.device)
+        """Empty the cache (growing it to `capacity`) and re-take the weights (and the buffers, when the head
+        moved to another dtype or device)."""
+        moved = (self._kv.dtype, self._kv.device) != (self.head.dtype, self.head.device)
+        if capacity > self.capacity or moved:
+            self._allocate(max(capacity, self.capacity))
         self.length = 0
         self.refresh()
 
@@ -113,8 +117,6 @@ class HeadDecoder:
             self.qkv2_b = torch.cat([b, b.view(heads, D).roll(D // 2, dims=1).flatten()])
         w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).float()  # [2 I, H]
         self.gate_up_t = (w_gu * (layer.post_attention_layernorm.weight.float() * math.sqrt(H))).to(dt).t()
-        self._cos = None
-        self._reserve(self.capacity)
 
     def _reserve(self, positions: int) -> None:
         """Fast-path rotary tables for positions [0, positions): cos / signed sin on q and k heads, 1 / 0 on v."""

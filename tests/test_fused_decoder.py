@@ -131,12 +131,12 @@ def _random_tree(n: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("family,kwargs", [("llama", {}), ("mistral", {"sliding_window": 12}),
-                                           ("llama", {"num_kv_heads": 4})])
+                                           ("llama", {"num_kv_heads": 8})])
 def test_bmm_attention_path_matches_hf_layers(family, kwargs):
-    """Prefill and trees of >= BMM_ATTENTION_MIN_ROWS rows on a head_dim-16 target take `bmm_attention`."""
+    """Prefill and trees of >= BMM_ATTENTION_MIN_ROWS rows on a head_dim-8 target take `bmm_attention`."""
     from eagle.fused_decoder import BMM_ATTENTION_MAX_HEAD_DIM, BMM_ATTENTION_MIN_ROWS
 
-    model = tiny_target(family, **kwargs)
+    model = tiny_target(family, **{"num_heads": 8, "num_kv_heads": 4, **kwargs})
     assert model.config.hidden_size // model.config.num_attention_heads <= BMM_ATTENTION_MAX_HEAD_DIM
     n = BMM_ATTENTION_MIN_ROWS + 4
     fused, ref = Target(model, capacity=96, fused=True), Target(model, capacity=96, fused=False)

@@ -477,3 +477,14 @@ def test_head_decoder_fast_path_in_bfloat16():
         out = dec.forward(f[0], ids[0], range(9))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2)
+
+
+def test_head_decoder_follows_the_head_to_another_dtype():
+    """A decoder built for a float32 head re-allocates its buffers when the head is cast between generations."""
+    head = random_head(tiny_target("llama"))
+    dec = head.decoder(16)
+    head.to(torch.bfloat16)
+    with torch.no_grad():
+        dec.reset(16)
+        out = dec.forward(torch.randn(3, 64), torch.randint(0, 256, (3,)), range(3))
+    assert out.dtype == torch.bfloat16 and dec.capacity == 16
