@@ -231,12 +231,11 @@ class EaModel(nn.Module):
                 t1 = time.perf_counter()
                 hidden = self.target.forward(tree.tokens[None], tree.position_ids(prefix), tree.attention_mask())
                 logits = self.target.logits(hidden[0])  # verify: [N, V]
-                if sampling.greedy:
-                    path, bonus = verify_greedy(tree, logits)
+                if sampling.greedy:  # accept: path [a + 1] incl. the root, new tokens [a + 1]
+                    path, new = verify_greedy(tree, logits)
                 else:
-                    path, bonus = verify_sampling(tree, target_probs(logits, sampling), generator)
+                    path, new = verify_sampling(tree, target_probs(logits, sampling), generator)
                 self.target.keep(prefix, path)  # KV of the accepted path only
-                new = torch.cat([tree.tokens[path[1:]], bonus])  # accept: [a + 1]
             t2 = time.perf_counter()
             # stops: first EOS (inclusive), token budget
             cut = new.numel()

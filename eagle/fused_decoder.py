@@ -166,9 +166,10 @@ class FusedDecoder:
             k, v = cache_layer.update(qk[None, h_:], qkv[None, h_ + kv_:])  # views [1, kv, past + n, D]
             if bmm_bias is None:
                 att = F.scaled_dot_product_attention(qk[None, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
+                att = att[0].transpose(0, 1).reshape(n, h_ * d_)  # [n, h D]
             else:
-                att = bmm_attention(qk[None, :h_], k, v, bmm_bias)
-            x = torch.addmm(x, att[0].transpose(0, 1).reshape(n, h_ * d_), layer.w_o_t)  # residual + o_proj
+                att = bmm_attention(qk[None, :h_], k, v, bmm_bias)  # [n, h D]
+            x = torch.addmm(x, att, layer.w_o_t)  # residual + o_proj
             if layer.b_o is not None:
                 x = x + layer.b_o
             gate, up = linear_t(rms_norm(x, layer.ln2, eps), layer.w_gate_up_t, layer.b_gate_up).chunk(2, dim=-1)
@@ -180,7 +181,7 @@ class FusedDecoder:
 
 def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v for q [1, h, n, D], k, v [1, kv, L, D], bias [g n, L] additive
-    (g = h / kv: query head i g + a reads kv head i, as HF's repeat_kv). Returns [1, h, n, D].
+    (g = h / kv: query head i g + a reads kv head i, as HF's repeat_kv). Returns [n, h D], the o_proj input.
 
     Three batched matmuls over the kv groups; P V is computed as (V^T P^T)^T because MKL is several times
     slower on an output only D = 8 wide than on one n wide."""
@@ -189,4 +190,4 @@ def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     scores = torch.baddbmm(bias, q[0].reshape(kv, h // kv * n, d), k[0].transpose(1, 2), alpha=d ** -0.5)  # [kv, g n, L]
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(v[0].transpose(1, 2), probs.transpose(1, 2))  # [kv, D, g n]
-    return out.transpose(1, 2).reshape(1, h, n, d)
+    return out.view(kv, d, h // kv, n).permute(3, 0, 2, 1).reshape(n, h * d)  # [n, (kv g) D] in one copy

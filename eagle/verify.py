@@ -10,18 +10,18 @@ from eagle.tree import DraftTree
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest root->node path whose tokens equal the target argmax at their parent.
 
-    target_logits [N, V]. Returns (path [a+1] node indices incl. root, bonus token [1]).
+    target_logits [N, V]. Returns (path [a+1] node indices incl. root, new tokens [a+1]: the a accepted
+    drafts, then the target's token after the last of them).
     """
     pred = target_logits.argmax(-1)  # [N] target's token after each node
-    correct = tree.tokens == pred[tree.parents.clamp(min=0)]  # [N] bool
-    correct[0] = True  # the root is already committed
+    correct = tree.tokens[1:] == pred[tree.parents[1:]]  # [N-1] bool, nodes 1.. (the root is committed)
     anc = tree.attention_mask()  # [N, N] ancestor-or-self
-    ok = ~(anc & ~correct).any(-1)  # [N] every node root..i matches the target
+    ok = (anc[:, 1:] <= correct).all(-1)  # [N] every non-root node on root..i matches (bool <= is "implies")
     # Siblings carry distinct tokens, so at most one child of an accepted node matches: the accepted
     # nodes form one path from the root, ending at the deepest of them.
     end = torch.where(ok, tree.depth, -1).argmax()
     path = anc[end].nonzero().flatten()  # [a+1] host sync; node order = root..end
-    return path, pred[path[-1:]]
+    return path, pred[path]  # an accepted node's token IS the target's token at its parent
 
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
@@ -31,7 +31,8 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
     At a node with target distribution p, try its children in rank order: accept child x with
     probability p(x); on rejection set p(x) = 0 and renormalise. If all are rejected, or the node
     is a leaf, the next token is sampled from the remaining p. The output is distributed exactly
-    as sampling from the target. target_probs [N, V]. Returns (path incl. root, next token [1]).
+    as sampling from the target. target_probs [N, V]. Returns (path [a+1] incl. root, new tokens [a+1]: the
+    accepted drafts, then the sampled next token).
     """
     kids = tree.children()
     tokens = tree.tokens.tolist()
@@ -52,4 +53,5 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
             total = p.sum()
             p = p / total if total > 0 else p
         else:
-            return torch.tensor(path, device=tree.tokens.device), sample_token(p, generator)
+            path_t = torch.tensor(path, device=tree.tokens.device)
+            return path_t, torch.cat([tree.tokens[path_t[1:]], sample_token(p, generator)])

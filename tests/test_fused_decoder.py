@@ -168,9 +168,9 @@ def test_bmm_attention_equals_sdpa_with_gqa_and_a_tree_mask():
         mask = torch.zeros(1, 1, 20, 50)
         _, tree = _random_tree(20, gen)
         mask[0, 0, :, 30:].masked_fill_(~tree, torch.finfo(torch.float32).min)
-        out = bmm_attention(q, k, v, mask[0, 0].repeat(h // kv, 1))
-        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kv),
-                                   rtol=1e-5, atol=1e-6)
+        out = bmm_attention(q, k, v, mask[0, 0].repeat(h // kv, 1))  # [n, h D]
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kv)  # [1, h, n, D]
+        torch.testing.assert_close(out, ref[0].transpose(0, 1).reshape(20, h * 8), rtol=1e-5, atol=1e-6)
 
 
 def test_kv_cache_keep_compacts_every_layer_in_one_storage():

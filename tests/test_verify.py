@@ -54,18 +54,18 @@ def one_hot_logits(argmax_tokens, vocab=V):
     ([3, 2, 0, 0, 5, 0, 0, 0], [0, 1, 4], 5),  # stops inside a path: node 7 holds 7, target wants 5
 ])
 def test_verify_greedy_takes_the_longest_matching_path(argmax, path, bonus):
-    got_path, got_bonus = verify_greedy(TREE, one_hot_logits(argmax))
+    got_path, got_new = verify_greedy(TREE, one_hot_logits(argmax))
     assert got_path.tolist() == path
-    assert got_bonus.tolist() == [bonus]
+    assert got_new.tolist() == TREE.tokens[path[1:]].tolist() + [bonus]  # accepted drafts, then the bonus
 
 
 def test_verify_greedy_on_a_chain_and_on_the_root_alone():
     chain = make_tree([9, 4, 4, 2], [-1, 0, 1, 2])
-    path, bonus = verify_greedy(chain, one_hot_logits([4, 4, 2, 1], vocab=10))
-    assert path.tolist() == [0, 1, 2, 3] and bonus.tolist() == [1]
+    path, new = verify_greedy(chain, one_hot_logits([4, 4, 2, 1], vocab=10))
+    assert path.tolist() == [0, 1, 2, 3] and new.tolist() == [4, 4, 2, 1]
     root = make_tree([9], [-1])
-    path, bonus = verify_greedy(root, one_hot_logits([6], vocab=10))
-    assert path.tolist() == [0] and bonus.tolist() == [6]
+    path, new = verify_greedy(root, one_hot_logits([6], vocab=10))
+    assert path.tolist() == [0] and new.tolist() == [6]
 
 
 # ----------------------------------------------------------------------------- sampling: exact law
@@ -132,9 +132,10 @@ def test_verify_sampling_is_exact_chi_square(seed, zero_child_token):
     counts: dict[tuple[int, ...], int] = {}
     toks = TREE.tokens
     for _ in range(n):
-        path, nxt = verify_sampling(TREE, probs, gen)
+        path, new = verify_sampling(TREE, probs, gen)
         assert path[0] == 0 and all(int(TREE.parents[b]) == int(a) for a, b in zip(path[:-1], path[1:]))
-        outcome = tuple(toks[path[1:]].tolist() + nxt.tolist())
+        assert new[:-1].tolist() == toks[path[1:]].tolist()
+        outcome = tuple(new.tolist())
         counts[outcome] = counts.get(outcome, 0) + 1
     if zero_child_token:
         assert not any(o[0] == 5 for o in counts), "a draft token with target probability 0 was accepted"
@@ -150,8 +151,8 @@ def test_verify_sampling_first_token_marginal_matches_the_root_distribution():
     gen = torch.Generator().manual_seed(99)
     counts = torch.zeros(V)
     for _ in range(n):
-        path, nxt = verify_sampling(TREE, probs, gen)
-        first = int(TREE.tokens[path[1]]) if len(path) > 1 else int(nxt)
+        path, new = verify_sampling(TREE, probs, gen)
+        first = int(new[0])
         counts[first] += 1
     keep = (probs[0] * n >= 5).tolist()
     obs = [float(c) for c, k in zip(counts.tolist(), keep) if k]
@@ -195,6 +196,6 @@ def test_verify_sampling_with_one_hot_targets_equals_greedy():
     for argmax in ([3, 2, 0, 0, 7, 0, 0, 0], [5, 0, 3, 0, 0, 0, 2, 0], [4, 0, 0, 0, 0, 0, 0, 0], [3, 6, 0, 0, 0, 4, 0, 0]):
         logits = one_hot_logits(argmax)
         probs = torch.nn.functional.one_hot(logits.argmax(-1), V).float()
-        gpath, gbonus = verify_greedy(TREE, logits)
-        spath, sbonus = verify_sampling(TREE, probs, torch.Generator().manual_seed(0))
-        assert spath.tolist() == gpath.tolist() and sbonus.tolist() == gbonus.tolist()
+        gpath, gnew = verify_greedy(TREE, logits)
+        spath, snew = verify_sampling(TREE, probs, torch.Generator().manual_seed(0))
+        assert spath.tolist() == gpath.tolist() and snew.tolist() == gnew.tolist()
