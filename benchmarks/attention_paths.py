@@ -1,4 +1,4 @@
-"""Micro-benchmark behind FusedDecoder's attention choice: sdpa (CPU flash kernel) vs `bmm_attention`
+"""Micro-benchmark behind eagle/attention.py's kernel choice: sdpa (CPU flash kernel) vs `bmm_attention`
 for tree-verification shapes (GQA, additive tree mask), one thread, median of 5 bursts.
 
     python benchmarks/attention_paths.py
@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from eagle.fused_decoder import bmm_attention
+from eagle.attention import bmm_attention
 
 SHAPES = [  # (query heads, kv heads, query rows, keys, head_dim)
     (8, 4, 4, 220, 8), (8, 4, 6, 220, 8), (8, 4, 8, 220, 8), (8, 4, 12, 220, 8), (8, 4, 16, 220, 8), (8, 4, 20, 220, 8),

@@ -21,18 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.attention import bmm_attention, use_bmm_attention
 from eagle.head import linear_t, rms_norm, rotate_rolled, signed_sin, text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory
 FUSED_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
-# Tree verification on tiny heads: with head_dim <= 8 and >= 8 query rows, bmm attention beats sdpa's CPU
-# flash kernel (8 heads / 4 kv, 220 keys: 8 rows 36 vs 44 us, 16 rows 54 vs 79, 60 rows x 260 keys 183 vs 271);
-# with fewer rows, or at head_dim 16 (4 heads, 16 rows: 42 vs 36 us) and above, sdpa wins
-# (benchmarks/attention_paths.py). float32 only: sdpa accumulates bf16 in float32.
-BMM_ATTENTION_MAX_HEAD_DIM = 8
-BMM_ATTENTION_MIN_ROWS = 8
 
 
 @dataclass
@@ -155,8 +150,7 @@ class FusedDecoder:
             cos, sin = self._cos[positions], self._sin_signed[positions]  # [n, D] each
         gqa = h_ != kv_
         bmm_bias = None
-        if (mask is not None and n >= BMM_ATTENTION_MIN_ROWS and d_ <= BMM_ATTENTION_MAX_HEAD_DIM
-                and mask.dtype == torch.float32):
+        if mask is not None and use_bmm_attention(n, d_, mask.dtype):
             bmm_bias = mask[0, 0].repeat(h_ // kv_, 1)  # [g n, past + n]: the mask per query row of a kv group
         x = F.embedding(input_ids[0], self.body.embed_tokens.weight)  # [n, H]: 2-D activations, mm / addmm
         for layer, eps, cache_layer in zip(self.layers, self.layer_eps, cache.layers):
@@ -177,17 +171,3 @@ class FusedDecoder:
             if layer.b_down is not None:
                 x = x + layer.b_down
         return rms_norm(x, self.body.norm.weight, self.eps)[None]  # [1, n, H]
-
-
-def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v for q [1, h, n, D], k, v [1, kv, L, D], bias [g n, L] additive
-    (g = h / kv: query head i g + a reads kv head i, as HF's repeat_kv). Returns [n, h D], the o_proj input.
-
-    Three batched matmuls over the kv groups; P V is computed as (V^T P^T)^T because MKL is several times
-    slower on an output only D = 8 wide than on one n wide."""
-    _, h, n, d = q.shape
-    kv = k.shape[1]
-    scores = torch.baddbmm(bias, q[0].reshape(kv, h // kv * n, d), k[0].transpose(1, 2), alpha=d ** -0.5)  # [kv, g n, L]
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.bmm(v[0].transpose(1, 2), probs.transpose(1, 2))  # [kv, D, g n]
-    return out.view(kv, d, h // kv, n).permute(3, 0, 2, 1).reshape(n, h * d)  # [n, (kv g) D] in one copy

@@ -134,7 +134,7 @@ def _random_tree(n: int, gen: torch.Generator):
                                            ("llama", {"num_kv_heads": 8})])
 def test_bmm_attention_path_matches_hf_layers(family, kwargs):
     """Prefill and trees of >= BMM_ATTENTION_MIN_ROWS rows on a head_dim-8 target take `bmm_attention`."""
-    from eagle.fused_decoder import BMM_ATTENTION_MAX_HEAD_DIM, BMM_ATTENTION_MIN_ROWS
+    from eagle.attention import BMM_ATTENTION_MAX_HEAD_DIM, BMM_ATTENTION_MIN_ROWS
 
     model = tiny_target(family, **{"num_heads": 8, "num_kv_heads": 4, **kwargs})
     assert model.config.hidden_size // model.config.num_attention_heads <= BMM_ATTENTION_MAX_HEAD_DIM
@@ -160,7 +160,7 @@ def test_bmm_attention_path_matches_hf_layers(family, kwargs):
 def test_bmm_attention_equals_sdpa_with_gqa_and_a_tree_mask():
     import torch.nn.functional as F
 
-    from eagle.fused_decoder import bmm_attention
+    from eagle.attention import bmm_attention
 
     gen = torch.Generator().manual_seed(0)
     for h, kv in ((8, 4), (6, 6), (8, 1)):

@@ -144,11 +144,12 @@ def test_forward_is_causal_and_ignores_padding():
 
 
 @pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v bias (rolled with the fast path's copies)
-def test_head_decoder_matches_the_training_forward(family, fast):
+@pytest.mark.parametrize("family,kwargs", [("llama", {}), ("qwen2", {}),  # qwen2: q/k/v bias (rolled copies)
+                                           ("llama", {"num_heads": 8, "num_kv_heads": 4})])  # head_dim 8
+def test_head_decoder_matches_the_training_forward(family, kwargs, fast):
     """What drafting computes (chunks through the head's KV cache; positions as a tensor, a range and an int;
     a prefix longer than the fast path's first scratch allocation) equals the causal training forward."""
-    head = random_head(tiny_target(family))
+    head = random_head(tiny_target(family, **kwargs))
     g = torch.Generator().manual_seed(1)
     T = 80
     f = torch.randn(1, T, 64, generator=g)
@@ -164,20 +165,24 @@ def test_head_decoder_matches_the_training_forward(family, fast):
     assert torch.allclose(torch.cat(outs)[None], full, atol=1e-5)
 
 
-def test_head_decoder_fast_and_plain_paths_agree_on_a_tree_level():
+@pytest.mark.parametrize("k,kwargs", [(3, {}), (10, {"num_heads": 8, "num_kv_heads": 4})])
+def test_head_decoder_fast_and_plain_paths_agree_on_a_tree_level(k, kwargs):
     """A draft-tree level: k rows at ONE shared position, each seeing the prefix and its own ancestors."""
-    head = random_head(tiny_target("llama"))
+    head = random_head(tiny_target("llama", **kwargs))
     g = torch.Generator().manual_seed(2)
     f, ids = torch.randn(20, 64, generator=g), torch.randint(0, 256, (20,), generator=g)
-    level_f, level_ids = torch.randn(3, 64, generator=g), torch.randint(0, 256, (3,), generator=g)
-    mask = torch.cat([torch.ones(3, 20, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], 1)  # [3, 23]
+    level_f, level_ids = torch.randn(k, 64, generator=g), torch.randint(0, 256, (k,), generator=g)
+    mask = torch.cat([torch.ones(k, 20, dtype=torch.bool), torch.eye(k, dtype=torch.bool)], 1)  # [k, 20 + k]
     outs = []
     with torch.no_grad():
         for fast in (False, True):
             dec = head.decoder(32, fast=fast)
             dec.forward(f, ids, range(20))
             outs.append(dec.forward(level_f, level_ids, 20, mask))
-            assert dec.length == 23
+            assert dec.length == 20 + k
+            additive = torch.zeros(k, 20 + k).masked_fill_(~mask, torch.finfo(torch.float32).min)
+            dec.truncate(20)  # the same level with an additive mask (what draft_dynamic passes)
+            assert torch.allclose(dec.forward(level_f, level_ids, 20, additive), outs[-1], atol=1e-6)
             dec.truncate(20)  # the level is rolled back; the prefix stays
             assert torch.allclose(dec.forward(level_f, level_ids, 20, mask), outs[-1])
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
