@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.attention import bmm_attention, use_bmm_attention
+from eagle.attention import bmm_attention, sdpa_attention, use_bmm_attention
 from eagle.head import linear_t, rms_norm, rotate_rolled, signed_sin, text_config
 from eagle.kv_cache import PreallocatedKVCache
 
@@ -148,7 +148,6 @@ class FusedDecoder:
         else:
             self.reserve(cache.length + n)
             cos, sin = self._cos[positions], self._sin_signed[positions]  # [n, D] each
-        gqa = h_ != kv_
         bmm_bias = None
         if mask is not None and use_bmm_attention(n, d_, mask.dtype):
             bmm_bias = mask[0, 0].repeat(h_ // kv_, 1)  # [g n, past + n]: the mask per query row of a kv group
@@ -159,8 +158,7 @@ class FusedDecoder:
             qk = rotate_rolled(qkv[: h_ + kv_], cos, sin)  # q and k rotate together: [h + kv, n, D]
             k, v = cache_layer.update(qk[None, h_:], qkv[None, h_ + kv_:])  # views [1, kv, past + n, D]
             if bmm_bias is None:
-                att = F.scaled_dot_product_attention(qk[None, :h_], k, v, attn_mask=mask, enable_gqa=gqa)  # [1, h, n, D]
-                att = att[0].transpose(0, 1).reshape(n, h_ * d_)  # [n, h D]
+                att = sdpa_attention(qk[None, :h_], k, v, mask)  # [n, h D]
             else:
                 att = bmm_attention(qk[None, :h_], k, v, bmm_bias)  # [n, h D]
             x = torch.addmm(x, att, layer.w_o_t)  # residual + o_proj

@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from eagle.attention import sdpa_attention
 from eagle.head import EagleHead, linear_t, rms_norm, rotate_rolled, signed_sin
 
 FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
@@ -171,8 +172,7 @@ class HeadDecoder:
             self._kv[kv_:, self.length : end] = v
         self.length = end
         keys, values = self._keys.narrow(2, 0, end), self._values.narrow(2, 0, end)  # [1, kv, L + n, D] views
-        att = F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask, enable_gqa=kv_ != h_)
-        att = att.transpose(1, 2).reshape(n, h_ * d_)  # [n, h D]
+        att = sdpa_attention(q.unsqueeze(0), keys, values, mask)  # [n, h D]
         if self.fast:
             rows = self._scratch(n)
             x = torch.addmm(x, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj, into the scratch rows

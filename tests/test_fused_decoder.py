@@ -188,3 +188,23 @@ def test_kv_cache_keep_compacts_every_layer_in_one_storage():
         assert torch.equal(layer.keys[0, 1, :6, 2], expect) and torch.equal(layer.values[0, 0, :6, 0], -expect)
     with pytest.raises(RuntimeError, match="overflow"):
         cache.layers[0].update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+
+
+@pytest.mark.parametrize("n,mask_kind", [(1, None), (1, "4d"), (1, "2d-bool"), (5, "2d-bool"), (5, "4d"), (5, "2d-float")])
+def test_sdpa_attention_equals_sdpa_with_gqa(n, mask_kind):
+    """One row: query heads of a kv group folded into one head; several rows: enable_gqa. Same result, any mask form."""
+    import torch.nn.functional as F
+
+    from eagle.attention import sdpa_attention
+
+    gen = torch.Generator().manual_seed(n)
+    for h, kv in ((8, 4), (6, 6), (8, 1)):
+        q = torch.randn(1, h, n, 8, generator=gen)
+        k, v = torch.randn(1, kv, 30, 8, generator=gen), torch.randn(1, kv, 30, 8, generator=gen)
+        allowed = torch.rand(n, 30, generator=gen) < 0.7
+        allowed[:, 0] = True
+        mask = {None: None, "2d-bool": allowed, "4d": torch.zeros(1, 1, n, 30).masked_fill_(~allowed, -1e30),
+                "2d-float": torch.zeros(n, 30).masked_fill_(~allowed, torch.finfo(torch.float32).min)}[mask_kind]
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kv)  # [1, h, n, D]
+        torch.testing.assert_close(sdpa_attention(q, k, v, mask), ref[0].transpose(0, 1).reshape(n, h * 8),
+                                   rtol=1e-5, atol=1e-6)
