@@ -5,7 +5,8 @@ microseconds of dispatch whatever its size, so the op count IS the cost. `HeadDe
 `EagleHead.forward` computes (same math; float rounding differs in the last bits, which only the draft sees:
 verification by the target keeps decoding lossless) with as few ops as the head's size allows.
 
-Small heads (the extra copies below fit in FAST_HEAD_MAX_BYTES) take the fast path, 15 ops per call:
+Small heads (the extra copies below fit in FAST_HEAD_MAX_BYTES and are quick to rebuild) take the fast path,
+15 ops per call:
   * fc:      fc(cat[embed(tok), f]) = T[tok] + f @ W_f^T, with T = embed @ W_e^T + b precomputed ([V, H]);
   * rotary:  one matmul yields q|k|v AND a copy with each head's rows rolled by D/2, so
              x * cos + rotate_half(x) * sin = y * cos + y_rolled * sin_signed is a mul and an addcmul; the
@@ -28,6 +29,9 @@ from eagle.attention import sdpa_attention
 from eagle.head import EagleHead, linear_t, rms_norm, rotate_rolled, signed_sin
 
 FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
+# The copies are re-taken at every reset (every generation, so weights edited in between are used); building
+# the fc token table costs V H^2 multiply-adds, which must stay small next to a generation (2^28: a few ms).
+FAST_HEAD_MAX_TABLE_MACS = 2**28
 
 
 class HeadDecoder:
@@ -35,8 +39,9 @@ class HeadDecoder:
     that are rolled back with `truncate`.
 
     Weights are snapshotted at construction and by `refresh()` (call it when the head's weights change,
-    e.g. every generation: `Drafter.reset` does). Build and use it under the same grad mode: buffers made
-    under `torch.inference_mode` cannot be written outside it.
+    e.g. every generation: `Drafter.reset` does). An inference path: call it under `torch.no_grad()` or
+    `torch.inference_mode()`, the same one it was built under (buffers made under inference_mode cannot be
+    written outside it).
     """
 
     def __init__(self, head: EagleHead, capacity: int, fast: bool | None = None):
@@ -58,7 +63,8 @@ class HeadDecoder:
                  + 2 * heads * self.head_dim * c.hidden_size  # q|k|v and its rolled copy
                  + 2 * c.intermediate_size * c.hidden_size  # folded gate|up
                  + 2 * max(capacity, 256) * heads * self.head_dim)  # rotary tables
-        return extra * self.head.fc.weight.element_size() <= FAST_HEAD_MAX_BYTES
+        return (extra * self.head.fc.weight.element_size() <= FAST_HEAD_MAX_BYTES
+                and c.vocab_size * c.hidden_size ** 2 <= FAST_HEAD_MAX_TABLE_MACS)
 
     def _allocate(self, capacity: int) -> None:
         """Buffers for `capacity` positions in the head's current dtype and device; decides the path."""

@@ -54,7 +54,7 @@ def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_to
     T, device = hidden.shape[0], hidden.device
     n = len(starts)
     s_idx = torch.tensor(starts, device=device)  # [n]
-    decoder = head.decoder(capacity=T - 1 + (steps - 1) * n)
+    decoder = head.decoder(capacity=T - 1 + (steps - 1) * n, fast=False)  # one record: no per-call weight copies
     prefix = decoder.forward(hidden[: T - 1], input_ids[1:], range(T - 1))  # [T-1, H]
     pred = prefix[s_idx]  # [n, H]: step 1 drafts f^_{s+1} from the true prefix 0..s
     correct = torch.zeros(n, steps, dtype=torch.bool, device=device)
