@@ -18,7 +18,7 @@ class Drafter:
         self.head = head
         self.lm_head = lm_head
         self.decoder: HeadDecoder | None = None  # built by the first reset, under the caller's grad mode
-        self._depth_layouts: dict[tuple, torch.Tensor] = {}
+        self._layouts: dict[tuple, object] = {}  # per (k, depth, device): constant candidate layouts
 
     @property
     def length(self) -> int:
@@ -93,21 +93,20 @@ class Drafter:
         frontier node k times. The frontier of level 0 is candidates 0..k-1; that of level d >= 1 is
         bests[d - 1] (indices among the k^2 candidates of level d, which start at id k + (d - 1) k^2)."""
         key = ("parents", k, depth, str(device))
-        if key not in self._depth_layouts:
-            base = torch.tensor([0] + [k + d * k * k for d in range(depth - 1)], device=device)[:, None]  # [depth, 1]
-            self._depth_layouts[key] = (torch.full((k,), -1, device=device), torch.zeros(1, k, dtype=torch.long, device=device),
-                                        base + torch.cat([torch.arange(k, device=device)[None], base.new_zeros(depth - 1, k)]))
-        root_parents, zeros, offsets = self._depth_layouts[key]
-        fronts = torch.cat([zeros] + [b[None] for b in bests]) + offsets  # [depth, k] candidate ids of each frontier
+        if key not in self._layouts:
+            level_start = torch.tensor([0] + [k + d * k * k for d in range(depth - 1)], device=device)[:, None]  # [depth, 1]
+            self._layouts[key] = (torch.full((k,), -1, device=device), torch.arange(k, device=device), level_start)
+        root_parents, level0, level_start = self._layouts[key]
+        fronts = torch.stack([level0] + bests) + level_start  # [depth, k] candidate ids of each level's frontier
         return torch.cat([root_parents, fronts[:, :, None].expand(depth, k, k).flatten()])
 
     def _candidate_depth(self, k: int, depth: int, device) -> torch.Tensor:
         """[k + depth k^2] tree depth of every candidate `draft_dynamic` generates (fixed by k and depth)."""
-        key = (k, depth, str(device))
-        if key not in self._depth_layouts:
+        key = ("depth", k, depth, str(device))
+        if key not in self._layouts:
             sizes = torch.tensor([k] + [k * k] * depth, device=device)
-            self._depth_layouts[key] = torch.arange(1, depth + 2, device=device).repeat_interleave(sizes)
-        return self._depth_layouts[key]
+            self._layouts[key] = torch.arange(1, depth + 2, device=device).repeat_interleave(sizes)
+        return self._layouts[key]
 
     @torch.no_grad()
     def draft_static(self, root: torch.Tensor, feature: torch.Tensor, spec: StaticTreeSpec) -> DraftTree:

@@ -45,7 +45,7 @@ class HeadDecoder:
     """
 
     def __init__(self, head: EagleHead, capacity: int, fast: bool | None = None):
-        """fast: the small-head path (None = when its copies fit in FAST_HEAD_MAX_BYTES)."""
+        """fast: the small-head path (None = when its copies are small and quick to rebuild, see `_fast_fits`)."""
         c = head.config
         self.head = head
         self.n_heads, self.n_kv, self.head_dim, self.hidden = (c.num_attention_heads, c.num_key_value_heads,
