@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.attention import bmm_attention, sdpa_attention, use_bmm_attention
-from eagle.head import linear_t, rms_norm, rotate_rolled, signed_sin, text_config
+from eagle.head import linear_t, rms_norm, rotate_rolled, rows_at, signed_sin, text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory
@@ -142,12 +142,9 @@ class FusedDecoder:
         hidden states [1, n, H]."""
         n = input_ids.shape[1]
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
-        if isinstance(positions, range):
-            self.reserve(positions.stop)
-            cos, sin = self._cos[positions.start : positions.stop], self._sin_signed[positions.start : positions.stop]
-        else:
-            self.reserve(cache.length + n)
-            cos, sin = self._cos[positions], self._sin_signed[positions]  # [n, D] each
+        # a tree's positions are < cache.length + n: that bound avoids reading the tensor back (a host sync)
+        self.reserve(positions.stop if isinstance(positions, range) else cache.length + n)
+        cos, sin = rows_at(positions, self._cos, self._sin_signed)  # [n, D] each
         bmm_bias = None
         if mask is not None and use_bmm_attention(n, d_, mask.dtype):
             bmm_bias = mask[0, 0].repeat(h_ // kv_, 1)  # [g n, past + n]: the mask per query row of a kv group

@@ -216,13 +216,25 @@ class Rotary(nn.Module):
     def at(self, positions: "torch.Tensor | range | int", device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) rows for `rotate_rolled`: [n, D] for a tensor or range of positions, [1, D] for
         one int shared by every row. Ranges and ints are slices (no gather, no host sync)."""
-        if isinstance(positions, int):
-            positions = range(positions, positions + 1)
-        if isinstance(positions, range):
-            self.tables(positions.stop, device, dtype)
-            return self._cos[positions.start : positions.stop], self._sin_signed[positions.start : positions.stop]
-        self.tables(int(positions.max()) + 1, device, dtype)
-        return self._cos[positions], self._sin_signed[positions]
+        self.tables(positions_end(positions), device, dtype)
+        return rows_at(positions, self._cos, self._sin_signed)
+
+
+def positions_end(positions: "torch.Tensor | range | int") -> int:
+    """One past the largest position (for a tensor this reads it back: a host sync)."""
+    if isinstance(positions, int):
+        return positions + 1
+    return positions.stop if isinstance(positions, range) else int(positions.max()) + 1
+
+
+def rows_at(positions: "torch.Tensor | range | int", *tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows of each [P, ...] table at `positions`: an int ([1, ...]) or a range is a slice (no gather, no
+    host sync), a tensor [n] a gather."""
+    if isinstance(positions, int):
+        return tuple(t[positions : positions + 1] for t in tables)
+    if isinstance(positions, range):
+        return tuple(t[positions.start : positions.stop] for t in tables)
+    return tuple(t[positions] for t in tables)
 
 
 def rotate_half(x):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.attention import sdpa_attention
-from eagle.head import EagleHead, linear_t, rms_norm, rotate_rolled, signed_sin
+from eagle.head import EagleHead, linear_t, positions_end, rms_norm, rotate_rolled, rows_at, signed_sin
 
 FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
 # The copies are re-taken at every reset (every generation, so weights edited in between are used); building
@@ -191,10 +191,5 @@ class HeadDecoder:
         return torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]
 
     def _rotary(self, positions: "torch.Tensor | range | int") -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(positions, int):
-            positions = range(positions, positions + 1)
-        if isinstance(positions, range):
-            self._reserve(positions.stop)
-            return self._cos[positions.start : positions.stop], self._sin[positions.start : positions.stop]
-        self._reserve(int(positions.max()) + 1)
-        return self._cos[positions], self._sin[positions]
+        self._reserve(positions_end(positions))
+        return rows_at(positions, self._cos, self._sin)
