@@ -16,7 +16,7 @@ from torch import nn
 from eagle.decoding_config import DecodingConfig
 from eagle.draft import Drafter
 from eagle.head import EagleHead, text_config
-from eagle.sampling import SamplingParams, sample_token, target_probs
+from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
 from eagle.target import Target
@@ -259,7 +259,7 @@ class EaModel(nn.Module):
     def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """[1, V] logits -> [1] next token (argmax, or a draw from the processed distribution)."""
         if sampling.greedy:
-            return logits[0].argmax(-1, keepdim=True)
+            return greedy_ids(logits)  # [1]
         return sample_token(target_probs(logits[0], sampling), generator)
 
     @staticmethod

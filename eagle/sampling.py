@@ -46,6 +46,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> [...] int64 argmax over the vocabulary (the first maximum on ties, as `argmax`).
+
+    Computed with `max(-1)`, not `argmax`: on CPU, torch's argmax over rows is 2.5-5x slower (measured in one
+    process: [60, 512] 43 vs 17 us, [1, 32000] 42 vs 15 us, [60, 128256] 18.4 vs 3.5 ms; a single short row
+    is ~0.5 us slower, which does not matter)."""
+    return logits.max(-1).indices
+
+
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw from [V] probabilities -> [1] int64."""
     return torch.multinomial(probs, 1, generator=generator)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle.sampling import sample_token
+from eagle.sampling import greedy_ids, sample_token
 from eagle.tree import DraftTree
 
 
@@ -13,7 +13,7 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.T
     target_logits [N, V]. Returns (path [a+1] node indices incl. root, new tokens [a+1]: the a accepted
     drafts, then the target's token after the last of them).
     """
-    pred = target_logits.argmax(-1)  # [N] target's token after each node
+    pred = greedy_ids(target_logits)  # [N] target's token after each node
     correct = tree.tokens[1:] == pred[tree.parents[1:]]  # [N-1] bool, nodes 1.. (the root is committed)
     anc = tree.attention_mask()  # [N, N] ancestor-or-self
     ok = (anc[:, 1:] <= correct).all(-1)  # [N] every non-root node on root..i matches (bool <= is "implies")

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eagle.sampling import greedy_ids
+
 
 def add_input_noise(features: torch.Tensor, kind: str, std: float) -> torch.Tensor:
     """Noise on the head's INPUT features only (targets stay clean).
@@ -63,7 +65,7 @@ def eagle_loss(pred: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
     with torch.no_grad():
         target_logits = F.linear(f.to(lm_head.dtype), lm_head).float()  # [N, V]
         target_p = target_logits.softmax(-1)
-        target_top = target_logits.argmax(-1)  # [N]
+        target_top = greedy_ids(target_logits)  # [N]
     token = -(target_p * head_logits.log_softmax(-1)).sum(-1).mean()
     loss = feature_weight * feature + token_weight * token
     with torch.no_grad():

@@ -18,6 +18,7 @@ import zlib
 
 import torch
 
+from eagle.sampling import greedy_ids
 from train.data import collate
 from train.distributed import all_reduce_sum
 from train.loss import eagle_loss, shift_for_head
@@ -61,7 +62,7 @@ def chain_rollout(head, hidden: torch.Tensor, input_ids: torch.Tensor, target_to
     cols = torch.arange(T - 1, device=device)  # [T-1]
     own = torch.eye(n, dtype=torch.bool, device=device)  # [n, n]: a chain's node sees only its own chain's nodes
     for j in range(1, steps + 1):
-        draft = torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head).argmax(-1)  # [n]
+        draft = greedy_ids(torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head))  # [n]
         correct[:, j - 1] = draft == target_top[s_idx + j]
         if j == steps:
             break
@@ -85,7 +86,7 @@ def all_fed_rollout(head, hidden, input_ids, attention_mask, weights, target_top
             break
         pred = head(f_in, tok, am)  # [B, T-1-d, H]: position j predicts f_{j+d+1}
         valid = weights[:, d:].bool()  # loss token at j+d+1 (and real)
-        draft = torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head).argmax(-1)  # [B, T-1-d]
+        draft = greedy_ids(torch.nn.functional.linear(pred.to(lm_head.dtype), lm_head))  # [B, T-1-d]
         hits[d] = float((draft == target_top[:, d + 1 :])[valid].sum())
         counts[d] = float(valid.sum())
         f_in, tok, am = pred[:, :-1], input_ids[:, d + 2 :], attention_mask[:, d + 2 :]
@@ -111,7 +112,7 @@ def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int
         sums[1] += float(out.feature) * out.positions
         sums[2] += float(out.token) * out.positions
         sums[3:6] += torch.tensor(out.topk_correct, dtype=torch.float64)
-        target_top = torch.nn.functional.linear(hidden.to(target.lm_head.dtype), target.lm_head).argmax(-1)  # [B, T]
+        target_top = greedy_ids(torch.nn.functional.linear(hidden.to(target.lm_head.dtype), target.lm_head))  # [B, T]
         hits, counts = all_fed_rollout(head, hidden, batch.input_ids, batch.attention_mask, weights, target_top, k,
                                        target.lm_head)
         sums[8 + k : 8 + 2 * k] += hits
