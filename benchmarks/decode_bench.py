@@ -152,12 +152,31 @@ def attention_floor_ms(config, context: int, repeats: int = 200) -> float:
     return median(times) * 1e3
 
 
+def kv_read_floor_ms(config, context: int, repeats: int = 50) -> float:
+    """Fastest time to READ every layer's K/V at `context` positions once (float32, one `sum` per layer over its
+    own buffer, best of `repeats`): a lower bound on what attention over that context costs, whatever the kernel,
+    set by memory bandwidth once the cache outgrows L2 (stories260K at 480 positions: 0.15 MiB, tiny Llama at
+    2048: 4 MiB)."""
+    c = config
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    bufs = [torch.randn(2, c.num_key_value_heads, context, d) for _ in range(c.num_hidden_layers)]
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for b in bufs:
+            b.sum()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
 def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: int) -> dict:
     """Vanilla step time at each context, and max/min of the medians (flat = no growth with context).
 
     Contexts are visited round-robin within each repeat, so load drift on a shared machine hits all.
     Also reports the step minus the attention kernels' own time (`attention_floor_ms`): growth left in
-    that column would be cache overhead (copies, concatenation), which must not exist.
+    that column would be cache overhead (copies, concatenation), which must not exist. And a lower bound on
+    max/min that no attention kernel can beat: the shortest context's step without its attention, plus the time
+    to merely read the longest context's K/V once (`kv_read_floor_ms`), over the shortest context's step.
     """
     prompts = {c: make_prompt(c) for c in contexts}
     for c in contexts:  # warm-up: allocates the caches, first-call overheads
@@ -174,6 +193,7 @@ def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: 
             for c in contexts]
     for r in rows:
         r["wall_minus_attention_ms"] = r["wall_ms_per_step"] - r["attention_ms"]
+        r["kv_read_floor_ms"] = kv_read_floor_ms(model.base_model.config, r["context"])
     for kind in ("wall", "cpu"):
         first = rows[0][f"{kind}_ms_per_step"]
         for r in rows:
@@ -184,6 +204,8 @@ def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: 
         vals = [r[key] for r in rows]
         out[f"{kind}_max_over_min"] = max(vals) / min(vals)
         out[f"{kind}_flat"] = max(vals) / min(vals) <= FLAT_TOLERANCE
+    first, last = rows[0], rows[-1]
+    out["max_over_min_lower_bound"] = (first["wall_minus_attention_ms"] + last["kv_read_floor_ms"]) / first["wall_ms_per_step"]
     return out
 
 
@@ -249,14 +271,17 @@ def eagle_vs_vanilla(model, prompts, decoding, max_new_tokens: int, repeats: int
 def print_sweep(title: str, sweep: dict) -> None:
     print(f"\n{title}")
     print(f"  {'context':>8} {'wall ms/step':>13} {'wall p10':>9} {'cpu ms/step':>12} {'wall vs first':>14} "
-          f"{'attn kernels':>13} {'wall - attn':>12}")
+          f"{'attn kernels':>13} {'wall - attn':>12} {'K/V read':>9}")
     for r in sweep["rows"]:
         print(f"  {r['context']:>8} {r['wall_ms_per_step']:>13.3f} {r['wall_p10_ms_per_step']:>9.3f} "
               f"{r['cpu_ms_per_step']:>12.3f} {r['wall_vs_shortest']:>14.2f} {r['attention_ms']:>13.3f} "
-              f"{r['wall_minus_attention_ms']:>12.3f}")
+              f"{r['wall_minus_attention_ms']:>12.3f} {r['kv_read_floor_ms']:>9.3f}")
     flat = lambda k: f"{sweep[k + '_max_over_min']:.2f} ({'flat' if sweep[k + '_flat'] else 'NOT flat'})"  # noqa: E731
     print(f"  max/min: wall median {flat('wall')}, wall p10 {flat('wall_p10')}, cpu {flat('cpu')}, "
           f"wall - attention kernels {flat('wall_minus_attention')} [flat = within {FLAT_TOLERANCE - 1:.0%}]")
+    bound = sweep["max_over_min_lower_bound"]
+    print(f"  lower bound on max/min for ANY attention kernel (step without attention + reading the longest "
+          f"context's K/V once): {bound:.2f}{' - flat within 15% is out of reach on this model' if bound > FLAT_TOLERANCE else ''}")
 
 
 def print_eagle(e: dict, head_what: str) -> None:

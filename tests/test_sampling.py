@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from eagle import DecodingConfig, EaModel
-from eagle.sampling import SamplingParams, target_probs
+from eagle.sampling import SamplingParams, greedy_ids, target_probs
 from tiny_models import fit_good_head, random_prompts, single_thread, tiny_target  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -135,6 +135,16 @@ DECODINGS = {
 def eagle_generate(decoding_name):
     target, _, head = sampling_setup()
     return EaModel(target, head, DECODINGS[decoding_name]).eagenerate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_is_argmax_with_first_index_on_ties(dtype):
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7,), (1, 512), (60, 512), (3, 5, 300)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        assert torch.equal(greedy_ids(x), x.argmax(-1))
+    tied = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -3.0, -1.0, -2.0]], dtype=dtype)
+    assert greedy_ids(tied).tolist() == [1, 0, 0]  # the FIRST maximum, as argmax and transformers' greedy search
 
 
 def test_eagenerate_sampling_matches_the_exact_law_2k_draws():
