@@ -129,18 +129,23 @@ def vanilla_steps(model, prompt: torch.Tensor, steps: int) -> tuple[list[float],
     return wall, ((c2 - c1) - (c1 - c0)) / steps * 1e3
 
 
+def kv_layout(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a decoder config: the shape of its K/V cache per position."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, d
+
+
 def attention_floor_ms(config, context: int, repeats: int = 200) -> float:
     """Median time of the decode-step attention kernels alone (one query over `context` cached keys in
     every layer, each layer with its own K/V buffer as in the real cache, so the memory traffic is the
     same): what a step MUST spend more at a longer context, whatever the cache bookkeeping does."""
     import torch.nn.functional as F
 
-    c = config
-    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    layers = c.num_hidden_layers
-    buf = torch.randn(layers, 2, 1, c.num_key_value_heads, context + 64, d)  # capacity > context, like the cache
-    q = torch.randn(1, 1, c.num_attention_heads, d).transpose(1, 2)  # [1, h, 1, d] as a model's view
-    gqa = c.num_key_value_heads != c.num_attention_heads
+    layers, kv, d = kv_layout(config)
+    heads = config.num_attention_heads
+    buf = torch.randn(layers, 2, 1, kv, context + 64, d)  # capacity > context, like the cache
+    q = torch.randn(1, 1, heads, d).transpose(1, 2)  # [1, h, 1, d] as a model's view
+    gqa = kv != heads
     times = []
     for i in range(repeats + 20):
         t = time.perf_counter()
@@ -157,9 +162,8 @@ def kv_read_floor_ms(config, context: int, repeats: int = 50) -> float:
     own buffer, best of `repeats`): a lower bound on what attention over that context costs, whatever the kernel,
     set by memory bandwidth once the cache outgrows L2 (stories260K at 480 positions: 0.15 MiB, tiny Llama at
     2048: 4 MiB)."""
-    c = config
-    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    bufs = [torch.randn(2, c.num_key_value_heads, context, d) for _ in range(c.num_hidden_layers)]
+    layers, kv, d = kv_layout(config)
+    bufs = [torch.randn(2, kv, context, d) for _ in range(layers)]
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
