@@ -160,7 +160,7 @@ def attention_floor_ms(config, context: int, repeats: int = 200) -> float:
 def kv_read_floor_ms(config, context: int, repeats: int = 50) -> float:
     """Fastest time to READ every layer's K/V at `context` positions once (float32, one `sum` per layer over its
     own buffer, best of `repeats`): a lower bound on what attention over that context costs, whatever the kernel,
-    set by memory bandwidth once the cache outgrows L2 (stories260K at 480 positions: 0.15 MiB, tiny Llama at
+    set by memory bandwidth once the cache outgrows L2 (stories260K at 480 positions: 0.59 MiB, tiny Llama at
     2048: 4 MiB)."""
     layers, kv, d = kv_layout(config)
     bufs = [torch.randn(2, kv, context, d) for _ in range(layers)]

@@ -5,6 +5,8 @@ Never mutates the wrapped model: the cache is passed to every forward call.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -13,6 +15,14 @@ from eagle.head import text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The keyword under which `module.forward` takes the KV cache in the installed transformers: `cache` in
+    recent 5.x releases (where `past_key_values` is deprecated, to be removed in 5.40: it would then land in
+    **kwargs and the cache would silently go unused), `past_key_values` in earlier ones."""
+    params = inspect.signature(module.forward).parameters  # follows the deprecation wrappers' __wrapped__
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class Target:
@@ -41,6 +51,7 @@ class Target:
         # decode step on small targets). Other architectures go through the model's own forward.
         self.direct_layers = cfg.model_type in SUPPORTED_FAMILIES and all(
             hasattr(self.body, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
+        self._cache_kw = cache_kwarg(self.body.layers[0] if self.direct_layers else self.body)  # chosen once
         # Small dense targets: one module-free forward with fused weights (chosen once, here).
         reason = fused_unsupported_reason(model) if self.direct_layers else "not a supported family"
         if fused and reason is not None:
@@ -102,14 +113,14 @@ class Target:
             position_ids = torch.arange(past, past + n, device=input_ids.device)
         if not self.direct_layers:
             out = self.body(input_ids=input_ids, position_ids=position_ids[None], attention_mask=mask,
-                            past_key_values=self.cache, use_cache=True)
+                            use_cache=True, **{self._cache_kw: self.cache})
             return out.last_hidden_state
         pos = position_ids[None]  # [1, n]
         h = self.body.embed_tokens(input_ids)  # [1, n, H]
         rope = self.body.rotary_emb(h, pos)
         for layer in self.body.layers[: self.num_layers]:
-            h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                      position_embeddings=rope)
+            h = layer(h, attention_mask=mask, position_ids=pos, use_cache=True, position_embeddings=rope,
+                      **{self._cache_kw: self.cache})
         return self.body.norm(h)
 
     def _mask(self, past: int, n: int, position_ids: torch.Tensor | None,

@@ -1,0 +1,87 @@
+"""The target adapter's HF code paths: decoder layers driven directly, and the model's own forward for
+families outside SUPPORTED_FAMILIES. The fused path is pinned by test_fused_decoder.py."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from eagle import EaModel, EagleHead
+from eagle.target import SUPPORTED_FAMILIES, Target, cache_kwarg
+from tiny_models import hf_greedy, random_prompts, single_thread, tiny_target  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+class _NewLayer(nn.Module):  # transformers after the rename
+    def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+        return hidden_states
+
+
+class _OldLayer(nn.Module):  # transformers 5.0-era signature
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        return hidden_states
+
+
+def test_cache_kwarg_follows_the_installed_signature():
+    assert cache_kwarg(_NewLayer()) == "cache"
+    assert cache_kwarg(_OldLayer()) == "past_key_values"
+
+
+def tiny_gemma():
+    """A family Target drives through the model's own forward (embedding scale, (1 + w) norms, GELU MLP)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa",
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("path", ["hf layers", "model forward"])
+def test_hf_paths_fill_our_cache_and_match_hf_greedy_without_deprecation_warnings(path):
+    """The KV cache reaches the attention under the keyword this transformers takes (a deprecated keyword
+    would land in **kwargs once removed, and every step would silently run without the cache)."""
+    model = tiny_target("llama") if path == "hf layers" else tiny_gemma()
+    ea = EaModel(model, EagleHead.from_target(model), fused_target=False)
+    assert ea.target.fused is None
+    assert ea.target.direct_layers == (path == "hf layers")
+    assert (model.config.model_type in SUPPORTED_FAMILIES) == (path == "hf layers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        for prompt in random_prompts(4, seed=3):
+            got = ea.eagenerate(prompt, max_new_tokens=20)
+            assert torch.equal(got, hf_greedy(model, prompt, 20))
+            # every committed position's K/V is in the cache: prompt + 20 new tokens - the last (not yet run)
+            assert ea.target.length == prompt.shape[1] + 19
+
+
+def test_model_forward_path_verifies_a_tree_as_one_forward_of_its_paths():
+    """Tree mask + position ids through the model's own forward: each node's hidden state equals the one
+    computed by running its root->node path as a plain sequence."""
+    model = tiny_gemma()
+    t = Target(model, capacity=64)
+    assert not t.direct_layers
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    parents = [-1, 0, 0, 1]  # root, two children, a grandchild under node 1
+    tokens = torch.tensor([[5, 17, 40, 99]])
+    depth = torch.tensor([0, 1, 1, 2])
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    t.reset(64)
+    t.forward(prompt)
+    tree_h = t.forward(tokens, depth + prompt.shape[1], anc)[0]  # [4, H]
+    for node in range(4):
+        path, j = [], node
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        seq = torch.cat([prompt, tokens[:, path[::-1]]], dim=1)
+        t.reset(64)
+        ref = t.forward(seq)[0, -1]  # [H]
+        torch.testing.assert_close(tree_h[node], ref, rtol=1e-5, atol=1e-5)
