@@ -7,6 +7,7 @@ Results: a table on stdout and JSON in outputs/decode_bench.json (or --json).
 1. Vanilla ms per decode step (`naivegenerate`, i.e. the library's Target + preallocated KV cache) at
    contexts 64 / 256 / 480 on ../shared/models/stories260K and 64 / 1024 / 2048 on a random tiny Llama.
    A step must not cost more as the context grows (no cache copies): "flat" = max/min of the medians <= 1.15.
+   Control: the same steps with attention capped at the first 64 keys show what grows besides attention.
 2. EAGLE-2 at total_token 60 / depth 5 / top_k 10 on stories260K: median per-round time split into
    draft / verify / bookkeeping (RoundStats.draft_s / verify_s / commit_s), tau, ms per token of
    EAGLE and of vanilla (decode only, prefill excluded), and the speedup. Prompts are TinyStories
@@ -24,6 +25,7 @@ vanilla 1.15 ms/token; target: < 3.3 ms per round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -135,23 +137,29 @@ def kv_layout(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, config.num_key_value_heads, d
 
 
-def attention_floor_ms(config, context: int, repeats: int = 200) -> float:
-    """Median time of the decode-step attention kernels alone (one query over `context` cached keys in
-    every layer, each layer with its own K/V buffer as in the real cache, so the memory traffic is the
-    same): what a step MUST spend more at a longer context, whatever the cache bookkeeping does."""
+def attention_floor_ms(config, context: int, fused: bool = True, repeats: int = 200) -> float:
+    """Median time of the decode-step attention kernels alone (one query over `context` cached keys in every
+    layer, each layer with its own K/V buffer as in the real cache, so the memory traffic is the same): what a
+    step MUST spend more at a longer context, whatever the cache bookkeeping does. The kernel is the one the
+    step runs: `eagle.attention.sdpa_attention` on the fused path, sdpa with `enable_gqa` (as transformers'
+    sdpa layers call it) on the HF layers path."""
     import torch.nn.functional as F
+
+    from eagle.attention import sdpa_attention
 
     layers, kv, d = kv_layout(config)
     heads = config.num_attention_heads
     buf = torch.randn(layers, 2, 1, kv, context + 64, d)  # capacity > context, like the cache
-    q = torch.randn(1, 1, heads, d).transpose(1, 2)  # [1, h, 1, d] as a model's view
-    gqa = kv != heads
+    q = torch.randn(1, 1, heads, d).transpose(1, 2)  # [1, h, 1, d] as the forward's view
     times = []
     for i in range(repeats + 20):
         t = time.perf_counter()
         for layer in range(layers):
-            F.scaled_dot_product_attention(q, buf[layer, 0, :, :, :context], buf[layer, 1, :, :, :context],
-                                           enable_gqa=gqa)
+            k, v = buf[layer, 0, :, :, :context], buf[layer, 1, :, :, :context]
+            if fused:
+                sdpa_attention(q, k, v, None)
+            else:
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=kv != heads)
         if i >= 20:
             times.append(time.perf_counter() - t)
     return median(times) * 1e3
@@ -173,27 +181,57 @@ def kv_read_floor_ms(config, context: int, repeats: int = 50) -> float:
     return best * 1e3
 
 
+@contextlib.contextmanager
+def attention_capped(keys: int):
+    """Control experiment: one-query attention in the fused forward reads only the first `keys` cached positions
+    (outputs become wrong; costs do not depend on token values). Everything else in the step still runs at the
+    full context, so a step that stays flat under the cap has no context-dependent cost besides attention."""
+    import eagle.fused_decoder as fused_decoder
+
+    full = fused_decoder.sdpa_attention
+
+    def capped(q, k, v, mask):
+        if q.shape[2] == 1 and mask is None:
+            return full(q, k[:, :, :keys], v[:, :, :keys], None)
+        return full(q, k, v, mask)
+
+    fused_decoder.sdpa_attention = capped
+    try:
+        yield
+    finally:
+        fused_decoder.sdpa_attention = full
+
+
 def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: int) -> dict:
     """Vanilla step time at each context, and max/min of the medians (flat = no growth with context).
 
     Contexts are visited round-robin within each repeat, so load drift on a shared machine hits all.
-    Also reports the step minus the attention kernels' own time (`attention_floor_ms`): growth left in
-    that column would be cache overhead (copies, concatenation), which must not exist. And a lower bound on
-    max/min that no attention kernel can beat: the shortest context's step without its attention, plus the time
-    to merely read the longest context's K/V once (`kv_read_floor_ms`), over the shortest context's step.
+    Also reports the step minus the attention kernels' own time measured alone (`attention_floor_ms`; in the
+    step, attention's K/V reads also evict the weights from L2, so some growth remains in that column), and a
+    control run that settles where growth comes from (`attention_capped`, fused path only): the step with
+    attention over the first min(contexts) keys, everything else at the full context. Growth there would be
+    cache overhead (copies, concatenation), which must not exist. And a lower bound on max/min that no
+    attention kernel can beat: the shortest context's step without its attention, plus the time to merely read
+    the longest context's K/V once (`kv_read_floor_ms`), over the shortest context's step.
     """
     prompts = {c: make_prompt(c) for c in contexts}
     for c in contexts:  # warm-up: allocates the caches, first-call overheads
         vanilla_steps(model, prompts[c], steps)
     wall = {c: [] for c in contexts}
     cpu = {c: [] for c in contexts}
+    capped = {c: [] for c in contexts}
+    control = model.target.fused is not None
     for _ in range(repeats):
         for c in contexts:
             w, cp = vanilla_steps(model, prompts[c], steps)
             wall[c] += w
             cpu[c].append(cp)
+            if control:
+                with attention_capped(min(contexts)):
+                    capped[c] += vanilla_steps(model, prompts[c], steps)[0]
     rows = [{"context": c, "wall_ms_per_step": median(wall[c]), "wall_p10_ms_per_step": p10(wall[c]),
-             "cpu_ms_per_step": median(cpu[c]), "attention_ms": attention_floor_ms(model.base_model.config, c)}
+             "cpu_ms_per_step": median(cpu[c]), "attention_ms": attention_floor_ms(model.base_model.config, c, control),
+             "attention_capped_ms_per_step": median(capped[c]) if control else None}
             for c in contexts]
     for r in rows:
         r["wall_minus_attention_ms"] = r["wall_ms_per_step"] - r["attention_ms"]
@@ -204,8 +242,11 @@ def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: 
             r[f"{kind}_vs_shortest"] = r[f"{kind}_ms_per_step"] / first
     out = {"rows": rows}
     for kind, key in (("wall", "wall_ms_per_step"), ("wall_p10", "wall_p10_ms_per_step"), ("cpu", "cpu_ms_per_step"),
-                      ("wall_minus_attention", "wall_minus_attention_ms")):
+                      ("wall_minus_attention", "wall_minus_attention_ms"),
+                      ("attention_capped", "attention_capped_ms_per_step")):
         vals = [r[key] for r in rows]
+        if None in vals:  # no control run on the HF layers path
+            continue
         out[f"{kind}_max_over_min"] = max(vals) / min(vals)
         out[f"{kind}_flat"] = max(vals) / min(vals) <= FLAT_TOLERANCE
     first, last = rows[0], rows[-1]
@@ -275,14 +316,17 @@ def eagle_vs_vanilla(model, prompts, decoding, max_new_tokens: int, repeats: int
 def print_sweep(title: str, sweep: dict) -> None:
     print(f"\n{title}")
     print(f"  {'context':>8} {'wall ms/step':>13} {'wall p10':>9} {'cpu ms/step':>12} {'wall vs first':>14} "
-          f"{'attn kernels':>13} {'wall - attn':>12} {'K/V read':>9}")
+          f"{'attn kernels':>13} {'wall - attn':>12} {'K/V read':>9} {'attn capped':>12}")
     for r in sweep["rows"]:
         print(f"  {r['context']:>8} {r['wall_ms_per_step']:>13.3f} {r['wall_p10_ms_per_step']:>9.3f} "
               f"{r['cpu_ms_per_step']:>12.3f} {r['wall_vs_shortest']:>14.2f} {r['attention_ms']:>13.3f} "
-              f"{r['wall_minus_attention_ms']:>12.3f} {r['kv_read_floor_ms']:>9.3f}")
+              f"{r['wall_minus_attention_ms']:>12.3f} {r['kv_read_floor_ms']:>9.3f} {r['attention_capped_ms_per_step'] or float('nan'):>12.3f}")
     flat = lambda k: f"{sweep[k + '_max_over_min']:.2f} ({'flat' if sweep[k + '_flat'] else 'NOT flat'})"  # noqa: E731
     print(f"  max/min: wall median {flat('wall')}, wall p10 {flat('wall_p10')}, cpu {flat('cpu')}, "
           f"wall - attention kernels {flat('wall_minus_attention')} [flat = within {FLAT_TOLERANCE - 1:.0%}]")
+    first = sweep["rows"][0]["context"]
+    print(f"  control, attention capped at the first {first} keys (all else at full context): "
+          + (flat("attention_capped") if "attention_capped_flat" in sweep else "n/a (HF layers path)"))
     bound = sweep["max_over_min_lower_bound"]
     print(f"  lower bound on max/min for ANY attention kernel (step without attention + reading the longest "
           f"context's K/V once): {bound:.2f}{' - flat within 15% is out of reach on this model' if bound > FLAT_TOLERANCE else ''}")
