@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -24,6 +24,25 @@ from eagle.tree import StaticTreeSpec, chain_choices
 from eagle.verify import verify_greedy, verify_sampling
 
 TREE_CONFIG_NAME = "tree_config.json"  # auto-tuned DecodingConfig saved next to a head by evaluation
+
+
+def prompt_tensor(input_ids) -> torch.Tensor:
+    """The prompt as ids [1, T]: a tensor, or what a tokenizer returns (a `BatchEncoding` / dict holding
+    "input_ids": in transformers 5 `apply_chat_template(..., return_tensors="pt")` returns one). Padding in its
+    attention_mask is refused: one unpadded prompt (batch size 1)."""
+    if isinstance(input_ids, Mapping):
+        if "input_ids" not in input_ids:
+            raise ValueError(f"the prompt is a mapping without 'input_ids' (keys: {sorted(input_ids)})")
+        mask = input_ids.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).all()):
+            raise ValueError("the prompt's attention_mask has zeros (padding): pass one unpadded prompt, batch size 1")
+        input_ids = input_ids["input_ids"]
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a tensor [1, T] of token ids or a tokenizer's output holding "
+                        f"'input_ids', got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    return input_ids
 
 
 @dataclass(frozen=True)
@@ -95,23 +114,23 @@ class EaModel(nn.Module):
                    max_new_tokens: int = 512, max_length: int = 2048, log: bool = False, eos_token_id=None,
                    decoding: DecodingConfig | None = None, generator: torch.Generator | None = None,
                    return_stats: bool = False):
-        """Speculative generation. Returns ids [1, T + new]; with log=True (ids, new_tokens, rounds);
-        with return_stats=True (ids, GenerationStats)."""
-        return self._collect(input_ids, decoding or self.decoding, temperature, top_p, top_k, max_new_tokens,
-                             max_length, log, eos_token_id, generator, return_stats)
+        """Speculative generation from input_ids [1, T] (or a tokenizer's output, see `prompt_tensor`). Returns
+        ids [1, T + new]; with log=True (ids, new_tokens, rounds); with return_stats=True (ids, GenerationStats)."""
+        return self._collect(self._prompt(input_ids), decoding or self.decoding, temperature, top_p, top_k,
+                             max_new_tokens, max_length, log, eos_token_id, generator, return_stats)
 
     def naivegenerate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0,
                       top_k: float = 0.0, max_new_tokens: int = 512, max_length: int = 2048, log: bool = False,
                       eos_token_id=None, generator: torch.Generator | None = None, return_stats: bool = False):
         """Vanilla autoregressive decoding on the same Target implementation and KV cache."""
-        return self._collect(input_ids, replace(self.decoding, mode="vanilla"), temperature, top_p, top_k,
-                             max_new_tokens, max_length, log, eos_token_id, generator, return_stats)
+        return self._collect(self._prompt(input_ids), replace(self.decoding, mode="vanilla"), temperature, top_p,
+                             top_k, max_new_tokens, max_length, log, eos_token_id, generator, return_stats)
 
     def ea_generate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0, top_k: float = 0.0,
                     max_new_tokens: int = 512, max_length: int = 2048, eos_token_id=None,
                     decoding: DecodingConfig | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
         """Streaming: yields the ids generated so far ([1, T + new]) after every round."""
-        ids = input_ids
+        ids = input_ids = self._prompt(input_ids)
         for new, _ in self._rounds(input_ids, decoding or self.decoding,
                                    SamplingParams(temperature, top_p, int(top_k)),
                                    self._stop_rule(input_ids, max_new_tokens, max_length, eos_token_id),
@@ -125,6 +144,10 @@ class EaModel(nn.Module):
         return self.ea_generate(input_ids, **kwargs)
 
     # ------------------------------------------------------------------ internals
+    def _prompt(self, input_ids) -> torch.Tensor:
+        """`prompt_tensor`, on the target's device (a tokenizer returns CPU tensors; the model may be on a GPU)."""
+        return prompt_tensor(input_ids).to(self.target.device)
+
     def _collect(self, input_ids, decoding, temperature, top_p, top_k, max_new_tokens, max_length, log, eos_token_id,
                  generator, return_stats):
         stop = self._stop_rule(input_ids, max_new_tokens, max_length, eos_token_id)

@@ -167,6 +167,33 @@ def test_malformed_input_ids(llama, ids, match):
         EaModel(llama.target, llama.random_head).eagenerate(ids)
 
 
+def test_tokenizer_output_is_accepted_as_the_prompt(llama):
+    """transformers 5's `apply_chat_template(..., return_tensors="pt")` returns a BatchEncoding, not a tensor."""
+    from transformers import BatchEncoding
+
+    model = EaModel(llama.target, llama.good_head)
+    prompt, ref = llama.prompts[0], llama.references[0]
+    enc = BatchEncoding({"input_ids": prompt, "attention_mask": torch.ones_like(prompt)})
+    assert torch.equal(model.eagenerate(enc, max_new_tokens=32), ref)
+    assert torch.equal(model.naivegenerate({"input_ids": prompt}, max_new_tokens=32), ref)
+    streamed = list(model.ea_generate(enc, max_new_tokens=32))
+    assert torch.equal(streamed[-1], ref)
+
+
+@pytest.mark.parametrize("prompt,error,match", [
+    ({"input_ids": torch.tensor([[0, 3, 4]]), "attention_mask": torch.tensor([[0, 1, 1]])}, ValueError, "padding"),
+    ({"ids": torch.tensor([[3, 4]])}, ValueError, "without 'input_ids'"),
+    ([[3, 4, 5]], TypeError, "got list"),
+    (torch.tensor([[3.0, 4.0]]), TypeError, "integer token ids"),
+])
+def test_prompt_that_is_not_token_ids_gets_a_clear_error(llama, prompt, error, match):
+    model = EaModel(llama.target, llama.random_head)
+    with pytest.raises(error, match=match):
+        model.eagenerate(prompt)
+    with pytest.raises(error, match=match):
+        next(model.ea_generate(prompt))
+
+
 def test_eager_attention_target_is_lossless_too(llama):
     """Tree masks must be read correctly by the eager backend as well (a bool 4D mask is not)."""
     target = tiny_target("llama", seed=0, attn_implementation="eager")
