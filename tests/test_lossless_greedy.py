@@ -4,6 +4,7 @@ Tiny Llama, Qwen2 (q/k/v bias) and Mistral (sliding window 16, shorter than prom
 targets with GQA; 20 prompts each; a random head (mostly rejects) and a fitted head (mostly accepts,
 so long accepted paths are compacted in the KV cache); EAGLE-2 dynamic trees, the EAGLE-1 static
 tree and chains; EOS inside an accepted path, max_new_tokens / max_length cuts; log/stats consistency.
+Mixtral, Qwen2-MoE, Qwen3 and Qwen3-MoE run through their own HF decoder layers (random and fitted heads).
 """
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 from eagle import DecodingConfig, EaModel
 from tiny_models import (  # noqa: F401  (single_thread is a fixture)
     FAMILIES,
+    HF_LAYER_FAMILIES,
     NEW_TOKENS,
     family_setup,
     first_divergence_report,
+    fit_good_head,
     hf_greedy,
     random_head,
     random_prompts,
@@ -110,12 +113,23 @@ def test_one_and_two_token_prompts():
                     f"prompt {prompt.tolist()}")
 
 
-def test_mixtral_moe_target():
-    target = tiny_target("mixtral", seed=3)
-    model = EaModel(target, random_head(target))
-    for i, prompt in enumerate(random_prompts(20, seed=30)):
-        expected = hf_greedy(target, prompt, RANDOM_HEAD_NEW_TOKENS)
-        assert_same(target, expected, model.eagenerate(prompt, max_new_tokens=RANDOM_HEAD_NEW_TOKENS), f"prompt {i}")
+@pytest.mark.parametrize("family", HF_LAYER_FAMILIES)
+def test_hf_layer_families_random_and_fitted_head(family):
+    """Mixtral, Qwen2-MoE, Qwen3 (q/k norms), Qwen3-MoE: decoded through their own HF decoder layers with our
+    cache; a random head (rejects) and a fitted one (long accepted paths, so compaction runs), 20 prompts."""
+    target = tiny_target(family, seed=3)
+    prompts = random_prompts(20, seed=30)
+    refs = [hf_greedy(target, p, NEW_TOKENS) for p in prompts]
+    for kind, head in (("random", random_head(target)), ("fitted", fit_good_head(target, sequences=refs))):
+        model = EaModel(target, head, DECODINGS["dyn60-5-10"])
+        assert model.target.direct_layers and model.target.fused is None
+        new_tokens = rounds = 0
+        for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+            out, n, r = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, log=True)
+            assert_same(target, ref, out, f"{family} {kind} head, prompt {i}")
+            new_tokens, rounds = new_tokens + n, rounds + r
+        if kind == "fitted":
+            assert new_tokens / rounds > 2.5, f"the fitted head should be accepted often (tau {new_tokens / rounds:.2f})"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

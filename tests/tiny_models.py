@@ -26,11 +26,19 @@ from transformers import (
     MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from eagle.head import EagleHead, head_config_from_target
 
 FAMILIES = ("llama", "qwen2", "mistral")
+# the other families Target supports (eagle.target.SUPPORTED_FAMILIES): through the HF decoder layers, not fused
+HF_LAYER_FAMILIES = ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe")
 TINY_VOCAB = 256
 
 
@@ -77,8 +85,18 @@ def tiny_target(
     elif family == "mixtral":  # 4 experts, top-2 routing
         config = MixtralConfig(**common, sliding_window=sliding_window, num_local_experts=4, num_experts_per_tok=2)
         cls = MixtralForCausalLM
+    elif family == "qwen2_moe":  # 4 experts, top-2, plus the gated shared expert
+        config = Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=intermediate_size)
+        cls = Qwen2MoeForCausalLM
+    elif family == "qwen3":  # q/k RMSNorm per head, explicit head_dim
+        config, cls = Qwen3Config(**common, head_dim=hidden_size // num_heads), Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, head_dim=hidden_size // num_heads, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32)
+        cls = Qwen3MoeForCausalLM
     else:
-        raise ValueError(f"unknown tiny target family {family!r}; expected one of {FAMILIES + ('mixtral',)}")
+        raise ValueError(f"unknown tiny target family {family!r}; expected one of {FAMILIES + HF_LAYER_FAMILIES}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     if family == "qwen2":  # HF zero-inits biases: make them non-trivial so a dropped bias changes outputs
