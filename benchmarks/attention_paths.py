@@ -1,12 +1,18 @@
 """Micro-benchmark behind eagle/attention.py's kernel choice: sdpa (CPU flash kernel) vs `bmm_attention`
-for tree-verification shapes (GQA, additive tree mask), one thread, median of 5 bursts.
+for tree-verification shapes (GQA, additive tree mask), one thread (--threads), median of 5 bursts.
 
-    python benchmarks/attention_paths.py
+    python benchmarks/attention_paths.py [--threads 1]
 """
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +38,11 @@ def bench_us(fn, calls: int = 300) -> float:
     return statistics.median(bursts)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     print("heads kv rows keys head_dim | sdpa us | bmm us | max abs diff")
     for h, kv, n, L, d in SHAPES:

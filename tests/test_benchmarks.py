@@ -1,0 +1,58 @@
+"""The benchmark scripts run (they are measured by hand, not in CI, so nothing else would notice them rot)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import eagle.fused_decoder as fused_decoder
+from tiny_models import single_thread  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_decode_bench_without_shared_runs_the_tiny_llama_sweep_and_its_control(tmp_path, capsys):
+    import decode_bench
+
+    kernel = fused_decoder.sdpa_attention
+    out = tmp_path / "bench.json"
+    assert decode_bench.main(["--shared", str(tmp_path / "no-shared"), "--repeats", "1", "--steps", "3",
+                              "--json", str(out)]) == 0
+    assert fused_decoder.sdpa_attention is kernel  # the capped-attention control restored the library's kernel
+    sweep = json.loads(out.read_text())["vanilla_random_tiny_llama"]
+    assert [r["context"] for r in sweep["rows"]] == [64, 1024, 2048]
+    for r in sweep["rows"]:
+        assert r["wall_ms_per_step"] > 0 and r["attention_capped_ms_per_step"] > 0 and r["kv_read_floor_ms"] > 0
+    assert "attention_capped_max_over_min" in sweep and sweep["max_over_min_lower_bound"] > 0
+    printed = capsys.readouterr().out
+    assert "control, attention capped at the first 64 keys" in printed and "stories260K sections skipped" in printed
+
+
+def test_attention_capped_caps_only_one_query_unmasked_calls():
+    import torch
+
+    import decode_bench
+
+    q1, q3 = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 3, 8)
+    k, v = torch.randn(1, 2, 100, 8), torch.randn(1, 2, 100, 8)
+    full1 = fused_decoder.sdpa_attention(q1, k, v, None)
+    full3 = fused_decoder.sdpa_attention(q3, k, v, torch.zeros(1, 1, 3, 100))
+    with decode_bench.attention_capped(10):
+        capped1 = fused_decoder.sdpa_attention(q1, k, v, None)
+        same3 = fused_decoder.sdpa_attention(q3, k, v, torch.zeros(1, 1, 3, 100))
+    torch.testing.assert_close(capped1, fused_decoder.sdpa_attention(q1, k[:, :, :10], v[:, :, :10], None))
+    assert not torch.allclose(capped1, full1)
+    torch.testing.assert_close(same3, full3)
+
+
+def test_attention_paths_runs(capsys, monkeypatch):
+    import attention_paths
+
+    monkeypatch.setattr(attention_paths, "SHAPES", attention_paths.SHAPES[:2])
+    attention_paths.main(["--threads", "1"])
+    assert "sdpa us" in capsys.readouterr().out
