@@ -56,3 +56,11 @@ def test_attention_paths_runs(capsys, monkeypatch):
     monkeypatch.setattr(attention_paths, "SHAPES", attention_paths.SHAPES[:2])
     attention_paths.main(["--threads", "1"])
     assert "sdpa us" in capsys.readouterr().out
+
+
+@pytest.mark.shared
+def test_step_costs_runs_on_stories260k(shared_dir, capsys):
+    import step_costs
+
+    assert step_costs.main(["--shared", str(shared_dir), "--total-token", "8", "--depth", "2", "--top-k", "2"]) == 0
+    assert "full generation loop, per round" in capsys.readouterr().out
