@@ -220,18 +220,18 @@ def context_sweep(model, contexts: list[int], make_prompt, steps: int, repeats: 
     wall = {c: [] for c in contexts}
     cpu = {c: [] for c in contexts}
     capped = {c: [] for c in contexts}
-    control = model.target.fused is not None
+    fused = model.target.fused is not None  # the control patches the fused forward's kernel
     for _ in range(repeats):
         for c in contexts:
             w, cp = vanilla_steps(model, prompts[c], steps)
             wall[c] += w
             cpu[c].append(cp)
-            if control:
+            if fused:
                 with attention_capped(min(contexts)):
                     capped[c] += vanilla_steps(model, prompts[c], steps)[0]
     rows = [{"context": c, "wall_ms_per_step": median(wall[c]), "wall_p10_ms_per_step": p10(wall[c]),
-             "cpu_ms_per_step": median(cpu[c]), "attention_ms": attention_floor_ms(model.base_model.config, c, control),
-             "attention_capped_ms_per_step": median(capped[c]) if control else None}
+             "cpu_ms_per_step": median(cpu[c]), "attention_ms": attention_floor_ms(model.base_model.config, c, fused),
+             "attention_capped_ms_per_step": median(capped[c]) if fused else None}
             for c in contexts]
     for r in rows:
         r["wall_minus_attention_ms"] = r["wall_ms_per_step"] - r["attention_ms"]

@@ -30,24 +30,11 @@ def test_cache_kwarg_follows_the_installed_signature():
     assert cache_kwarg(_OldLayer()) == "past_key_values"
 
 
-def tiny_gemma():
-    """A family Target drives through the model's own forward (embedding scale, (1 + w) norms, GELU MLP)."""
-    from transformers import GemmaConfig, GemmaForCausalLM
-
-    cfg = GemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa",
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = GemmaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 @pytest.mark.parametrize("path", ["hf layers", "model forward"])
 def test_hf_paths_fill_our_cache_and_match_hf_greedy_without_deprecation_warnings(path):
     """The KV cache reaches the attention under the keyword this transformers takes (a deprecated keyword
     would land in **kwargs once removed, and every step would silently run without the cache)."""
-    model = tiny_target("llama") if path == "hf layers" else tiny_gemma()
+    model = tiny_target("llama" if path == "hf layers" else "gemma")
     ea = EaModel(model, EagleHead.from_target(model), fused_target=False)
     assert ea.target.fused is None
     assert ea.target.direct_layers == (path == "hf layers")
@@ -65,7 +52,7 @@ def test_hf_paths_fill_our_cache_and_match_hf_greedy_without_deprecation_warning
 def test_model_forward_path_verifies_a_tree_as_one_forward_of_its_paths():
     """Tree mask + position ids through the model's own forward: each node's hidden state equals the one
     computed by running its root->node path as a plain sequence."""
-    model = tiny_gemma()
+    model = tiny_target("gemma")
     t = Target(model, capacity=64)
     assert not t.direct_layers
     prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))

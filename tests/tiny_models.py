@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -39,6 +41,8 @@ from eagle.head import EagleHead, head_config_from_target
 FAMILIES = ("llama", "qwen2", "mistral")
 # the other families Target supports (eagle.target.SUPPORTED_FAMILIES): through the HF decoder layers, not fused
 HF_LAYER_FAMILIES = ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe")
+# a family outside SUPPORTED_FAMILIES: Target runs it through the model's own forward
+MODEL_FORWARD_FAMILIES = ("gemma",)
 TINY_VOCAB = 256
 
 
@@ -95,8 +99,11 @@ def tiny_target(
         config = Qwen3MoeConfig(**common, head_dim=hidden_size // num_heads, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=32)
         cls = Qwen3MoeForCausalLM
+    elif family == "gemma":  # embedding scale, (1 + w) norms, GELU MLP
+        config, cls = GemmaConfig(**common, head_dim=hidden_size // num_heads), GemmaForCausalLM
     else:
-        raise ValueError(f"unknown tiny target family {family!r}; expected one of {FAMILIES + HF_LAYER_FAMILIES}")
+        raise ValueError(f"unknown tiny target family {family!r}; expected one of "
+                         f"{FAMILIES + HF_LAYER_FAMILIES + MODEL_FORWARD_FAMILIES}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     if family == "qwen2":  # HF zero-inits biases: make them non-trivial so a dropped bias changes outputs
