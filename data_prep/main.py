@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root 
 
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
 from data_prep.tokenized import TOKENIZED_FILE, load_tokenized, write_tokenized  # noqa: E402
+from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
 
@@ -257,7 +258,7 @@ def stage_cache(run: Run) -> None:
 
 # --------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="data_prep/main.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="recipe name (recipes/NAME.yaml) or path")
     p.add_argument("--shard", type=parse_shard, default=None, help="i/n: do the i-th of n shares of regenerate/cache")
     p.add_argument("--inspect", type=int, default=0, metavar="N", help="print N tokenised records, trained-on tokens highlighted")
@@ -266,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
     from recipes import load_recipe
 
     args = build_parser().parse_args(argv)
@@ -298,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
             dist.barrier()
             dist.destroy_process_group()
+    return 0
 
 
 def run_stages(run: Run, stage: str, inspect_n: int) -> None:
@@ -336,4 +339,4 @@ def run_stages(run: Run, stage: str, inspect_n: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

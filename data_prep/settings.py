@@ -1,7 +1,14 @@
 """Recipe section `data`: data preparation settings (owned by data_prep/). The one home of these defaults."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+FORMATS = ("auto", "sharegpt", "openai", "alpaca")
+BACKENDS = ("hf", "openai")
+LENGTH_LIMIT_POLICIES = ("keep", "drop")
+OVERLONG_POLICIES = ("truncate", "drop")
+CACHE_DTYPES = ("bfloat16", "float16", "float32", "int8")
 
 
 @dataclass
@@ -40,3 +47,28 @@ class DataSettings:
     cache_shard_mb: int = 512
     disk_headroom_gb: float = 1.0  # refuse to start unless estimate + headroom fits on the disk
     device: str = "auto"  # auto = cuda:LOCAL_RANK when available, else cpu
+
+
+def validate_data_section(d, check) -> None:
+    """Check every value of the `data` section; `check(cond, key, value, expect)` raises the recipe error."""
+    check(d.format in FORMATS, "data.format", d.format, f"expected one of {FORMATS}")
+    check(d.backend in BACKENDS, "data.backend", d.backend, f"expected one of {BACKENDS}")
+    check(d.on_length_limit in LENGTH_LIMIT_POLICIES, "data.on_length_limit", d.on_length_limit,
+          f"expected one of {LENGTH_LIMIT_POLICIES}")
+    check(d.overlong in OVERLONG_POLICIES, "data.overlong", d.overlong, f"expected one of {OVERLONG_POLICIES}")
+    check(d.cache_dtype in CACHE_DTYPES, "data.cache_dtype", d.cache_dtype, f"expected one of {CACHE_DTYPES}")
+    check(d.max_records is None or d.max_records >= 1, "data.max_records", d.max_records, "expected >= 1 (or null = all)")
+    for key in ("gen_batch_size", "max_new_tokens", "cache_shard_mb"):
+        check(d[key] >= 1, f"data.{key}", d[key], "expected >= 1")
+    check(d.max_length >= 2, "data.max_length", d.max_length, "expected >= 2 tokens")
+    check(d.api_retries >= 0, "data.api_retries", d.api_retries, "expected >= 0")
+    check(math.isfinite(d.api_timeout_s) and d.api_timeout_s > 0, "data.api_timeout_s", d.api_timeout_s, "expected > 0")
+    check(math.isfinite(d.temperature) and d.temperature >= 0, "data.temperature", d.temperature, "expected a number >= 0")
+    check(not d.do_sample or d.temperature > 0, "data.temperature", d.temperature, "expected > 0 when data.do_sample")
+    check(math.isfinite(d.top_p) and 0 < d.top_p <= 1, "data.top_p", d.top_p, "expected 0 < top_p <= 1 (1 = no nucleus cut)")
+    check(math.isfinite(d.disk_headroom_gb) and d.disk_headroom_gb >= 0, "data.disk_headroom_gb", d.disk_headroom_gb,
+          "expected >= 0")
+    check(all(int(i) >= 0 for i in d.extra_stop_ids), "data.extra_stop_ids", list(d.extra_stop_ids),
+          "expected token ids >= 0")
+    check(d.device == "auto" or d.device == "cpu" or str(d.device).startswith("cuda"), "data.device", d.device,
+          "expected auto, cpu or cuda[:N]")

@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # `python evaluation/main.py`: import the evaluat
 import torch  # noqa: E402
 
 from eagle.decoding_config import DecodingConfig  # noqa: E402
+from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.questions import QuestionError, load_questions  # noqa: E402
@@ -56,7 +57,7 @@ class Setup:
 def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     argv = list(argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "bench"
-    p = argparse.ArgumentParser(prog=f"evaluation/main.py [{'|'.join(COMMANDS)}]", description=__doc__,
+    p = ArgumentParser(prog=f"evaluation/main.py [{'|'.join(COMMANDS)}]", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=None, help="recipe name (recipes/NAME.yaml) or path; default: schema defaults")
     p.add_argument("--base", default=None, help="target model folder or hub id (overrides target.path)")
@@ -305,6 +306,7 @@ def chi2(s: Setup, questions: list) -> int:
     return 0 if all(t.passed for t in tests) else 1
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -317,10 +319,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from recipes import RecipeError
-
-    try:
-        sys.exit(main())
-    except (RecipeError, QuestionError, OSError) as e:  # bad input or a missing model/head: the message names it
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

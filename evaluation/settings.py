@@ -5,6 +5,7 @@ Tree shapes are NOT defaulted here: methods start from the recipe's `decoding` s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -62,3 +63,31 @@ class EvalSettings:
     chi2_temperature: float = 1.0
     chi2_alpha: float = 0.01  # family-wise, Bonferroni-corrected over positions
     chi2_min_expected: float = 5.0  # rarer tokens are pooled into one "other" cell
+
+
+def validate_eval_section(ev, check) -> None:
+    """Check every value of the `eval` section; `check(cond, key, value, expect)` raises the recipe error."""
+    def finite(key, lo, hi=math.inf, lo_open=False, hi_open=False):
+        v = ev[key]
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        check(ok, f"eval.{key}", v, f"expected a number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
+
+    for key in ("num_questions", "max_length", "top_k", "warmup", "threads"):
+        check(ev[key] >= 0, f"eval.{key}", ev[key], "expected >= 0")
+    for key in ("max_new_tokens", "bootstrap_samples", "calibration_bins", "paragraph_sentences", "tune_prompts",
+                "tune_max_new_tokens", "tune_finalists", "tune_repeats", "chi2_samples"):
+        check(ev[key] >= 1, f"eval.{key}", ev[key], "expected >= 1")
+    finite("temperature", 0)
+    finite("top_p", 0, 1)
+    finite("confidence_level", 0, 1, lo_open=True, hi_open=True)
+    finite("tie_ulps", 0)
+    finite("chi2_temperature", 0, lo_open=True)
+    finite("chi2_alpha", 0, 1, lo_open=True, hi_open=True)
+    finite("chi2_min_expected", 0, lo_open=True)
+    check(len(ev.methods) >= 1, "eval.methods", list(ev.methods), "expected at least one method")
+    for key in ("tune_total_tokens", "tune_depths", "tune_top_ks"):
+        check(len(ev[key]) >= 1 and all(int(v) >= 1 for v in ev[key]), f"eval.{key}", list(ev[key]),
+              "expected a non-empty list of integers >= 1")
+    check(all(int(p) >= 0 for p in ev.chi2_positions), "eval.chi2_positions", list(ev.chi2_positions),
+          "expected positions >= 0")
+    check(all(int(e) >= 0 for e in ev.eos_token_ids), "eval.eos_token_ids", list(ev.eos_token_ids), "expected ids >= 0")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from eagle.cli_errors import ArgumentParser, one_line_errors
 from quickstart.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target, read_build_info
 
 STATE_FILE = "quickstart_state.json"
@@ -51,7 +52,7 @@ STAGES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m quickstart", description=__doc__,
+    p = ArgumentParser(prog="python -m quickstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="a local HF causal-LM folder or hub id to use instead of the "
                                                   "embedded default target (then also set data.source / eval.questions "
@@ -150,6 +151,7 @@ def summarize_report(eval_dir: Path) -> list[str]:
     return lines
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     from recipes import load_recipe
 

@@ -98,11 +98,9 @@ def test_cli_shards_and_int8_without_regeneration(tmp_path, capsys):
     assert all(sum(r["loss_mask"]) > 0 for r in tokenized.values())
 
 
-def test_cli_rejects_unknown_keys_and_stages(tmp_path):
-    from recipes import RecipeError
-
+def test_cli_rejects_unknown_keys_and_stages(tmp_path, capsys):
     recipe = write_recipe(tmp_path)
-    with pytest.raises(RecipeError, match="data.nope"):
-        main(["--recipe", str(recipe), "data.nope=1"])
-    with pytest.raises(SystemExit, match="at most one stage"):
-        main(["--recipe", str(recipe), "train"])
+    assert main(["--recipe", str(recipe), "data.nope=1"]) == 2
+    assert "data.nope" in capsys.readouterr().err
+    assert main(["--recipe", str(recipe), "train"]) == 2
+    assert "at most one stage" in capsys.readouterr().err

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from eagle.cli_errors import ArgumentParser, one_line_errors
+
 
 def read_paragraphs(path: str | Path, first: int = 0) -> list[str]:
     """Non-empty blank-line separated paragraphs of a UTF-8 text file (the first `first`; 0 = all)."""
@@ -114,10 +116,11 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     return manifest
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     from train.main import load_config
 
-    p = argparse.ArgumentParser(prog="python -m train.corpus_cache", description=__doc__,
+    p = ArgumentParser(prog="python -m train.corpus_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True)
     p.add_argument("overrides", nargs="*", metavar="key=value")

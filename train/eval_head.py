@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from eagle.cli_errors import ArgumentParser, one_line_errors
+
 
 def evaluate_head(cfg, head_path: str) -> dict:
     """Eval metrics of the head at `head_path` on the eval split of `cfg`'s feature cache (offline)."""
@@ -49,10 +51,11 @@ def evaluate_head(cfg, head_path: str) -> dict:
     return {"head": str(head_path), "cache": str(cdir), "eval_records": len(eval_idx), **metrics}
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     from train.main import load_config
 
-    p = argparse.ArgumentParser(prog="python -m train.eval_head", description=__doc__,
+    p = ArgumentParser(prog="python -m train.eval_head", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True)
     p.add_argument("--head", required=True, help="head folder (config.json + model.safetensors) or hub id")

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from eagle.head import EagleHead
 
+MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 RECIPE_FILE = "recipe.yaml"
 SUMMARY_FILE = "train_summary.json"
@@ -42,9 +43,26 @@ def standalone_head(module, zero_stage: int, device, dtype) -> EagleHead:
     return head.to(device=device, dtype=dtype).eval()
 
 
+def check_exportable(state_dict: dict[str, torch.Tensor], dtype: str, out_dir: Path) -> None:
+    """Refuse weights that are non-finite, exploded, or overflow the export dtype (the old export stays)."""
+    from train.divergence import DivergenceError
+
+    for name, w in state_dict.items():
+        cast = w.to(EXPORT_DTYPES[dtype])
+        if not bool(torch.isfinite(cast).all()):
+            raise DivergenceError(f"not exporting to {out_dir}: {name} holds NaN/inf in {dtype} "
+                                  f"(max |w| {float(w.abs().max()):.3g}); the previous export, if any, is unchanged")
+        peak = float(w.abs().max()) if w.numel() else 0.0
+        if peak > MAX_ABS_WEIGHT:
+            raise DivergenceError(f"not exporting to {out_dir}: {name} has exploded (max |w| {peak:.3g} > {MAX_ABS_WEIGHT:g}); "
+                                  "the previous export, if any, is unchanged")
+
+
 def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtype: str, legacy_bin: bool,
                 recipe=None, summary: dict | None = None) -> Path:
-    """Write the head folder atomically (a temporary sibling renamed into place)."""
+    """Write the head folder atomically (a temporary sibling renamed into place); a previous export is replaced
+    only by a complete, finite one."""
+    check_exportable(state_dict, dtype, Path(out_dir))
     head = EagleHead(config)
     head.load_state_dict(state_dict, strict=True)
     out_dir = Path(out_dir)
@@ -56,7 +74,9 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
         (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
     if summary is not None:
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    old = out_dir.with_name(out_dir.name + f".old{os.getpid()}")
     if out_dir.exists():
-        shutil.rmtree(out_dir)
+        os.replace(out_dir, old)  # kept until the new folder is in place
     os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir

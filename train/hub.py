@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
 from train.export import RECIPE_FILE, SUMMARY_FILE, export_dir
 from train.model_card import model_card, read_json
 
@@ -23,7 +24,7 @@ HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FI
 EVAL_FILES = ("report.md", "report.json")
 
 
-class HubPushError(RuntimeError):
+class HubPushError(UserError, RuntimeError):
     """The upload could not happen (no token, no network, no permission); the message says what to do."""
 
 
@@ -99,22 +100,19 @@ def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False) 
     return result
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     from train.main import load_config
 
-    p = argparse.ArgumentParser(prog="python -m train.hub", description=__doc__,
+    p = ArgumentParser(prog="python -m train.hub", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="recipe name or YAML path (the run whose head is pushed)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--head", default=None, help="head folder to push (default: export.dir or {output_dir}/head)")
     p.add_argument("--dry-run", action="store_true", help="stage the upload and list it; do not contact the Hub")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-        result = push_to_hub(cfg, args.head, dry_run=args.dry_run)
-    except (HubPushError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    cfg = load_config(args.recipe, args.overrides)
+    result = push_to_hub(cfg, args.head, dry_run=args.dry_run)
     staging = Path(result["staging"])
     verb = "would upload" if args.dry_run else "uploaded"
     print(f"{verb} to {result['repo_id']} ({'private' if result['private'] else 'public'}) from {staging}:")

@@ -23,12 +23,13 @@ if __package__ in (None, ""):  # `python train/main.py`: import the train packag
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
 from train.settings import describe_recipe_keys, validate_train_sections  # noqa: E402
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
     """Too many non-finite losses in a row: the run diverged or the data holds NaN/inf features."""
 
 
@@ -60,6 +61,20 @@ def all_ranks_finite(loss: torch.Tensor, world_size: int) -> bool:
     return all_reduce_sum([bad])[0] == 0 if world_size > 1 else bad == 0
 
 
+def set_scheduled_lr(engine, say) -> None:
+    """After a resume, put the LR the schedule gives for this step into the optimizer (the checkpoint holds the
+    LR of the run that saved it; identical unless train.lr or the schedule changed)."""
+    scheduler = engine.lr_scheduler
+    if scheduler is None or not hasattr(scheduler, "get_lr") or getattr(scheduler, "last_batch_iteration", -1) < 0:
+        return
+    groups = engine.optimizer.param_groups
+    new = scheduler.get_lr()
+    if len(new) == len(groups) and any(g["lr"] != lr for g, lr in zip(groups, new)):
+        say(f"learning rate {groups[0]['lr']:.3g} in the checkpoint -> {new[0]:.3g} from this run's schedule")
+        for g, lr in zip(groups, new):
+            g["lr"] = lr
+
+
 def train(cfg, ctx=None) -> dict:
     """Train a head from a loaded recipe. Returns the run summary (also {output_dir}/train/summary.json)."""
     import deepspeed
@@ -72,6 +87,7 @@ def train(cfg, ctx=None) -> dict:
     from train.checkpoint import checkpoint_root, latest_tag, load_checkpoint, save_checkpoint
     from train.data import Subset, TokenizedRecords, cache_dir, micro_batch_loader, split_train_eval, tokenized_file
     from train.distributed import all_reduce_sum, init_distributed
+    from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
     from train.ds_config import deepspeed_config
     from train.export import export_dir, export_head, full_state_dict, standalone_head
     from train.frozen_target import check_cache_matches_target, load_frozen_target
@@ -145,6 +161,17 @@ def train(cfg, ctx=None) -> dict:
             raise RuntimeError(f"checkpoint {ckpt_root / tag} was made with data/batching {state['data']}, "
                                f"this run has {fingerprint}; exact resume needs the same ones (or train.resume=false)")
         say(f"resumed from {ckpt_root / tag} at step {state['step']}")
+        set_scheduled_lr(engine, say)  # a rerun with another train.lr (e.g. after a divergence) uses the new one
+    state.setdefault("losses", [])  # recent finite micro-batch losses: the divergence reference
+
+    def any_rank(flag: bool) -> bool:
+        return all_reduce_sum([float(flag)])[0] > 0 if ctx.world_size > 1 else flag
+
+    def recovery() -> str:
+        good = latest_tag(ckpt_root)
+        where = f"the last good checkpoint {ckpt_root / good}" if good else "the start (no checkpoint yet)"
+        return (f"nothing was exported or checkpointed after it; rerun the same command with a lower train.lr "
+                f"(now {t.lr:g}) to resume from {where}")
     tracker = Tracker(cfg, train_dir, enabled=ctx.is_main, resumed_step=state["step"])
     live = None
     if t.live_tau_prompts and ctx.is_main and len(eval_set):
@@ -185,9 +212,15 @@ def train(cfg, ctx=None) -> dict:
             if state["bad_in_row"] >= t.max_bad_steps:
                 raise NonFiniteLossError(
                     f"{state['bad_in_row']} non-finite losses in a row (train.max_bad_steps={t.max_bad_steps}) at step "
-                    f"{step}: lower train.lr, use train.precision=bf16/fp32, or check the feature cache for NaN/inf")
+                    f"{step}: lower train.lr, use train.precision=bf16/fp32, or check the feature cache for NaN/inf; "
+                    + recovery())
             continue
         state["bad_in_row"] = 0
+        loss_value = float(out.loss.detach())
+        if any_rank(exploded(loss_value, state["losses"], t.max_loss_ratio)):
+            raise DivergenceError(f"training diverged at step {step}: {describe(loss_value, state['losses'], t.max_loss_ratio)}; "
+                                  + recovery())
+        remember(loss_value, state["losses"])
         engine.backward(out.loss)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
@@ -238,6 +271,9 @@ def train(cfg, ctx=None) -> dict:
                 + (f", live tau {eval_metrics['eval/live_tau']:.2f}" if live is not None else ""))
 
         state.update(step=step, micro_step=micro)
+        if any_rank(bool(non_finite_weights(engine.module))):
+            raise DivergenceError(f"training diverged at step {step}: the head's weights {non_finite_weights(engine.module)[:3]} "
+                                  f"are no longer finite; " + recovery())
         if step % t.checkpoint_every == 0 or step == total_steps or (t.stop_after and step >= t.stop_after):
             save_checkpoint(engine, ckpt_root, step, state, t.keep_last, ctx.rank)
         if t.stop_after and step >= t.stop_after and step < total_steps:
@@ -291,7 +327,7 @@ def train(cfg, ctx=None) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from recipes import list_recipes
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="train/main.py",
         description="Train an EAGLE-2 draft head (DeepSpeed) from a recipe. Overrides: key=value, e.g. "
                     "train.lr=1e-4 train.max_steps=100 target.path=/models/llama.",
@@ -304,16 +340,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import RecipeError
     from train.distributed import init_distributed, shutdown_distributed
 
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-    except (RecipeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.recipe, args.overrides)
     ctx = init_distributed(cfg.train.device)
     try:
         train(cfg, ctx)

@@ -8,6 +8,7 @@ uniform input-feature noise 0.2. `validate_train_sections` checks every value be
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,7 @@ class TrainSettings:
     keep_last: int = 3  # checkpoints kept (older ones are deleted)
     resume: bool = True  # continue from the latest checkpoint in {output_dir}/train/checkpoints when there is one
     max_bad_steps: int = 10  # abort after this many non-finite losses in a row (each one is skipped with a warning)
+    max_loss_ratio: float = 10.0  # divergence: stop when a loss exceeds this x the median of the recent ones; 0 = off
     stop_after: int = 0  # stop after this optimizer step as if interrupted (time-boxed jobs); 0 = run to the end
     device: str = "auto"  # auto = cuda:LOCAL_RANK when available, else cpu
 
@@ -126,10 +128,16 @@ def validate_train_sections(cfg) -> None:
                 "live_tau_prompts"):
         _check(t[key] >= 0, f"train.{key}", t[key], "expected >= 0")
     _check(t.live_tau_max_new_tokens >= 1, "train.live_tau_max_new_tokens", t.live_tau_max_new_tokens, "expected >= 1")
-    _check(t.lr > 0, "train.lr", t.lr, "expected > 0")
+    _check(math.isfinite(t.lr) and t.lr > 0, "train.lr", t.lr, "expected a finite number > 0")
+    _check(math.isfinite(t.eps) and t.eps > 0, "train.eps", t.eps, "expected a finite number > 0")
+    _check(math.isfinite(t.epochs) and t.epochs >= 0, "train.epochs", t.epochs, "expected a finite number >= 0")
+    _check(math.isfinite(t.max_loss_ratio) and (t.max_loss_ratio == 0 or t.max_loss_ratio > 1), "train.max_loss_ratio",
+           t.max_loss_ratio, "expected 0 (off) or a number > 1")
+    _check(t.device == "auto" or t.device == "cpu" or str(t.device).startswith("cuda"), "train.device", t.device,
+           "expected auto, cpu or cuda[:N]")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas), "expected [b1, b2] in [0, 1)")
     for key in ("weight_decay", "grad_clip", "feature_weight", "token_weight", "noise_std"):
-        _check(t[key] >= 0, f"train.{key}", t[key], "expected >= 0")
+        _check(math.isfinite(t[key]) and t[key] >= 0, f"train.{key}", t[key], "expected a finite number >= 0")
     _check(t.feature_weight + t.token_weight > 0, "train.feature_weight", t.feature_weight,
            "feature_weight and token_weight cannot both be 0")
     reserved = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",

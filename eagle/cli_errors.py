@@ -1,0 +1,124 @@
+"""Expected errors and the one-line CLI wrapper every command-line entry point uses.
+
+An *expected* error is a problem the user can fix (a bad recipe key or value, a missing or malformed file, a
+cache/head/target mismatch, an unsupported option, a full disk, a run directory in use, a diverged run). A CLI
+reports it as ONE line on stderr, ``error: <what to fix>``, and exits with code 2, without a traceback.
+``--debug`` on the command line (or ``EAGLE_DEBUG=1`` in the environment) re-raises instead, traceback and all.
+Anything else is a bug: it propagates with its traceback (exit code 1).
+
+    @one_line_errors
+    def main(argv: list[str] | None = None) -> int: ...
+
+Library errors that do not say which file they come from (JSON, UTF-8, YAML, safetensors, unpickling) are
+translated where the file is opened, with `file_error(path, exc)`; this module only decides how they print.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import functools
+import os
+import pickle
+import sys
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "EAGLE_DEBUG"
+
+
+class UserError(Exception):
+    """A problem in the user's input or environment; the message names the thing to fix."""
+
+
+class RunDirBusyError(UserError):
+    """Another process holds the run directory's lock."""
+
+
+def _expected_types() -> tuple[type, ...]:
+    types: list[type] = [UserError, ValueError, OSError, pickle.UnpicklingError]  # KeyError etc. are bugs
+    try:
+        from omegaconf.errors import OmegaConfBaseException
+
+        types.append(OmegaConfBaseException)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    try:
+        from safetensors import SafetensorError
+
+        types.append(SafetensorError)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import yaml
+
+        types.append(yaml.YAMLError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def is_expected(exc: BaseException) -> bool:
+    """True for errors a user can fix from the message alone."""
+    return isinstance(exc, _expected_types())
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as one line: its message with newlines folded; OSErrors name their file and say what to do."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) and not str(exc).startswith("disk"):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        msg = f"disk full{where} ({os.strerror(exc.errno)}): free space (or point output_dir elsewhere) and rerun"
+    else:
+        msg = str(exc) or type(exc).__name__
+    return " ".join(msg.split())
+
+
+def file_error(path: str | Path, exc: BaseException, what: str = "") -> UserError:
+    """A UserError naming `path` for a library error raised while reading it (JSON, UTF-8, YAML, safetensors...)."""
+    kind = {"JSONDecodeError": "not valid JSON", "UnicodeDecodeError": "not valid UTF-8",
+            "SafetensorError": "not a readable safetensors file (truncated or corrupt)",
+            "UnpicklingError": "refused by the weights-only unpickler"}.get(type(exc).__name__, type(exc).__name__)
+    detail = one_line(exc)
+    return UserError(f"{what + ' ' if what else ''}{path}: {kind} ({detail})")
+
+
+def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
+    debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return [a for a in argv if a != DEBUG_FLAG], debug
+
+
+def one_line_errors(main):
+    """Decorate a CLI `main(argv) -> int`: expected errors become one stderr line and exit code 2."""
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+        try:
+            code = main(args)
+        except SystemExit as e:  # `raise SystemExit("message")` is an expected error too
+            if isinstance(e.code, str):
+                if debug:
+                    raise
+                print(f"error: {' '.join(e.code.split())}", file=sys.stderr, flush=True)
+                return EXIT_USER_ERROR
+            raise  # --help, argparse usage errors: their own exit code
+        except BaseException as e:
+            if debug or not is_expected(e):
+                raise
+            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+        return 0 if code is None else int(code)
+
+    return wrapper
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2) and the `--debug` flag documented in --help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument(DEBUG_FLAG, action="store_true",
+                          help=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {' '.join(message.split())} (see --help)\n")
