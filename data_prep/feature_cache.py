@@ -89,10 +89,37 @@ def _load_parts(out_dir: Path) -> dict[str, dict]:
     if pdir.is_dir():
         for p in sorted(pdir.glob("*.json")):
             try:
-                parts[p.stem] = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
+                part = json.loads(p.read_bytes().decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise FeatureCacheError(f"part manifest {p} is corrupt ({e}); delete it and its shards to redo that part") from None
+            _check_part(part, p)
+            parts[p.stem] = part
     return parts
+
+
+SHARD_KEYS = {"file": str, "sha256": str, "bytes": int, "num_records": int, "num_tokens": int, "num_loss_tokens": int,
+              "ids": list, "lengths": list}
+
+
+def _check_part(part, path: Path) -> None:
+    """A part manifest's structure and internal arithmetic (ids and lengths per record, token sums)."""
+    def bad(why: str):
+        raise FeatureCacheError(f"part manifest {path} is inconsistent: {why}; delete it and its shards to redo that part")
+
+    if not isinstance(part, dict) or not isinstance(part.get("shards"), list) or not isinstance(part.get("meta"), dict) \
+            or not isinstance(part.get("dtype"), str):
+        bad("expected an object with meta, dtype and a list of shards")
+    if part["dtype"] not in CACHE_DTYPES:
+        bad(f"unknown dtype {part['dtype']!r}")
+    for k, s in enumerate(part["shards"]):
+        if not isinstance(s, dict) or any(not isinstance(s.get(key), t) for key, t in SHARD_KEYS.items()):
+            bad(f"shard entry {k} needs {sorted(SHARD_KEYS)}")
+        if Path(s["file"]).is_absolute() or ".." in Path(s["file"]).parts:
+            bad(f"shard entry {k} names {s['file']!r} outside the cache")
+        if len(s["ids"]) != s["num_records"] or len(s["lengths"]) != s["num_records"]:
+            bad(f"{s['file']}: {len(s['ids'])} ids and {len(s['lengths'])} lengths for num_records={s['num_records']}")
+        if any(not isinstance(n, int) or n < 1 for n in s["lengths"]) or sum(s["lengths"]) != s["num_tokens"]:
+            bad(f"{s['file']}: record lengths do not sum to num_tokens={s['num_tokens']}")
 
 
 def _check_meta_consistent(parts: dict[str, dict], out_dir: Path) -> None:
@@ -258,7 +285,7 @@ class FeatureCacheWriter:
         name = f"{self.part}-{index:05d}.safetensors"
         path = self.out_dir / "shards" / name
         tmp = path.with_name(name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT_NAME, "dtype": self.dtype})
+        save_file(tensors, str(tmp), metadata={"format": FORMAT_NAME, "dtype": self.dtype, "ids": json.dumps(ids)})
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -341,6 +368,7 @@ class FeatureCacheReader:
             raise FeatureCacheError(
                 f"feature cache shard {path} is truncated or altered: {size} bytes on disk, manifest says {shard['bytes']}"
             )
+        self._check_tensors(shard, path)
         if verify == "sha256":
             digest = sha256_file(path)
             if digest != shard["sha256"]:
@@ -348,6 +376,35 @@ class FeatureCacheReader:
                     f"feature cache shard {path} is corrupt: sha256 {digest[:16]}... does not match the manifest "
                     f"({shard['sha256'][:16]}...); delete the shard and its entry in parts/ and rerun the cache stage"
                 )
+
+    def _check_tensors(self, shard: dict, path: Path) -> None:
+        """The shard's tensors agree with the manifest: per-record lengths (offsets), ids, row counts, width."""
+        def bad(why: str):
+            raise FeatureCacheError(f"feature cache shard {path} does not match its manifest entry: {why}; delete the "
+                                    "shard and its entry in parts/ and rerun the cache stage")
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+                need = {"hidden", "input_ids", "loss_mask", "offsets"} | ({"scales"} if self.dtype == "int8" else set())
+                if not need <= keys:
+                    bad(f"tensors {sorted(need - keys)} are missing")
+                offsets = f.get_tensor("offsets")
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in need}
+                stored_ids = (f.metadata() or {}).get("ids")
+        except FeatureCacheError:
+            raise
+        except Exception as e:  # SafetensorError and friends: a damaged header
+            raise FeatureCacheError(f"cannot read feature cache shard {path}: {e}") from None
+        n, t = shard["num_records"], shard["num_tokens"]
+        lengths = (offsets[1:] - offsets[:-1]).tolist() if offsets.numel() else []
+        if offsets.numel() != n + 1 or lengths != shard["lengths"]:
+            bad(f"per-record lengths {lengths[:5]}... in the file, {shard['lengths'][:5]}... in the manifest")
+        hidden = int(self.manifest.get("hidden_size", shapes["hidden"][-1]))
+        if shapes["hidden"] != (t, hidden) or any(shapes[k] != (t,) for k in need - {"hidden", "offsets"}):
+            bad(f"tensor shapes {shapes} for {t} tokens of width {hidden}")
+        if stored_ids is not None and json.loads(stored_ids) != shard["ids"]:
+            bad("record ids differ from the ones stored in the shard")
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -31,6 +31,10 @@ class UserError(Exception):
     """A problem in the user's input or environment; the message names the thing to fix."""
 
 
+class FileFormatError(UserError, ValueError):
+    """A file is malformed (bad JSON/UTF-8/safetensors/pickle, wrong structure); the message names it."""
+
+
 class RunDirBusyError(UserError):
     """Another process holds the run directory's lock."""
 
@@ -73,13 +77,16 @@ def one_line(exc: BaseException) -> str:
     return " ".join(msg.split())
 
 
-def file_error(path: str | Path, exc: BaseException, what: str = "") -> UserError:
+def file_error(path: str | Path, exc: BaseException, what: str = "") -> FileFormatError:
     """A UserError naming `path` for a library error raised while reading it (JSON, UTF-8, YAML, safetensors...)."""
     kind = {"JSONDecodeError": "not valid JSON", "UnicodeDecodeError": "not valid UTF-8",
             "SafetensorError": "not a readable safetensors file (truncated or corrupt)",
             "UnpicklingError": "refused by the weights-only unpickler"}.get(type(exc).__name__, type(exc).__name__)
-    detail = one_line(exc)
-    return UserError(f"{what + ' ' if what else ''}{path}: {kind} ({detail})")
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if isinstance(exc, pickle.UnpicklingError):  # torch's message is a page long: keep the line naming the global
+        lines = [next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0] if lines else "")]
+    detail = " ".join(" ".join(lines).split())[:300]
+    return FileFormatError(f"{what + ' ' if what else ''}{path}: {kind} ({detail})")
 
 
 def _split_debug(argv: list[str]) -> tuple[list[str], bool]:

@@ -406,7 +406,7 @@ class EagleHead(nn.Module):
                         device: str | torch.device | None = None) -> "EagleHead":
         """Load a head folder (ours or a released `yuhuili/EAGLE-*`) from a local dir or the Hub, strictly."""
         config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
-        config = HeadConfig.from_dict(json.loads(Path(config_file).read_text()))
+        config = read_head_config(config_file)
         sd = _load_weights(weights_file)
         head = cls(config)
         own = set(head.state_dict().keys())
@@ -459,12 +459,56 @@ def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str,
     return cfg, weights
 
 
+def read_head_config(config_file: str | Path) -> HeadConfig:
+    """A head's config.json as a HeadConfig; any problem (JSON, UTF-8, types, values) raises naming the file."""
+    from eagle.cli_errors import FileFormatError, file_error
+
+    try:
+        raw = json.loads(Path(config_file).read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise file_error(config_file, e, "head config") from None
+    if not isinstance(raw, dict):
+        raise FileFormatError(f"head config {config_file}: expected a JSON object, got {type(raw).__name__}")
+    ints = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "max_position_embeddings")
+    bad = [k for k in ints if k in raw and not (isinstance(raw[k], int) and not isinstance(raw[k], bool) and raw[k] >= 1)]
+    if bad:
+        raise FileFormatError(f"head config {config_file}: {', '.join(f'{k}={raw[k]!r}' for k in bad)}: expected integers >= 1")
+    try:
+        config = HeadConfig.from_dict(raw)
+        if config.hidden_size % config.num_attention_heads and "head_dim" not in raw:
+            raise ValueError(f"hidden_size={config.hidden_size} is not a multiple of "
+                             f"num_attention_heads={config.num_attention_heads}")
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise FileFormatError(f"head config {config_file}: {' '.join(str(e).split())}") from None
+    return config
+
+
 def _load_weights(weights_file: str) -> dict[str, torch.Tensor]:
+    """The head's tensors: safetensors, or a legacy .bin through the weights-only unpickler (never runs code)."""
+    import pickle
+
+    from eagle.cli_errors import file_error
+
     if weights_file.endswith(".safetensors"):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(weights_file)
-    return torch.load(weights_file, map_location="cpu", weights_only=True)
+        try:
+            return load_file(weights_file)
+        except SafetensorError as e:
+            raise file_error(weights_file, e, "head weights") from None
+    try:
+        sd = torch.load(weights_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise file_error(weights_file, e, "head weights") from None
+    except (RuntimeError, EOFError) as e:  # not a torch file / truncated zip
+        raise file_error(weights_file, e, "head weights") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        from eagle.cli_errors import FileFormatError
+
+        raise FileFormatError(f"head weights {weights_file}: expected a mapping of tensor names to tensors")
+    return sd
 
 
 # ----------------------------------------------------------------------------- target's frozen tensors

@@ -1,18 +1,54 @@
 """Training checkpoints: DeepSpeed engine state (weights, optimizer, LR scheduler) + the trainer's own state
 (step, data position, counters) + every rank's RNG state, under {output_dir}/train/checkpoints/step-NNNNNNNN.
-Resuming from one replays the run exactly: same weights as a run that was never interrupted."""
+Resuming from one replays the run exactly: same weights as a run that was never interrupted.
+
+Loading never runs code from a file: DeepSpeed's own loader unpickles with `weights_only=False`, so resume
+swaps in `weights_only_load` (torch's weights-only unpickler with an allow-list of the few DeepSpeed classes
+its checkpoints hold, `SAFE_GLOBALS`); a checkpoint holding anything else is refused, naming the file."""
 from __future__ import annotations
 
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from eagle.cli_errors import UserError
 from train.distributed import barrier
 
 TAG_PREFIX = "step-"
+TAG_PATTERN = re.compile(r"step-\d{8}")
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A training checkpoint is unreadable, incomplete, or holds something the weights-only loader refuses."""
+
+
+def safe_globals() -> list:
+    """The non-tensor classes DeepSpeed writes into its checkpoints (ZeRO 0-3, fp32/bf16/fp16): plain data."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def weights_only_load(path, map_location=None):
+    """torch.load with the weights-only unpickler and `safe_globals()`; errors name the file."""
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()
+        detail = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
+        raise CheckpointError(f"checkpoint file {path} holds objects the weights-only loader refuses "
+                              f"({' '.join(detail.split())[:200]}); not loading it (train.resume=false starts fresh)") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({' '.join(str(e).split())[:200]}); delete its folder "
+                              "and rerun to resume from the previous checkpoint, or set train.resume=false") from None
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -51,6 +87,8 @@ def latest_tag(root: Path) -> str | None:
     if not latest.exists():
         return None
     tag = latest.read_text().strip()
+    if not TAG_PATTERN.fullmatch(tag):
+        raise CheckpointError(f"{latest} names {tag[:80]!r}, not a checkpoint of this trainer (step-NNNNNNNN)")
     if not (root / tag).is_dir():
         raise FileNotFoundError(f"{latest} names checkpoint {tag!r}, but {root / tag} does not exist")
     return tag
@@ -91,8 +129,9 @@ def load_checkpoint(engine, root: Path, tag: str, rank: int) -> dict:
             f"checkpoint {root / tag} has no {rng_file.name}: it was written by a run with fewer ranks; "
             "resume with the same number of processes"
         )
+    engine.checkpoint_engine.load = weights_only_load  # DeepSpeed's own load unpickles with weights_only=False
     path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None or "trainer_state" not in (client or {}):
-        raise RuntimeError(f"could not load checkpoint {root / tag} (DeepSpeed returned {path!r})")
-    set_rng_state(torch.load(rng_file, weights_only=True))
+        raise CheckpointError(f"could not load checkpoint {root / tag} (DeepSpeed returned {path!r})")
+    set_rng_state(weights_only_load(rng_file))
     return client["trainer_state"]
