@@ -40,8 +40,14 @@ def iter_raw_records(source: str, hf_subset: str | None = None, hf_split: str = 
     """Yield (record, parse_error) per input record. JSONL lines that do not parse give (line text, reason)."""
     path = Path(source)
     if path.is_file() and path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # decoded per line: one undecodable line is one rejected record
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield raw.rstrip(b"\n")[:200].decode("utf-8", "replace"), \
+                        f"bad UTF-8 line {lineno}: {e.reason} at byte {e.start}"
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -50,7 +56,10 @@ def iter_raw_records(source: str, hf_subset: str | None = None, hf_split: str = 
                     yield line.rstrip("\n")[:200], f"bad JSON line {lineno}: {e.msg}"
     elif path.is_file() and path.suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not valid UTF-8 ({e.reason} at byte {e.start}); fix the file or convert it "
+                             "to .jsonl so that only the bad records are rejected") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e}); for one record per line use a .jsonl file") from None
         if isinstance(data, dict):  # {"data": [...]} / {"train": [...]}: take the single list value
@@ -231,5 +240,15 @@ def write_jsonl(path: Path, records) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a JSON-lines file this pipeline wrote; a damaged line raises naming the file and line."""
+    out = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+                if line.strip():
+                    out.append(json.loads(line))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{lineno}: damaged line ({e}); delete the file and rerun the stage that "
+                                 "writes it") from None
+    return out

@@ -102,10 +102,21 @@ def tokenize_records(records, tokenizer, max_length: int, overlong: str = "trunc
             stats.dropped_length_limited += 1
             stats.rejects.append({"id": rec["id"], "reason": "length limited: generation hit max_new_tokens"})
             continue
+        if rec.get("stopped_at_max_length") and not any(m["role"] == "assistant" for m in rec["messages"]):
+            stats.dropped_no_loss_tokens += 1
+            stats.rejects.append({"id": rec["id"], "reason": f"no loss tokens: the prompt alone does not fit "
+                                                            f"max_length {max_length}, so nothing was generated"})
+            continue
         try:
             ids, mask = tokenize_with_mask(tokenizer, rec["messages"], mode)
         except TemplateMaskError as e:
             raise TemplateMaskError(f"record {rec['id']!r}: {e}") from None
+        except Exception as e:  # the template itself refuses this conversation (jinja raise_exception): a bad record
+            if type(e).__module__.split(".")[0] != "jinja2":
+                raise
+            stats.dropped_no_loss_tokens += 1
+            stats.rejects.append({"id": rec["id"], "reason": f"no loss tokens: the chat template refuses it ({e})"})
+            continue
         if len(ids) > max_length:
             if overlong == "drop":
                 stats.dropped_overlong += 1

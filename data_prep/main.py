@@ -292,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))
     run = Run(cfg, shard, num_shards, distributed, progress=not args.no_progress)
     run.data_dir.mkdir(parents=True, exist_ok=True)
+    from eagle.run_lock import run_lock
+
     try:
-        run_stages(run, stage, args.inspect)
+        with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):
+            run_stages(run, stage, args.inspect)
     finally:
         if distributed:
             import torch.distributed as dist

@@ -151,10 +151,15 @@ def read_parts(out_dir: Path, own: Path | None = None) -> dict[str, dict]:
         if own is not None and path == own and len(complete) != len(data):
             with open(path, "r+b") as f:
                 f.truncate(len(complete))
-        for line in complete.decode("utf-8").splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                done.setdefault(rec["id"], rec)
+        for lineno, raw in enumerate(complete.splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+                rec = json.loads(line) if line.strip() else None
+                if rec is not None:
+                    done.setdefault(rec["id"], rec)
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: damaged regenerated record ({type(e).__name__}: {e}); delete that "
+                                 "line (or the file) and rerun: the missing records are regenerated") from None
     return done
 
 

@@ -45,6 +45,8 @@ def prompt_tensor(input_ids) -> torch.Tensor:
     return input_ids
 
 
+
+DEFAULT_MAX_LENGTH = 2048  # prompt + new tokens when max_length is None (capped by max_position_embeddings)
 @dataclass(frozen=True)
 class StopRule:
     eos_ids: tuple[int, ...]
@@ -111,28 +113,34 @@ class EaModel(nn.Module):
 
     # ------------------------------------------------------------------ public API
     def eagenerate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0, top_k: float = 0.0,
-                   max_new_tokens: int = 512, max_length: int = 2048, log: bool = False, eos_token_id=None,
+                   max_new_tokens: int = 512, max_length: int | None = None, log: bool = False, eos_token_id=None,
                    decoding: DecodingConfig | None = None, generator: torch.Generator | None = None,
                    return_stats: bool = False):
         """Speculative generation from input_ids [1, T] (or a tokenizer's output, see `prompt_tensor`). Returns
-        ids [1, T + new]; with log=True (ids, new_tokens, rounds); with return_stats=True (ids, GenerationStats)."""
+        ids [1, T + new]; with log=True (ids, new_tokens, rounds); with return_stats=True (ids, GenerationStats).
+
+        temperature: 0 = greedy (finite, >= 0). top_p: 0 or >= 1 = no nucleus cut (the whole distribution);
+        0 < top_p < 1 keeps the smallest set of tokens whose probability reaches top_p. top_k: 0 = off.
+        max_new_tokens >= 0. max_length (prompt + new tokens): None = min(2048, the target's
+        max_position_embeddings); a larger value is refused unless the target's config.max_position_embeddings
+        is raised explicitly (positions beyond it were never trained)."""
         return self._collect(self._prompt(input_ids), decoding or self.decoding, temperature, top_p, top_k,
                              max_new_tokens, max_length, log, eos_token_id, generator, return_stats)
 
     def naivegenerate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0,
-                      top_k: float = 0.0, max_new_tokens: int = 512, max_length: int = 2048, log: bool = False,
+                      top_k: float = 0.0, max_new_tokens: int = 512, max_length: int | None = None, log: bool = False,
                       eos_token_id=None, generator: torch.Generator | None = None, return_stats: bool = False):
         """Vanilla autoregressive decoding on the same Target implementation and KV cache."""
         return self._collect(self._prompt(input_ids), replace(self.decoding, mode="vanilla"), temperature, top_p,
                              top_k, max_new_tokens, max_length, log, eos_token_id, generator, return_stats)
 
     def ea_generate(self, input_ids: torch.Tensor, temperature: float = 0.0, top_p: float = 0.0, top_k: float = 0.0,
-                    max_new_tokens: int = 512, max_length: int = 2048, eos_token_id=None,
+                    max_new_tokens: int = 512, max_length: int | None = None, eos_token_id=None,
                     decoding: DecodingConfig | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
         """Streaming: yields the ids generated so far ([1, T + new]) after every round."""
         ids = input_ids = self._prompt(input_ids)
         for new, _ in self._rounds(input_ids, decoding or self.decoding,
-                                   SamplingParams(temperature, top_p, int(top_k)),
+                                   SamplingParams(temperature, top_p, top_k),
                                    self._stop_rule(input_ids, max_new_tokens, max_length, eos_token_id),
                                    generator, collect=False):
             ids = torch.cat([ids, new[None]], dim=1)
@@ -154,7 +162,7 @@ class EaModel(nn.Module):
         stats = GenerationStats(prompt_tokens=input_ids.shape[1])
         t0 = time.perf_counter()
         chunks = [input_ids[0]]
-        for new, rs in self._rounds(input_ids, decoding, SamplingParams(temperature, top_p, int(top_k)), stop,
+        for new, rs in self._rounds(input_ids, decoding, SamplingParams(temperature, top_p, top_k), stop,
                                     generator, collect=return_stats, stats=stats):
             chunks.append(new)
             if rs is not None:
@@ -171,6 +179,7 @@ class EaModel(nn.Module):
         return ids
 
     def _stop_rule(self, input_ids: torch.Tensor, max_new_tokens: int, max_length: int, eos_token_id) -> StopRule:
+        max_length = self._check_lengths(max_new_tokens, max_length)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape [1, T] (batch size 1), got {tuple(input_ids.shape)}")
         n = input_ids.shape[1]
@@ -188,6 +197,26 @@ class EaModel(nn.Module):
         eos = () if eos_token_id is None else tuple(int(e) for e in (
             eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]))
         return StopRule(eos_ids=eos, budget=min(int(max_new_tokens), max_length - n))
+
+    def _check_lengths(self, max_new_tokens, max_length) -> int:
+        """Validate the length arguments; returns the effective max_length."""
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.numel() == 1
+                                                                      and not v.is_floating_point())
+        if not is_int(max_new_tokens) or int(max_new_tokens) < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 0")
+        config = self.base_model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        limit = getattr(config, "max_position_embeddings", None)
+        if max_length is None:
+            return min(DEFAULT_MAX_LENGTH, int(limit)) if limit else DEFAULT_MAX_LENGTH
+        if not is_int(max_length) or int(max_length) < 1:
+            raise ValueError(f"max_length={max_length!r}: expected an integer >= 1")
+        if limit and int(max_length) > int(limit):
+            raise ValueError(f"max_length={int(max_length)} exceeds the target's max_position_embeddings={limit}: positions "
+                             "beyond it were never trained; to go further anyway, raise "
+                             "base_model.config.max_position_embeddings explicitly")
+        return int(max_length)
 
     def _tree_spec(self, decoding: DecodingConfig) -> StaticTreeSpec | None:
         if decoding.mode == "chain":

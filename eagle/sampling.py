@@ -13,16 +13,19 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 0.0  # 0 or >= 1 = off (EAGLE API convention)
+    top_p: float = 0.0  # 0 or >= 1 = off: no nucleus cut, the whole distribution (EAGLE API convention)
     top_k: int = 0  # 0 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if self.top_p < 0:
-            raise ValueError(f"top_p={self.top_p} must be >= 0")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        import math
+
+        for name in ("temperature", "top_p", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name}={v!r}: expected a finite number >= 0")
+        if self.top_k != int(self.top_k):
+            raise ValueError(f"top_k={self.top_k!r}: expected a whole number of tokens")
+        object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:

@@ -76,7 +76,19 @@ def set_scheduled_lr(engine, say) -> None:
 
 
 def train(cfg, ctx=None) -> dict:
-    """Train a head from a loaded recipe. Returns the run summary (also {output_dir}/train/summary.json)."""
+    """Train a head from a loaded recipe. Returns the run summary (also {output_dir}/train/summary.json).
+    One writer per run: each rank holds `{output_dir}/train/.rank{r}.lock`; a second launch on the same folder
+    (or orphaned ranks of a killed launcher still running) makes it stop with RunDirBusyError."""
+    from eagle.run_lock import run_lock
+    from train.distributed import init_distributed
+
+    validate_train_sections(cfg)
+    ctx = ctx or init_distributed(cfg.train.device)
+    with run_lock(Path(cfg.output_dir) / "train", f"rank{ctx.rank}", "training"):
+        return _train_locked(cfg, ctx)
+
+
+def _train_locked(cfg, ctx) -> dict:
     import deepspeed
     from tqdm.auto import tqdm
     from transformers import AutoConfig
@@ -98,7 +110,6 @@ def train(cfg, ctx=None) -> dict:
     # ================================================================== setup
     validate_train_sections(cfg)
     t = cfg.train
-    ctx = ctx or init_distributed(t.device)
     say = (lambda msg: print(f"[train] {msg}", flush=True)) if ctx.is_main else (lambda msg: None)
     dtype = COMPUTE_DTYPES[t.precision]
     out_dir = Path(cfg.output_dir)
