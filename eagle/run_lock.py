@@ -7,6 +7,7 @@ holder's pid and command for the error message.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import sys
@@ -14,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from eagle.cli_errors import RunDirBusyError
+from eagle.cli_errors import RunDirBusyError, UserError
 
 
 @contextmanager
@@ -35,6 +36,12 @@ def run_lock(directory: str | Path, name: str, what: str) -> Iterator[Path]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:200]}".encode(), 0)
         yield path
+    except OSError as e:  # a full disk anywhere in the run: name the run directory (write() errors name no file)
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        where = e.filename or directory
+        raise UserError(f"disk full while writing {where} ({os.strerror(e.errno)}): free space or choose another "
+                        "output_dir, then rerun the same command (finished work is kept)") from None
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

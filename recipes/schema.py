@@ -123,8 +123,9 @@ def _did_you_mean(key: str) -> str:
     import difflib
 
     valid = _valid_keys(Recipe)
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
     section = key.split(".")[0] + "."
+    leaves = {k.split(".")[-1]: k for k in valid if k.startswith(section)}
+    close = [leaves[m] for m in difflib.get_close_matches(key.split(".")[-1], list(leaves), n=3, cutoff=0.6)]
     same_section = [k for k in valid if k.startswith(section)]
     listing = f"valid keys of {section[:-1]}: {', '.join(same_section)}" if same_section else \
         f"valid sections: {', '.join(sorted({k.split('.')[0] for k in valid}))}"

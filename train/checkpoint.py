@@ -97,11 +97,19 @@ def latest_tag(root: Path) -> str | None:
 def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_last: int, rank: int) -> str:
     """Save everything needed to resume at `step`; keep the newest `keep_last` checkpoints. Collective."""
     tag = tag_for(step)
-    (root / tag).mkdir(parents=True, exist_ok=True)
-    # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
-    torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
-    barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state})
+    try:
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
+        torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
+        barrier()
+        engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state})
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        good = latest_tag(root)
+        if good != tag:
+            shutil.rmtree(root / tag, ignore_errors=True)  # never leave a half-written folder behind
+        free = shutil.disk_usage(root).free
+        raise CheckpointError(f"could not write checkpoint {root / tag} ({' '.join(str(e).split())[:160]}; "
+                              f"{free:,} bytes free); `latest` still names {good}: free space and rerun to resume") from None
     barrier()
     if rank == 0:
         prune_checkpoints(root, keep_last)

@@ -13,25 +13,35 @@ import torch
 
 from eagle.cli_errors import UserError
 
-HISTORY = 64  # micro-batch losses kept for the reference median
-MIN_HISTORY = 8  # no explosion verdict before this many finite losses
+WINDOW = 5  # micro-batch losses per median; the reference is the lowest such median so far
+HISTORY = 64  # recent losses kept in the trainer state
 
 
 class DivergenceError(UserError, RuntimeError):
     """Training diverged; nothing after the divergence was checkpointed or exported."""
 
 
-def exploded(loss: float, history: list[float], ratio: float) -> bool:
-    """True when `loss` exceeds `ratio` x the median of the recent finite losses (ratio 0 = never)."""
-    if ratio <= 0 or len(history) < MIN_HISTORY:
-        return False
-    return loss > ratio * max(statistics.median(history), 1e-12)
+def reference(watch: dict) -> float | None:
+    """The run's best loss level so far: min(first loss, lowest median of WINDOW consecutive losses)."""
+    return watch.get("ref")
 
 
-def remember(loss: float, history: list[float]) -> None:
-    """Append a finite micro-batch loss to the (bounded) history kept in the trainer state."""
+def exploded(loss: float, watch: dict, ratio: float) -> bool:
+    """True when `loss` exceeds `ratio` x the run's best level so far (ratio 0 = never). The first loss (taken
+    before any update) seeds the reference, so a run that explodes from its first steps is caught too."""
+    ref = reference(watch)
+    return ratio > 0 and ref is not None and loss > ratio * max(ref, 1e-12)
+
+
+def remember(loss: float, watch: dict) -> None:
+    """Record a finite micro-batch loss in `watch` (a JSON-able dict kept in the trainer state)."""
+    history = watch.setdefault("losses", [])
     history.append(float(loss))
     del history[:-HISTORY]
+    ref = watch.get("ref")
+    level = statistics.median(history[-WINDOW:]) if len(history) >= WINDOW else None
+    candidates = [v for v in (ref, level) if v is not None] or [float(loss)]
+    watch["ref"] = min(candidates)
 
 
 def non_finite_weights(module: torch.nn.Module) -> list[str]:
@@ -39,6 +49,7 @@ def non_finite_weights(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad and p.numel() and not bool(torch.isfinite(p).all())]
 
 
-def describe(loss: float, history: list[float], ratio: float) -> str:
-    med = statistics.median(history) if history else math.nan
-    return f"loss {loss:.4g} is {loss / max(med, 1e-12):.3g}x the median {med:.4g} of the last {len(history)} (train.max_loss_ratio={ratio:g})"
+def describe(loss: float, watch: dict, ratio: float) -> str:
+    ref = reference(watch) or math.nan
+    return (f"loss {loss:.4g} is {loss / max(ref, 1e-12):.3g}x the run's best level so far {ref:.4g} "
+            f"(train.max_loss_ratio={ratio:g})")

@@ -19,17 +19,20 @@ def deepspeed_config(train, total_steps: int, world_size: int, on_cpu: bool) -> 
     if t.precision == "fp16" and on_cpu:
         raise ValueError("train.precision=fp16: DeepSpeed does not support fp16 on CPU; use bf16 or fp32")
     warmup = min(t.warmup_steps, total_steps)
+    # DeepSpeed's schedulers need warmup_num_steps >= 1: no warmup = one "warmup" step that starts at the full lr
+    start = 0.0 if warmup else 1.0  # fraction of lr at step 0
+    warmup = max(warmup, 1)
     if t.schedule == "linear":
         scheduler = {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": warmup,
+            "warmup_min_lr": start * t.lr, "warmup_max_lr": t.lr, "warmup_num_steps": warmup,
             "total_num_steps": max(total_steps, warmup + 1), "warmup_type": "linear"}}
     elif t.schedule == "cosine":
         scheduler = {"type": "WarmupCosineLR", "params": {
             "total_num_steps": max(total_steps, warmup + 1), "warmup_num_steps": warmup,
-            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0, "warmup_type": "linear"}}
+            "warmup_min_ratio": start, "cos_min_ratio": 0.0, "warmup_type": "linear"}}
     else:
         scheduler = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
+            "warmup_min_lr": start * t.lr, "warmup_max_lr": t.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
     adam = {"lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay}
     if on_cpu and not t.offload_optimizer:
         adam["torch_adam"] = True  # FusedAdam is a CUDA kernel

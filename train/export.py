@@ -62,6 +62,8 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
                 recipe=None, summary: dict | None = None) -> Path:
     """Write the head folder atomically (a temporary sibling renamed into place); a previous export is replaced
     only by a complete, finite one."""
+    from train.divergence import DivergenceError
+
     check_exportable(state_dict, dtype, Path(out_dir))
     head = EagleHead(config)
     head.load_state_dict(state_dict, strict=True)
@@ -69,11 +71,20 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    head.save_pretrained(tmp, legacy_bin=legacy_bin, dtype=EXPORT_DTYPES[dtype])
-    if recipe is not None:
-        (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
-    if summary is not None:
-        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        head.save_pretrained(tmp, legacy_bin=legacy_bin, dtype=EXPORT_DTYPES[dtype])
+        if recipe is not None:
+            (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
+        if summary is not None:
+            (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous export (if any) was not touched
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, DivergenceError):
+            from eagle.cli_errors import UserError
+
+            raise UserError(f"could not export the head to {out_dir} ({' '.join(str(e).split())[:160]}); "
+                            "the previous export, if any, is unchanged") from None
+        raise
     old = out_dir.with_name(out_dir.name + f".old{os.getpid()}")
     if out_dir.exists():
         os.replace(out_dir, old)  # kept until the new folder is in place

@@ -173,7 +173,7 @@ def _train_locked(cfg, ctx) -> dict:
                                f"this run has {fingerprint}; exact resume needs the same ones (or train.resume=false)")
         say(f"resumed from {ckpt_root / tag} at step {state['step']}")
         set_scheduled_lr(engine, say)  # a rerun with another train.lr (e.g. after a divergence) uses the new one
-    state.setdefault("losses", [])  # recent finite micro-batch losses: the divergence reference
+    state.setdefault("loss_watch", {})  # recent finite micro-batch losses and the run's best level (divergence)
 
     def any_rank(flag: bool) -> bool:
         return all_reduce_sum([float(flag)])[0] > 0 if ctx.world_size > 1 else flag
@@ -228,10 +228,10 @@ def _train_locked(cfg, ctx) -> dict:
             continue
         state["bad_in_row"] = 0
         loss_value = float(out.loss.detach())
-        if any_rank(exploded(loss_value, state["losses"], t.max_loss_ratio)):
-            raise DivergenceError(f"training diverged at step {step}: {describe(loss_value, state['losses'], t.max_loss_ratio)}; "
+        if any_rank(exploded(loss_value, state["loss_watch"], t.max_loss_ratio)):
+            raise DivergenceError(f"training diverged at step {step}: {describe(loss_value, state['loss_watch'], t.max_loss_ratio)}; "
                                   + recovery())
-        remember(loss_value, state["losses"])
+        remember(loss_value, state["loss_watch"])
         engine.backward(out.loss)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()

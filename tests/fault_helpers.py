@@ -1,0 +1,124 @@
+"""Shared pieces of the fault tier (tests/test_faults_*.py; no tests here).
+
+Every fault case asserts three things: the exit code (2 for an expected error), that stderr is ONE line
+naming the problem, and that the good state written before the fault (files under the run folder, the
+exported head, `latest`) did not change: `snapshot` hashes every file, `assert_unchanged` compares.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_cli(main, argv: list[str], capsys) -> tuple[int, str, str]:
+    """Run a CLI's main(argv) in-process: (exit code, stdout, stderr). argparse's SystemExit counts as a code."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> str:
+    """Exit code 2, exactly one non-empty stderr line starting with `error:`, containing every needle."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, f"exit code {code}, stderr:\n{err[-3000:]}"
+    assert len(lines) == 1, f"stderr is {len(lines)} lines:\n{err[-3000:]}"
+    assert lines[0].startswith("error:"), lines[0]
+    assert "Traceback" not in err
+    for n in needles:
+        assert str(n) in lines[0], f"{n!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def snapshot(*roots: Path) -> dict[str, str]:
+    """sha256 of every file under `roots` (lock files excluded: they hold the holder's pid)."""
+    out = {}
+    for root in roots:
+        root = Path(root)
+        if root.is_file():
+            out[str(root)] = hashlib.sha256(root.read_bytes()).hexdigest()
+            continue
+        for p in sorted(root.rglob("*")) if root.exists() else []:
+            if p.is_file() and not p.name.endswith(".lock"):
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def assert_unchanged(before: dict[str, str], *roots: Path, allow_new: bool = False) -> None:
+    after = snapshot(*roots)
+    changed = [k for k in before if after.get(k) != before[k]]
+    assert not changed, f"good state changed: {changed[:5]}"
+    if not allow_new:
+        new = sorted(set(after) - set(before))
+        assert not new, f"new files appeared: {new[:5]}"
+
+
+class Evil:
+    """Pickles to `os.system("touch MARKER")`: any loader that unpickles it with full pickle runs the command."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def write_malicious(path: Path, marker: Path, tensors: dict | None = None) -> Path:
+    """A torch.save file holding real tensors plus an Evil object (as a crafted checkpoint would)."""
+    obj = dict(tensors or {"w": torch.zeros(2)})
+    obj["__payload__"] = Evil(marker)
+    torch.save(obj, path)
+    return path
+
+
+def proves_code_execution(path: Path, marker: Path) -> bool:
+    """Sanity check that the crafted file is real: full unpickling creates the marker (then it is removed)."""
+    assert not marker.exists()
+    torch.load(path, weights_only=False)
+    made = marker.exists()
+    marker.unlink(missing_ok=True)
+    return made
+
+
+@pytest.fixture(scope="module")
+def world():
+    """One in-process gloo world for every train CLI call of a module: the CLI's own teardown is disabled (a
+    destroyed group cannot be re-created in one process under DeepSpeed); the environment is restored after."""
+    import torch.distributed as dist
+
+    import train.distributed as td
+    from train.distributed import init_distributed
+
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    for k in DIST_ENV:
+        os.environ.pop(k, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    ctx = init_distributed("cpu")
+    mp.setattr(td, "shutdown_distributed", lambda: None)
+    mp.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    yield ctx
+    mp.undo()
+    torch.set_num_threads(threads)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+__all__ = ["run_cli", "assert_one_line_error", "snapshot", "assert_unchanged", "Evil", "write_malicious",
+           "proves_code_execution", "world", "pickle"]

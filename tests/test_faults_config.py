@@ -1,0 +1,146 @@
+"""Fault tier, config class: every CLI refuses a bad recipe, key or value in ONE stderr line (exit 2), before any
+stage starts and without touching the run folder; `--debug` / EAGLE_DEBUG show the traceback instead."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from fault_helpers import assert_one_line_error, assert_unchanged, run_cli, snapshot
+
+CLIS = {  # name -> (module, extra argv every call needs)
+    "train": ("train.main", []),
+    "data_prep": ("data_prep.main", []),
+    "evaluation": ("evaluation.main", []),
+    "hub": ("train.hub", ["--dry-run"]),
+    "corpus_cache": ("train.corpus_cache", ["--text", "unused.txt"]),
+    "eval_head": ("train.eval_head", ["--head", "unused"]),
+    "quickstart": ("quickstart.demo", []),
+}
+
+CASES = [  # (cli, override, needles): each a distinct bad value or key
+    ("train", "train.lr=-1", ["train.lr", "> 0"]),
+    ("train", "train.lr=nan", ["train.lr", "finite"]),
+    ("train", "train.warmup_steps=-1", ["train.warmup_steps", ">= 0"]),
+    ("train", "train.schedule=step", ["train.schedule", "linear"]),
+    ("train", "train.precision=fp8", ["train.precision", "bf16"]),
+    ("train", "train.zero_stage=4", ["train.zero_stage"]),
+    ("train", "train.betas=[0.9]", ["train.betas"]),
+    ("train", "train.max_loss_ratio=0.5", ["train.max_loss_ratio"]),
+    ("train", "train.max_steps=abc", ["train.max_steps"]),
+    ("train", "train.learning_rate=1", ["unknown recipe key 'train.learning_rate'", "train.lr"]),
+    ("train", "train.deepspeed.optimizer.type=SGD", ["train.deepspeed", "optimizer"]),
+    ("train", "logging.backend=csv", ["logging.backend"]),
+    ("train", "export.dtype=int8", ["export.dtype"]),
+    ("train", "train.device=tpu", ["train.device"]),
+    ("data_prep", "data.cache_dtype=int4", ["data.cache_dtype", "int8"]),
+    ("data_prep", "data.overlong=cut", ["data.overlong", "truncate"]),
+    ("data_prep", "data.format=xml", ["data.format", "sharegpt"]),
+    ("data_prep", "data.top_p=0", ["data.top_p"]),
+    ("data_prep", "data.max_length=1", ["data.max_length"]),
+    ("data_prep", "data.backend=grpc", ["data.backend"]),
+    ("data_prep", "data.on_length_limit=trim", ["data.on_length_limit"]),
+    ("data_prep", "data.max_records=0", ["data.max_records"]),
+    ("evaluation", "eval.top_p=2", ["eval.top_p"]),
+    ("evaluation", "eval.confidence_level=1", ["eval.confidence_level"]),
+    ("evaluation", "eval.temperature=-1", ["eval.temperature"]),
+    ("evaluation", "decoding.mode=beam", ["decoding.mode", "dynamic"]),
+    ("evaluation", "decoding.static_choices=nope", ["decoding.static_choices", "mc_sim_7b_63"]),
+    ("evaluation", "decoding.total_token=1", ["total_token"]),
+    ("evaluation", "target.dtype=int8", ["target.dtype", "bfloat16"]),
+    ("evaluation", "target.attn_implementation=flash_attention_2", ["target.attn_implementation"]),
+    ("evaluation", "eval.methods=[]", ["eval.methods"]),
+    ("evaluation", "eval.tune_top_ks=[0]", ["eval.tune_top_ks"]),
+    ("hub", "export.push_to_hub=true", ["export.repo_id"]),
+    ("corpus_cache", "seed=-1", ["seed"]),
+    ("eval_head", "train.eval_fraction=1.0", ["train.eval_fraction"]),
+    ("quickstart", "output_dir=", ["output_dir"]),
+    ("quickstart", "target.chat_template=no-such-template", ["target.chat_template"]),
+    ("train", "output_dir=${nope}", ["nope"]),
+]
+
+
+def cli_main(name):
+    return importlib.import_module(CLIS[name][0]).main
+
+
+@pytest.mark.parametrize("cli,override,needles", CASES, ids=[f"{c}:{o.split('=')[0]}" for c, o, _ in CASES])
+def test_bad_value_is_one_line_before_any_work(cli, override, needles, tmp_path, capsys):
+    good = tmp_path / "run"
+    (good / "train").mkdir(parents=True)
+    (good / "train" / "summary.json").write_text('{"steps": 3}')
+    before = snapshot(tmp_path)
+    argv = ["--recipe", "tiny", *CLIS[cli][1], f"output_dir={good}", override]
+    if cli == "quickstart" and override.startswith("output_dir"):
+        argv = ["--recipe", "tiny", override]
+    code, _, err = run_cli(cli_main(cli), argv, capsys)
+    assert_one_line_error(code, err, *needles)
+    assert_unchanged(before, tmp_path)
+
+
+RECIPE_FILES = [  # (file content, needles): broken recipe files, named in the message
+    (b"train:\n  lr: [1, 2\n", ["invalid YAML"]),
+    (b"- just\n- a list\n", ["expected a mapping"]),
+    (b"name: caf\xe9\n", ["not valid UTF-8"]),
+    (b"train:\n  nope: 1\n", ["unknown recipe key 'train.nope'"]),
+    (b"train:\n  lr: fast\n", ["train.lr"]),
+]
+
+
+RECIPE_CASES = [(cli, *case) for cli in ("train", "data_prep", "evaluation", "quickstart") for case in RECIPE_FILES
+                if cli == "train" or case[1][0] in ("invalid YAML", "not valid UTF-8")]
+
+
+@pytest.mark.parametrize("cli,content,needles", RECIPE_CASES, ids=[f"{c}:{n[0]}" for c, _, n in RECIPE_CASES])
+def test_broken_recipe_file_is_named(cli, content, needles, tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_bytes(content)
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(cli_main(cli), ["--recipe", path, *CLIS[cli][1]], capsys)
+    line = assert_one_line_error(code, err, *needles)
+    if needles[0] in ("invalid YAML", "expected a mapping", "not valid UTF-8"):
+        assert "broken.yaml" in line
+    assert_unchanged(before, tmp_path)
+
+
+def test_missing_recipe_and_bad_arguments_are_one_line(tmp_path, capsys):
+    for cli in CLIS:
+        code, _, err = run_cli(cli_main(cli), ["--recipe", tmp_path / "nope.yaml", *CLIS[cli][1]], capsys)
+        assert_one_line_error(code, err, "nope.yaml", "not found")
+    code, _, err = run_cli(cli_main("train"), ["--recipe", "tiny", "--bogus"], capsys)
+    assert_one_line_error(code, err, "--bogus")
+    code, _, err = run_cli(cli_main("data_prep"), ["--recipe", "tiny", "--shard", "3/2"], capsys)
+    assert_one_line_error(code, err, "--shard")
+    code, _, err = run_cli(cli_main("data_prep"), ["--recipe", "tiny", f"output_dir={tmp_path}", "load", "cache"], capsys)
+    assert_one_line_error(code, err, "at most one stage")
+    code, _, err = run_cli(cli_main("quickstart"), ["not-an-override"], capsys)
+    assert_one_line_error(code, err, "key=value")
+
+
+def test_debug_flag_and_env_show_the_traceback(monkeypatch, capsys):
+    from recipes import RecipeError
+
+    main = cli_main("train")
+    with pytest.raises(RecipeError, match="train.lr"):
+        main(["--recipe", "tiny", "train.lr=-1", "--debug"])
+    monkeypatch.setenv("EAGLE_DEBUG", "1")
+    with pytest.raises(RecipeError, match="data.cache_dtype"):
+        cli_main("data_prep")(["--recipe", "tiny", "data.cache_dtype=int4"])
+    monkeypatch.setenv("EAGLE_DEBUG", "0")
+    code, _, err = run_cli(main, ["--recipe", "tiny", "train.lr=-1"], capsys)
+    assert_one_line_error(code, err, "train.lr")
+
+
+def test_every_shipped_recipe_and_schema_edge_values_validate():
+    from recipes import list_recipes, load_recipe
+
+    for name in list_recipes():
+        load_recipe(name)
+    load_recipe("tiny", ["train.warmup_steps=0", "train.max_loss_ratio=0", "data.max_records=null", "eval.top_p=1",
+                         "train.eval_fraction=0", "train.num_workers=0", "eval.max_length=0", "data.top_p=1"])
+
+
+def test_help_documents_debug(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main("evaluation")(["--help"])
+    assert e.value.code == 0 and "--debug" in capsys.readouterr().out
