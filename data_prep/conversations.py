@@ -72,6 +72,9 @@ def iter_raw_records(source: str, hf_subset: str | None = None, hf_split: str = 
         for rec in data:
             yield rec, None
     else:
+        if not path.exists() and (path.suffix in (".json", ".jsonl", ".parquet", ".csv", ".arrow")
+                                  or source.startswith((".", "/", "~"))):
+            raise ValueError(f"data.source {source!r} does not exist")
         import datasets  # local parquet/csv/arrow files or a hub dataset id
 
         if path.exists():

@@ -30,13 +30,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle.cli_errors import UserError
+
 FORMAT_NAME = "eagle2-feature-cache"
 FORMAT_VERSION = 1
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8}
 DEFAULT_SHARD_BYTES = 512 * 2**20
 
 
-class FeatureCacheError(RuntimeError):
+class FeatureCacheError(UserError, RuntimeError):
     """A cache directory is missing, corrupt, truncated or inconsistent; the message names the file."""
 
 
@@ -207,9 +209,11 @@ class FeatureCacheWriter:
         parts = _load_parts(self.out_dir)
         for name, p in parts.items():
             if p["meta"] != self.meta or p["dtype"] != dtype:
+                old, new = {**p["meta"], "dtype": p["dtype"]}, {**self.meta, "dtype": dtype}
+                diff = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
                 raise FeatureCacheError(
-                    f"cache {self.out_dir} part {name!r} was written with meta={p['meta']} dtype={p['dtype']}, "
-                    f"now meta={self.meta} dtype={dtype}; use a new output directory for a different target/dtype/tokenized data"
+                    f"cache {self.out_dir} part {name!r} was written with other settings {diff} (old, new); "
+                    "use a new output directory for a different target/dtype/tokenized data"
                 )
         self._done_ids: set[str] = {i for p in parts.values() for s in p["shards"] for i in s["ids"]}
         self._state = parts.get(part) or {

@@ -100,7 +100,8 @@ def stage_load(run: Run) -> list[dict]:
     result = load_conversations(d.source, d.format, d.max_records, d.system_prompt, d.hf_subset, d.hf_split)
     report = result.report(d.source)
     if run.is_main:  # with --shard every job writes the same content (atomic replace)
-        write_jsonl(run.data_dir / "conversations.jsonl", result.kept)
+        if result.kept:  # a source with no valid record never replaces the conversations of an earlier run
+            write_jsonl(run.data_dir / "conversations.jsonl", result.kept)
         write_jsonl(run.data_dir / "rejects.jsonl", result.rejects)
         (run.data_dir / "load_report.json").write_text(json.dumps(report, indent=1))
         run.update_report("load", report)
@@ -290,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
             dist.init_process_group("gloo")
             distributed = True
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))
+    if args.no_progress:  # also the libraries' bars (model loading), so stderr holds only warnings and errors
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        disable_progress_bars()
     run = Run(cfg, shard, num_shards, distributed, progress=not args.no_progress)
     run.data_dir.mkdir(parents=True, exist_ok=True)
     from eagle.run_lock import run_lock
