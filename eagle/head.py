@@ -459,6 +459,34 @@ def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str,
     return cfg, weights
 
 
+def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) -> HeadConfig:
+    """Cheap pre-flight check of a head folder before a target is loaded: config.json parses, the weights file
+    opens (safetensors header / weights-only unpickling) and holds the tensors its config implies."""
+    from eagle.cli_errors import FileFormatError
+
+    config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+    config = read_head_config(config_file)
+    if weights_file.endswith(".safetensors"):
+        from safetensors import SafetensorError, safe_open
+
+        from eagle.cli_errors import file_error
+
+        try:
+            with safe_open(weights_file, "pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except SafetensorError as e:
+            raise file_error(weights_file, e, "head weights") from None
+    else:
+        shapes = {k: tuple(v.shape) for k, v in _load_weights(weights_file).items()}
+    with torch.device("meta"):
+        expect = {k: tuple(v.shape) for k, v in EagleHead(config).state_dict().items()}
+    if shapes != expect:
+        diff = sorted(k for k in set(shapes) | set(expect) if shapes.get(k) != expect.get(k))
+        raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {diff[:4]} "
+                              f"(file {[shapes.get(k) for k in diff[:4]]}, config {[expect.get(k) for k in diff[:4]]})")
+    return config
+
+
 def read_head_config(config_file: str | Path) -> HeadConfig:
     """A head's config.json as a HeadConfig; any problem (JSON, UTF-8, types, values) raises naming the file."""
     from eagle.cli_errors import FileFormatError, file_error

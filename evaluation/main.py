@@ -122,6 +122,10 @@ def build_setup(cfg) -> Setup:
         torch.set_num_threads(int(cfg.eval.threads))
     target_path = target_folder(cfg)
     head_path = str(cfg.eval.head_path or Path(cfg.output_dir) / "head")
+    if Path(head_path).is_dir() or Path(head_path).exists():  # a bad head folder fails before the target loads
+        from eagle.head import check_head_files
+
+        check_head_files(head_path)
     if cfg.target.dtype not in DTYPES:
         raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected one of {sorted(DTYPES)}")
     model = EaModel.from_pretrained(base_model_path=target_path, ea_model_path=head_path,

@@ -1,0 +1,295 @@
+"""Fault tier, cache and heads classes (+ no code execution from any file the project loads): damaged or mismatched
+feature caches, head folders and training checkpoints are one-line errors naming the file; a crafted pickle never
+runs (its marker file is never created) on any load path; the run folder is unchanged by every failing command."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fault_helpers import (assert_one_line_error, assert_unchanged, proves_code_execution, run_cli, snapshot, world,  # noqa: F401
+                           write_malicious)
+from test_train_helpers import overrides, save_target, write_cache
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory, world):  # noqa: F811
+    """Target, feature cache, a random head folder and a stopped run with checkpoints (its good state)."""
+    from eagle.head import EagleHead, head_config_from_target
+    from transformers import AutoConfig
+    from train.main import main
+
+    root = tmp_path_factory.mktemp("files")
+    target = save_target(root / "target")
+    cache = write_cache(root / "cache", target, n=24)
+    head_dir = root / "head"
+    EagleHead(head_config_from_target(AutoConfig.from_pretrained(target))).save_pretrained(head_dir)
+    run = root / "run"
+    assert main(["--recipe", "tiny", *overrides(target, run, f"train.cache_dir={cache}", "train.stop_after=2",
+                                                "train.precision=fp32", "train.zero_stage=2", steps=4)]) == 0
+    return {"root": root, "target": target, "cache": cache, "head": head_dir, "run": run}
+
+
+def copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def train_cli(toy, run, cache, capsys, *extra):
+    from train.main import main
+
+    return run_cli(main, ["--recipe", "tiny", *overrides(toy["target"], run, f"train.cache_dir={cache}",
+                                                         "train.precision=fp32", "train.zero_stage=2", *extra, steps=4)],
+                   capsys)
+
+
+def part_file(cache):
+    return next((cache / "parts").glob("*.json"))
+
+
+def edit_part(cache, fn):
+    p = part_file(cache)
+    part = json.loads(p.read_text())
+    fn(part)
+    p.write_text(json.dumps(part))
+
+
+def shard_file(cache):
+    return next((cache / "shards").glob("*.safetensors"))
+
+
+def swap_lengths(part):
+    s = part["shards"][0]
+    i = next(k for k in range(len(s["lengths"]) - 1) if s["lengths"][k] != s["lengths"][k + 1])
+    s["lengths"][i], s["lengths"][i + 1] = s["lengths"][i + 1], s["lengths"][i]
+
+
+def flip_byte(path, where=-100):
+    b = bytearray(path.read_bytes())
+    b[where] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+CACHE_FAULTS = [  # (id, damage(cache), extra overrides, needles)
+    ("missing-dir", lambda c: shutil.rmtree(c), [], ["does not exist"]),
+    ("truncated-shard", lambda c: shard_file(c).write_bytes(shard_file(c).read_bytes()[:-10]), [], ["truncated"]),
+    ("bit-flip", lambda c: flip_byte(shard_file(c)), [], ["corrupt: sha256"]),
+    ("missing-shard", lambda c: shard_file(c).unlink(), [], ["is missing"]),
+    ("lengths", lambda c: edit_part(c, swap_lengths), [], ["does not match its manifest", "per-record lengths"]),
+    ("ids", lambda c: edit_part(c, lambda p: p["shards"][0]["ids"].reverse()), [], ["record ids differ"]),
+    ("missing-key", lambda c: edit_part(c, lambda p: p["shards"][0].pop("lengths")), [], ["inconsistent", "lengths"]),
+    ("escape", lambda c: edit_part(c, lambda p: p["shards"][0].update(file="../../x.safetensors")), [], ["outside"]),
+    ("num-records", lambda c: edit_part(c, lambda p: p["shards"][0].update(num_records=3)), [], ["num_records=3"]),
+    ("part-json", lambda c: part_file(c).write_text("{"), [], ["part manifest", "corrupt"]),
+    ("header-size-only", lambda c: flip_byte(shard_file(c), 12), ["train.verify_cache=size"], ["cannot read"]),
+    ("duplicate-part", lambda c: shutil.copy(part_file(c), c / "parts" / "zz.json"), [], ["duplicated record ids"]),
+]
+
+
+@pytest.mark.parametrize("name,damage,extra,needles", CACHE_FAULTS, ids=[c[0] for c in CACHE_FAULTS])
+def test_damaged_cache_is_named_and_nothing_is_trained(toy, tmp_path, capsys, name, damage, extra, needles):
+    cache = copy(toy["cache"], tmp_path / "cache")
+    run = copy(toy["run"], tmp_path / "run")
+    damage(cache)
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, cache, capsys, *extra)
+    line = assert_one_line_error(code, err, *needles)
+    assert "cache" in line
+    assert_unchanged(before, run)
+
+
+def test_cache_of_another_target_is_named(toy, tmp_path, capsys):
+    other = save_target(tmp_path / "other-target", hidden_size=32, num_heads=2, num_kv_heads=1)
+    vocab = write_cache(tmp_path / "vocab-cache", toy["target"], n=4, meta_override={"vocab_size": 999})
+    run = copy(toy["run"], tmp_path / "run")
+    before = snapshot(run)
+    from train.main import main
+
+    code, _, err = run_cli(main, ["--recipe", "tiny", *overrides(other, run, f"train.cache_dir={toy['cache']}", steps=4)],
+                           capsys)
+    assert_one_line_error(code, err, "does not match the recipe's target", "hidden_size 64 (cache) != 32 (target)")
+    code, _, err = train_cli(toy, run, vocab, capsys)
+    assert_one_line_error(code, err, "vocab_size 999")
+    assert_unchanged(before, run)
+
+
+# ----------------------------------------------------------------------------- heads
+def head_json(d):
+    return json.loads((d / "config.json").read_text())
+
+
+def set_config(d, **kw):
+    cfg = head_json(d)
+    cfg.update(kw)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def drop_tensor(d):
+    sd = load_file(d / "model.safetensors")
+    sd.pop("fc.weight")
+    save_file(sd, d / "model.safetensors")
+
+
+def legacy_only(d, sd=None):
+    sd = load_file(d / "model.safetensors") if sd is None else sd
+    (d / "model.safetensors").unlink()
+    torch.save(sd, d / "pytorch_model.bin")
+
+
+HEAD_FAULTS = [  # (id, damage(head dir), needles)
+    ("no-config", lambda d: (d / "config.json").unlink(), ["has no config.json"]),
+    ("config-json", lambda d: (d / "config.json").write_text("{"), ["config.json", "not valid JSON"]),
+    ("config-utf8", lambda d: (d / "config.json").write_bytes(b'{"hidden_size": "\xff"}'), ["config.json", "UTF-8"]),
+    ("config-type", lambda d: set_config(d, hidden_size="64"), ["config.json", "hidden_size='64'"]),
+    ("config-layers", lambda d: set_config(d, num_hidden_layers=2), ["config.json", "num_hidden_layers=2"]),
+    ("config-list", lambda d: (d / "config.json").write_text("[1]"), ["config.json", "JSON object"]),
+    ("config-keys", lambda d: (d / "config.json").write_text('{"hidden_size": 64}'), ["config.json", "lacks required"]),
+    ("config-act", lambda d: set_config(d, hidden_act="gelu"), ["config.json", "silu"]),
+    ("config-heads", lambda d: set_config(d, num_attention_heads=3, head_dim=None), ["config.json"]),
+    ("truncated", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-64]),
+     ["model.safetensors", "truncated or corrupt"]),
+    ("garbage", lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64), ["model.safetensors"]),
+    ("missing-tensor", drop_tensor, ["missing keys ['fc.weight']"]),
+    ("shape", lambda d: set_config(d, intermediate_size=head_json(d)["intermediate_size"] * 2), ["shape"]),
+    ("vocab", lambda d: set_config(d, vocab_size=head_json(d)["vocab_size"] + 1), ["embed_tokens.weight"]),
+    ("no-weights", lambda d: (d / "model.safetensors").unlink(), ["neither model.safetensors nor pytorch_model.bin"]),
+    ("bin-garbage", lambda d: legacy_only(d) or (d / "pytorch_model.bin").write_bytes(b"not a zip"),
+     ["pytorch_model.bin"]),
+    ("bin-not-dict", lambda d: legacy_only(d, sd=[torch.zeros(1)]), ["pytorch_model.bin", "mapping"]),
+]
+
+
+@pytest.mark.parametrize("name,damage,needles", HEAD_FAULTS, ids=[h[0] for h in HEAD_FAULTS])
+def test_bad_head_folder_is_named(toy, tmp_path, capsys, name, damage, needles):
+    from train.eval_head import main
+
+    head = copy(toy["head"], tmp_path / "head")
+    damage(head)
+    run = copy(toy["run"], tmp_path / "run")
+    before = snapshot(run, toy["cache"])
+    code, _, err = run_cli(main, ["--recipe", "tiny", "--head", head, *overrides(toy["target"], run,
+                                  f"train.cache_dir={toy['cache']}", "train.precision=fp32")], capsys)
+    assert_one_line_error(code, err, *needles)
+    assert_unchanged(before, run, toy["cache"])
+
+
+def test_head_that_does_not_fit_the_target(toy, tmp_path, capsys):
+    from eagle.head import EagleHead, head_config_from_target
+    from transformers import AutoConfig
+    from train.eval_head import main
+
+    other = save_target(tmp_path / "other", hidden_size=32, num_heads=2, num_kv_heads=1)
+    EagleHead(head_config_from_target(AutoConfig.from_pretrained(other))).save_pretrained(tmp_path / "head")
+    code, _, err = run_cli(main, ["--recipe", "tiny", "--head", tmp_path / "head", *overrides(
+        toy["target"], tmp_path / "run", f"train.cache_dir={toy['cache']}", "train.precision=fp32")], capsys)
+    assert_one_line_error(code, err, "does not fit the target's lm_head")
+
+
+def test_evaluation_cli_names_a_truncated_head(toy, tmp_path, capsys):
+    from evaluation.main import main
+
+    head = copy(toy["head"], tmp_path / "head")
+    (head / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes()[:100])
+    q = tmp_path / "q.txt"
+    q.write_text("1 2 3\n")
+    code, _, err = run_cli(main, ["--recipe", "tiny", "--base", toy["target"], "--head", head, "--questions", q,
+                                  "--out", tmp_path / "eval", "target.dtype=float32"], capsys)
+    assert_one_line_error(code, err, "model.safetensors", "truncated or corrupt")
+    assert not (tmp_path / "eval").exists()
+
+
+# ----------------------------------------------------------------------------- no code execution from files
+def test_malicious_legacy_head_bin_never_runs(toy, tmp_path, capsys):
+    from eagle.head import EagleHead
+    from train.eval_head import main
+
+    marker = tmp_path / "PWNED"
+    head = copy(toy["head"], tmp_path / "head")
+    write_malicious(head / "pytorch_model.bin", marker, load_file(head / "model.safetensors"))
+    (head / "model.safetensors").unlink()
+    assert proves_code_execution(head / "pytorch_model.bin", marker)
+    code, _, err = run_cli(main, ["--recipe", "tiny", "--head", head, *overrides(
+        toy["target"], tmp_path / "run", f"train.cache_dir={toy['cache']}", "train.precision=fp32")], capsys)
+    assert_one_line_error(code, err, "pytorch_model.bin", "weights-only")
+    with pytest.raises(ValueError, match="weights-only"):
+        EagleHead.from_pretrained(head)
+    assert not marker.exists()
+
+
+def test_malicious_init_from_head_never_runs(toy, tmp_path, capsys):
+    marker = tmp_path / "PWNED"
+    head = copy(toy["head"], tmp_path / "head")
+    write_malicious(head / "pytorch_model.bin", marker, load_file(head / "model.safetensors"))
+    (head / "model.safetensors").unlink()
+    run = tmp_path / "run"
+    code, _, err = train_cli(toy, run, toy["cache"], capsys, f"head.init_from={head}")
+    assert_one_line_error(code, err, "pytorch_model.bin")
+    assert not marker.exists() and not (run / "head").exists()
+
+
+CHECKPOINT_FILES = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank00000.pt"]
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_FILES, ids=["model-states", "optim-states", "rng"])
+def test_malicious_checkpoint_never_runs_on_resume(toy, tmp_path, capsys, name):
+    run = copy(toy["run"], tmp_path / "run")
+    ckpt = run / "train" / "checkpoints" / "step-00000002"
+    marker = tmp_path / "PWNED"
+    real = torch.load(ckpt / name, weights_only=False)  # our own file, to keep every real key
+    write_malicious(ckpt / name, marker, real)
+    assert proves_code_execution(ckpt / name, marker)
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, name, "weights-only loader refuses")
+    assert not marker.exists()
+    assert_unchanged(before, run)
+
+
+def test_malicious_target_bin_never_runs(toy, tmp_path, capsys):
+    """The target's own weights (offline training reads its embedding/lm_head; evaluation loads the model)."""
+    from eagle.head import load_target_embedding_and_lm_head
+
+    target = copy(toy["target"], tmp_path / "target")
+    marker = tmp_path / "PWNED"
+    sd = load_file(target / "model.safetensors")
+    (target / "model.safetensors").unlink()
+    write_malicious(target / "pytorch_model.bin", marker, sd)
+    with pytest.raises(Exception, match="(?i)weights.only|unpickl"):
+        load_target_embedding_and_lm_head(target)
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(Exception):
+        AutoModelForCausalLM.from_pretrained(target)
+    assert not marker.exists()
+
+
+def test_damaged_checkpoint_and_latest_are_named(toy, tmp_path, capsys):
+    run = copy(toy["run"], tmp_path / "run")
+    root = run / "train" / "checkpoints"
+    (root / "latest").write_text("../../../etc")
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, "latest", "not a checkpoint")
+    (root / "latest").write_text("step-00000002")
+    f = root / "step-00000002" / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:200])
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, "mp_rank_00_model_states.pt", "unreadable")
+    assert_unchanged(before, run)
+
+
+def test_resume_through_the_safe_loader_for_every_zero_stage(toy, tmp_path, capsys):
+    for stage, precision in ((0, "fp32"), (3, "bf16")):
+        run = tmp_path / f"z{stage}"
+        for extra in (["train.stop_after=2"], []):
+            from train.main import main
+
+            code, out, err = run_cli(main, ["--recipe", "tiny", *overrides(
+                toy["target"], run, f"train.cache_dir={toy['cache']}", f"train.precision={precision}",
+                f"train.zero_stage={stage}", *extra, steps=4)], capsys)
+            assert code == 0, err
+        assert "resumed from" in out and (run / "head" / "model.safetensors").exists()
