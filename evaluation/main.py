@@ -126,6 +126,16 @@ def build_setup(cfg) -> Setup:
         from eagle.head import check_head_files
 
         check_head_files(head_path)
+    if cfg.eval.max_length:  # a length the target was never trained for fails before the target loads
+        from transformers import AutoConfig
+
+        from eagle.head import text_config
+
+        limit = getattr(text_config(AutoConfig.from_pretrained(target_path, revision=cfg.target.revision)),
+                        "max_position_embeddings", None)
+        if limit and int(cfg.eval.max_length) > int(limit):
+            raise ValueError(f"eval.max_length={cfg.eval.max_length} exceeds the target's max_position_embeddings={limit} "
+                             "(positions beyond it were never trained); use eval.max_length=0 for the target's limit")
     if cfg.target.dtype not in DTYPES:
         raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected one of {sorted(DTYPES)}")
     model = EaModel.from_pretrained(base_model_path=target_path, ea_model_path=head_path,
