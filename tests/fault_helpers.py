@@ -92,8 +92,8 @@ def proves_code_execution(path: Path, marker: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def world():
-    """One in-process gloo world for every train CLI call of a module: the CLI's own teardown is disabled (a
-    destroyed group cannot be re-created in one process under DeepSpeed); the environment is restored after."""
+    """One in-process gloo world for the train CLI calls of a module: the CLI's own teardown is disabled and the
+    group is never destroyed (DeepSpeed cannot use a re-created one in the same process); env restored after."""
     import torch.distributed as dist
 
     import train.distributed as td
@@ -109,10 +109,8 @@ def world():
     mp.setattr(td, "shutdown_distributed", lambda: None)
     mp.setattr(dist, "destroy_process_group", lambda *a, **k: None)
     yield ctx
-    mp.undo()
+    mp.undo()  # the group stays: DeepSpeed cannot re-register a new one in this process (later modules reuse it)
     torch.set_num_threads(threads)
-    if dist.is_initialized():
-        dist.destroy_process_group()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -7,6 +7,7 @@ swaps in `weights_only_load` (torch's weights-only unpickler with an allow-list 
 its checkpoints hold, `SAFE_GLOBALS`); a checkpoint holding anything else is refused, naming the file."""
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import re
@@ -94,15 +95,17 @@ def latest_tag(root: Path) -> str | None:
     return tag
 
 
-def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_last: int, rank: int) -> str:
-    """Save everything needed to resume at `step`; keep the newest `keep_last` checkpoints. Collective."""
+def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_last: int, rank: int,
+                    commit: bool = True) -> str:
+    """Save everything needed to resume at `step`. Collective. With commit=False `latest` is not moved yet: the
+    trainer commits the checkpoint (`commit_checkpoint`) once the next loss shows its weights did not diverge."""
     tag = tag_for(step)
     try:
         (root / tag).mkdir(parents=True, exist_ok=True)
         # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
         torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
         barrier()
-        engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state})
+        engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state}, save_latest=False)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         good = latest_tag(root)
         if good != tag:
@@ -111,10 +114,25 @@ def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_las
         raise CheckpointError(f"could not write checkpoint {root / tag} ({' '.join(str(e).split())[:160]}; "
                               f"{free:,} bytes free); `latest` still names {good}: free space and rerun to resume") from None
     barrier()
+    if commit:
+        commit_checkpoint(root, tag, keep_last, rank)
+    return tag
+
+
+def commit_checkpoint(root: Path, tag: str, keep_last: int, rank: int) -> None:
+    """Point `latest` at the complete checkpoint `tag` (atomically) and keep the newest `keep_last`. Collective."""
     if rank == 0:
+        tmp = root / f"latest.tmp{os.getpid()}"
+        tmp.write_text(tag)
+        os.replace(tmp, root / "latest")
         prune_checkpoints(root, keep_last)
     barrier()
-    return tag
+
+
+def discard_uncommitted(root: Path, tag: str | None, rank: int) -> None:
+    """Delete a checkpoint saved but never committed (the run diverged before its weights were confirmed)."""
+    if tag is not None and rank == 0 and latest_tag(root) != tag:
+        shutil.rmtree(root / tag, ignore_errors=True)
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:

@@ -96,7 +96,8 @@ def _train_locked(cfg, ctx) -> dict:
     from data_prep.target import resolve_target_path
     from eagle.head import EagleHead, head_config_from_target
     from train.batching import MicroBatchPlan
-    from train.checkpoint import checkpoint_root, latest_tag, load_checkpoint, save_checkpoint
+    from train.checkpoint import (checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint,
+                                  save_checkpoint)
     from train.data import Subset, TokenizedRecords, cache_dir, micro_batch_loader, split_train_eval, tokenized_file
     from train.distributed import all_reduce_sum, init_distributed
     from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
@@ -178,7 +179,10 @@ def _train_locked(cfg, ctx) -> dict:
     def any_rank(flag: bool) -> bool:
         return all_reduce_sum([float(flag)])[0] > 0 if ctx.world_size > 1 else flag
 
+    pending = None  # a checkpoint saved but not yet named by `latest`: committed once the next loss is sane
+
     def recovery() -> str:
+        discard_uncommitted(ckpt_root, pending, ctx.rank)
         good = latest_tag(ckpt_root)
         where = f"the last good checkpoint {ckpt_root / good}" if good else "the start (no checkpoint yet)"
         return (f"nothing was exported or checkpointed after it; rerun the same command with a lower train.lr "
@@ -232,6 +236,9 @@ def _train_locked(cfg, ctx) -> dict:
             raise DivergenceError(f"training diverged at step {step}: {describe(loss_value, state['loss_watch'], t.max_loss_ratio)}; "
                                   + recovery())
         remember(loss_value, state["loss_watch"])
+        if pending is not None:
+            commit_checkpoint(ckpt_root, pending, t.keep_last, ctx.rank)
+            pending = None
         engine.backward(out.loss)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
@@ -286,7 +293,9 @@ def _train_locked(cfg, ctx) -> dict:
             raise DivergenceError(f"training diverged at step {step}: the head's weights {non_finite_weights(engine.module)[:3]} "
                                   f"are no longer finite; " + recovery())
         if step % t.checkpoint_every == 0 or step == total_steps or (t.stop_after and step >= t.stop_after):
-            save_checkpoint(engine, ckpt_root, step, state, t.keep_last, ctx.rank)
+            final = step == total_steps or (t.stop_after and step >= t.stop_after)
+            tag = save_checkpoint(engine, ckpt_root, step, state, t.keep_last, ctx.rank, commit=bool(final))
+            pending = None if final else tag
         if t.stop_after and step >= t.stop_after and step < total_steps:
             stopped_early = True
             break
