@@ -14,9 +14,10 @@ import torch
 
 from data_prep.feature_cache import FeatureCacheWriter, bytes_per_token
 from data_prep.target import base_decoder
+from eagle.cli_errors import UserError
 
 
-class DiskSpaceError(RuntimeError):
+class DiskSpaceError(UserError, RuntimeError):
     """Not enough free disk for the feature cache."""
 
 

@@ -44,9 +44,13 @@ def write_tokenized(path: str | Path, records: Iterable[dict]) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     n = 0
-    with open(tmp, "w") as f:
-        for rec in records:
-            f.write(json.dumps({"id": rec["id"], "input_ids": list(rec["input_ids"]), "loss_mask": list(rec["loss_mask"])}) + "\n")
-            n += 1
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            for rec in records:
+                f.write(json.dumps({"id": rec["id"], "input_ids": list(rec["input_ids"]), "loss_mask": list(rec["loss_mask"])}) + "\n")
+                n += 1
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave a partial file behind
+        raise
     return n

@@ -79,7 +79,9 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
             (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous export (if any) was not touched
-        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, DivergenceError):
+        from safetensors import SafetensorError
+
+        if isinstance(e, (OSError, RuntimeError, SafetensorError)) and not isinstance(e, DivergenceError):
             from eagle.cli_errors import UserError
 
             raise UserError(f"could not export the head to {out_dir} ({' '.join(str(e).split())[:160]}); "
