@@ -138,20 +138,25 @@ def test_disk_full_in_data_prep(small_disk, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- concurrency and kill -9
 HOLDER = """
-import os, sys, time
-from eagle.run_lock import run_lock
-with run_lock(sys.argv[1], sys.argv[2], sys.argv[3]):
-    if sys.argv[4] == "fork" and os.fork() == 0:  # an orphan-to-be: inherits the locked file
-        time.sleep(600)
-        os._exit(0)
-    print("locked", flush=True)
+import fcntl, os, sys, time
+path = os.path.join(sys.argv[1], "." + sys.argv[2] + ".lock")  # the file eagle.run_lock.run_lock locks
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)
+os.pwrite(fd, ("pid %d: holder" % os.getpid()).encode(), 0)
+if sys.argv[3] == "fork" and os.fork() == 0:  # an orphan-to-be: inherits the locked file
     time.sleep(600)
+    os._exit(0)
+print("locked", flush=True)
+time.sleep(600)
 """
 
 
-def hold_lock(directory, name, what, fork=False) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), name, what, "fork" if fork else "no"],
-                            stdout=subprocess.PIPE, text=True, env=subprocess_env(), start_new_session=True)
+def hold_lock(directory, name, fork=False) -> subprocess.Popen:
+    """Another process holding the run folder's lock (a bare flock: starts in milliseconds)."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), name, "fork" if fork else "no"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -166,7 +171,7 @@ def test_second_training_on_a_busy_folder_is_refused_until_the_holder_dies(toy, 
     code, _, err = train_cli(toy, run, capsys, "train.stop_after=2")
     assert code == 0, err
     good = snapshot(run)
-    holder = hold_lock(run / "train", "rank0", "training")
+    holder = hold_lock(run / "train", "rank0")
     try:
         code, _, err = train_cli(toy, run, capsys)
         assert_one_line_error(code, err, "in use by another training", f"pid {holder.pid}", ".rank0.lock")
@@ -181,7 +186,7 @@ def test_orphaned_workers_keep_the_folder_busy(toy, tmp_path, capsys):
     """The launcher dies (kill -9) but a forked worker still runs: the folder stays locked until it ends."""
     run = tmp_path / "run"
     (run / "train").mkdir(parents=True)
-    holder = hold_lock(run / "train", "rank0", "training", fork=True)
+    holder = hold_lock(run / "train", "rank0", fork=True)
     try:
         kill9(holder)  # only the parent
         code, _, err = train_cli(toy, run, capsys)
@@ -204,7 +209,7 @@ def test_second_data_prep_on_a_busy_folder_is_refused(tmp_path, capsys):
     data.mkdir(parents=True)
     (data / "conversations.jsonl").write_text('{"id": "a"}\n')
     good = snapshot(data)
-    holder = hold_lock(data, "shard0of1", "data prep")
+    holder = hold_lock(data, "shard0of1")
     try:
         code, _, err = run_cli(main, ["--recipe", "tiny", f"output_dir={tmp_path / 'run'}", "data.source=x.json"],
                                capsys)
