@@ -24,14 +24,17 @@ def load_tokenized(path: str | Path) -> Iterator[dict]:
     path = tokenized_path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenized data {path} not found; run `python data_prep/main.py --recipe ... tokenize`")
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 rec = json.loads(line)
-            except json.JSONDecodeError as e:
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             ids, mask = rec.get("input_ids"), rec.get("loss_mask")
             if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask) or "id" not in rec:
                 raise ValueError(f"{path}:{lineno}: record {rec.get('id')!r} needs id, and input_ids/loss_mask lists of equal length")

@@ -108,9 +108,13 @@ def question_source(cfg) -> str:
 def load_all_questions(cfg) -> list:
     """Every prompt of the source (category filter applied); commands take the first few they need."""
     ev = cfg.eval
-    return load_questions(question_source(cfg), categories=list(ev.categories),
-                          paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
-                          hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)
+    source = question_source(cfg)
+    try:
+        return load_questions(source, categories=list(ev.categories),
+                              paragraph_sentences=ev.paragraph_sentences, paragraph_from_end=ev.paragraph_from_end,
+                              hf_split=ev.hf_split, hf_column=ev.hf_column, hf_category_column=ev.hf_category_column)
+    except UnicodeDecodeError as e:  # name the file (the codec's message does not)
+        raise QuestionError(f"{source}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def build_setup(cfg) -> Setup:

@@ -88,6 +88,7 @@ DAMAGED = [  # (file under data/, stage run after damaging it, damage, needles)
     ("conversations.jsonl", "tokenize", lambda b: b.replace(b"\n", b"\n{broken\n", 1), ["conversations.jsonl:2"]),
     ("conversations.jsonl", "regenerate", lambda b: b[:1] + b"\xff" + b[1:], ["conversations.jsonl:1"]),
     ("tokenized.jsonl", "cache", lambda b: b"{" + b, ["tokenized.jsonl:1"]),
+    ("tokenized.jsonl", "cache", lambda b: b"\xff" + b, ["tokenized.jsonl:1"]),
     ("tokenized.jsonl", "cache", lambda b: b.replace(b'"loss_mask": [', b'"loss_mask": [1, ', 1), ["tokenized.jsonl:1",
                                                                                                     "equal length"]),
     ("regenerated/part-00000-of-00001.jsonl", "tokenize", lambda b: b"\xff" + b, ["part-00000-of-00001.jsonl:1"]),
@@ -98,7 +99,7 @@ DAMAGED = [  # (file under data/, stage run after damaging it, damage, needles)
 
 
 @pytest.mark.parametrize("name,stage,damage,needles", DAMAGED,
-                         ids=["conv-json", "conv-utf8", "tok-json", "tok-lengths", "regen-utf8", "regen-id", "cache-part"])
+                         ids=["conv-json", "conv-utf8", "tok-json", "tok-utf8", "tok-lengths", "regen-utf8", "regen-id", "cache-part"])
 def test_damaged_stage_file_names_file_and_line(good, run, tmp_path, capsys, name, stage, damage, needles):
     path = run / "data" / name if (run / "data").exists() else run / name
     path = run / "data" / name
@@ -162,3 +163,36 @@ def test_prompt_longer_than_the_context_is_rejected_with_its_reason(good, tmp_pa
         assert report["input"] == 2 and report["kept"] == 1 and report["dropped_no_loss_tokens"] == 1
         rejects = [json.loads(x) for x in (out / "data" / "tokenize_rejects.jsonl").read_text().splitlines()]
         assert rejects == [{"id": "long", "reason": f"no loss tokens: {reason}"}] or reason in rejects[0]["reason"], rejects
+
+
+def test_corpus_cache_skips_undecodable_paragraphs(good, tmp_path, capsys):
+    from data_prep.feature_cache import FeatureCacheReader
+    from train.corpus_cache import main as corpus_main
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"Hello there, how are you today?\n\nTell me a story \xff about a cat.\n\nTwo plus two is four.\n")
+    argv = ["--recipe", "tiny", "--text", text, f"target.path={good['target']}", f"output_dir={tmp_path / 'run'}",
+            "target.dtype=float32", "data.device=cpu"]
+    code, out, err = run_cli(corpus_main, argv, capsys)
+    assert code == 0, err
+    assert "1 of 3 paragraphs are not valid UTF-8" in out and "p000001" in out
+    assert sorted(FeatureCacheReader(tmp_path / "run" / "data" / "features").ids) == ["p000000", "p000002"]
+    text.write_bytes(b"\xff\xfe\n\n\xff\n")
+    code, _, err = run_cli(corpus_main, [*argv[:3], tmp_path / "other.txt", *argv[4:]], capsys)
+    assert_one_line_error(code, err, "other.txt")
+    code, _, err = run_cli(corpus_main, [*argv[:4], f"target.path={good['target']}", f"output_dir={tmp_path / 'r2'}",
+                                         "target.dtype=float32", "data.device=cpu"], capsys)
+    assert_one_line_error(code, err, "corpus.txt", "no usable paragraph")
+
+
+def test_question_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    from evaluation.main import main as eval_main
+
+    q = tmp_path / "questions.txt"
+    q.write_bytes(b"What is \xff?\n")
+    code, _, err = run_cli(eval_main, ["--recipe", "tiny", "--questions", q, "--base", tmp_path], capsys)
+    assert_one_line_error(code, err, "questions.txt", "UTF-8")
+    (tmp_path / "q.jsonl").write_text('{"question_id": 1, "turns": ["a"]}\n{"question_id": 2}\n')
+    code, _, err = run_cli(eval_main, ["--recipe", "tiny", "--questions", tmp_path / "q.jsonl", "--base", tmp_path],
+                           capsys)
+    assert_one_line_error(code, err, "q.jsonl:2", "turns")

@@ -28,9 +28,19 @@ import torch
 from eagle.cli_errors import ArgumentParser, one_line_errors
 
 
-def read_paragraphs(path: str | Path, first: int = 0) -> list[str]:
-    """Non-empty blank-line separated paragraphs of a UTF-8 text file (the first `first`; 0 = all)."""
-    paras = [p.strip() for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip()]
+def read_paragraphs(path: str | Path, first: int = 0) -> list[str | None]:
+    """Non-empty blank-line separated paragraphs of a UTF-8 text file (the first `first`; 0 = all). A paragraph
+    that is not valid UTF-8 is None (a rejected record: counted, and the other paragraphs keep their ids)."""
+    paras = []
+    for raw in Path(path).read_bytes().split(b"\n\n"):
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            if raw.strip():
+                paras.append(None)
+            continue
+        if text:
+            paras.append(text)
     return paras[:first] if first else paras
 
 
@@ -88,7 +98,13 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
         stop_ids = sorted(set(stop_token_ids(tokenizer, model.generation_config)) | {int(i) for i in cfg.data.extra_stop_ids})
     writer = FeatureCacheWriter(cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
     paragraphs = read_paragraphs(text_file, first)
-    todo = [(f"p{i:06d}", p) for i, p in enumerate(paragraphs) if f"p{i:06d}" not in writer]
+    rejected = [f"p{i:06d}" for i, p in enumerate(paragraphs) if p is None]
+    if rejected:
+        print(f"[corpus_cache] {text_file}: {len(rejected)} of {len(paragraphs)} paragraphs are not valid UTF-8 and are "
+              f"skipped: {rejected[:5]}{' ...' if len(rejected) > 5 else ''}", flush=True)
+    if len(rejected) == len(paragraphs):
+        raise ValueError(f"{text_file}: no usable paragraph (need UTF-8 text, paragraphs separated by blank lines)")
+    todo = [(f"p{i:06d}", p) for i, p in enumerate(paragraphs) if p is not None and f"p{i:06d}" not in writer]
     start = time.perf_counter()
     for k in tqdm(range(0, len(todo), batch_size), desc="cache", disable=not progress):
         chunk = todo[k : k + batch_size]
@@ -113,6 +129,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
             writer.add(rid, ids[b, :n], hidden[b, :n].float().cpu(), loss)
     manifest = writer.close()
     manifest["seconds"] = time.perf_counter() - start
+    manifest["rejected_paragraphs"] = rejected
     return manifest
 
 
