@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,21 @@ import torch
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def reattach_log_streams() -> None:
+    """Point library log handlers whose stream an earlier test's capture closed (DeepSpeed binds sys.stdout at
+    import) at the current stdout: otherwise `logging` prints a "Logging error" traceback on stderr."""
+    import logging
+    import sys
+
+    for logger in [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]:
+        for h in getattr(logger, "handlers", []):
+            if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
+                h.setStream(sys.stdout)
+
+
 def run_cli(main, argv: list[str], capsys) -> tuple[int, str, str]:
     """Run a CLI's main(argv) in-process: (exit code, stdout, stderr). argparse's SystemExit counts as a code."""
+    reattach_log_streams()
     capsys.readouterr()
     try:
         code = main([str(a) for a in argv])
@@ -119,4 +131,4 @@ def world():
 
 
 __all__ = ["run_cli", "assert_one_line_error", "snapshot", "assert_unchanged", "Evil", "write_malicious",
-           "proves_code_execution", "world", "pickle"]
+           "proves_code_execution", "world"]

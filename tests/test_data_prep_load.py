@@ -98,5 +98,7 @@ def test_hf_datasets_local_parquet(tmp_path):
 def test_unknown_source_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="data.source is empty"):
         load_conversations("")
-    with pytest.raises(ValueError, match="neither a local file nor a loadable HF dataset"):
+    with pytest.raises(ValueError, match="does not exist"):  # a path: named, no Hub lookup
         load_conversations(str(tmp_path / "nope" / "missing-dataset-xyz"))
+    with pytest.raises(ValueError, match="neither a local file nor a loadable HF dataset"):
+        load_conversations("nope-org/missing-dataset-xyz")

@@ -149,8 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="continuations: 0 = greedy, else sampled")
     args = p.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
-    m = build_corpus_cache(cfg, args.text, args.first, args.batch_size, continue_tokens=args.continue_with_target,
-                           temperature=args.temperature)
+    from eagle.run_lock import run_lock
+    from train.data import cache_dir
+
+    with run_lock(cache_dir(cfg).parent, "shard0of1", "data prep"):  # the lock data_prep/main.py takes there
+        m = build_corpus_cache(cfg, args.text, args.first, args.batch_size, continue_tokens=args.continue_with_target,
+                               temperature=args.temperature)
     print(f"cache: {m['num_records']} records, {m['num_tokens']} tokens, {m['bytes_on_disk']:,} bytes "
           f"({m['seconds']:.1f} s)")
     return 0

@@ -96,10 +96,10 @@ def _train_locked(cfg, ctx) -> dict:
     from data_prep.target import resolve_target_path
     from eagle.head import EagleHead, head_config_from_target
     from train.batching import MicroBatchPlan
-    from train.checkpoint import (checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint,
-                                  save_checkpoint)
+    from train.checkpoint import (CheckpointError, checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag,
+                                  load_checkpoint, save_checkpoint)
     from train.data import Subset, TokenizedRecords, cache_dir, micro_batch_loader, split_train_eval, tokenized_file
-    from train.distributed import all_reduce_sum, init_distributed
+    from train.distributed import all_reduce_sum
     from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
     from train.ds_config import deepspeed_config
     from train.export import export_dir, export_head, full_state_dict, standalone_head
@@ -170,8 +170,8 @@ def _train_locked(cfg, ctx) -> dict:
     if tag is not None:
         state = load_checkpoint(engine, ckpt_root, tag, ctx.rank)
         if state["data"] != fingerprint:
-            raise RuntimeError(f"checkpoint {ckpt_root / tag} was made with data/batching {state['data']}, "
-                               f"this run has {fingerprint}; exact resume needs the same ones (or train.resume=false)")
+            raise CheckpointError(f"checkpoint {ckpt_root / tag} was made with data/batching {state['data']}, "
+                                  f"this run has {fingerprint}; exact resume needs the same ones (or train.resume=false)")
         say(f"resumed from {ckpt_root / tag} at step {state['step']}")
         set_scheduled_lr(engine, say)  # a rerun with another train.lr (e.g. after a divergence) uses the new one
     state.setdefault("loss_watch", {})  # recent finite micro-batch losses and the run's best level (divergence)
