@@ -174,7 +174,7 @@ def train(cfg, ctx=None) -> dict:
         hidden = frozen.features(batch).to(dtype)  # [B, T, H]
         feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
         pred = engine(add_input_noise(feats, t.noise, t.noise_std), next_ids, attn)  # [B, T-1, H]
-        out = eagle_loss(pred, targets, weights, frozen.lm_head, t.feature_weight, t.token_weight)
+        out = eagle_loss(pred, targets, weights, frozen.lm_head, t.feature_weight, t.token_weight, t.loss_chunk)
         micro += 1
         if not all_ranks_finite(out.loss, ctx.world_size):
             state["bad_in_row"] += 1

@@ -61,6 +61,7 @@ class TrainSettings:
     token_weight: float = 0.1  # soft CE: target distribution vs head distribution through the frozen lm_head
     noise: str = "uniform"  # input-feature noise: uniform U(-std/2, std/2) | gaussian N(0, std^2) | none
     noise_std: float = 0.2
+    loss_chunk: int = 1024  # token loss over this many loss positions at a time ([chunk, V] logits instead of [N, V]; same value and gradient); 0 = all at once
     # --- evaluation (every eval_every steps and at the end)
     eval_every: int = 0  # optimizer steps; 0 = at the end of every epoch
     rollout_steps: int = 5  # self-fed draft steps simulated per start position
@@ -123,7 +124,7 @@ def validate_train_sections(cfg) -> None:
                 "max_bad_steps"):
         _check(t[key] >= 1, f"train.{key}", t[key], "expected >= 1")
     for key in ("max_steps", "warmup_steps", "eval_every", "rollout_starts", "eval_max_records", "stop_after", "num_workers",
-                "live_tau_prompts"):
+                "live_tau_prompts", "loss_chunk"):
         _check(t[key] >= 0, f"train.{key}", t[key], "expected >= 0")
     _check(t.live_tau_max_new_tokens >= 1, "train.live_tau_max_new_tokens", t.live_tau_max_new_tokens, "expected >= 1")
     _check(t.lr > 0, "train.lr", t.lr, "expected > 0")
