@@ -70,13 +70,15 @@ def train(cfg, ctx=None) -> dict:
     from eagle.head import EagleHead, head_config_from_target
     from train.batching import MicroBatchPlan
     from train.checkpoint import checkpoint_root, latest_tag, load_checkpoint, save_checkpoint
-    from train.data import Subset, TokenizedRecords, cache_dir, micro_batch_loader, split_train_eval, tokenized_file
+    from train.data import (Subset, TokenizedRecords, apply_long_records, cache_dir, head_positions, micro_batch_loader,
+                            split_train_eval, tokenized_file)
     from train.distributed import all_reduce_sum, init_distributed
     from train.ds_config import deepspeed_config
     from train.export import export_dir, export_head, full_state_dict, standalone_head
     from train.frozen_target import check_cache_matches_target, load_frozen_target
     from train.loss import add_input_noise, eagle_loss, shift_for_head
     from train.metrics import evaluate
+    from train.plan import print_run_plan
     from train.tracking import Tracker
 
     # ================================================================== setup
@@ -102,14 +104,18 @@ def train(cfg, ctx=None) -> dict:
     else:
         source = TokenizedRecords(tokenized_file(cfg), cfg.data.max_length)
     train_idx, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
-    train_set = Subset(source, train_idx, cfg.data.max_length)
-    eval_set = Subset(source, eval_idx, cfg.data.max_length)
+    positions = head_positions(cfg, target_config)  # records beyond them: train.long_records
+    train_idx, limit = apply_long_records(t.long_records, positions, source.lengths, train_idx, cfg.data.max_length)
+    eval_idx, _ = apply_long_records(t.long_records, positions, source.lengths, eval_idx, cfg.data.max_length)
+    train_set = Subset(source, train_idx, limit)
+    eval_set = Subset(source, eval_idx, limit)
     plan = MicroBatchPlan(train_set.lengths, t.micro_batch_size, cfg.seed, t.batching, t.group_size,
                           ctx.world_size, ctx.rank)
     total_steps = t.max_steps or max(1, int(t.epochs * plan.per_epoch) // t.grad_accum)
     say(f"target {target_path} ({t.mode}); {len(train_set)} train / {len(eval_set)} eval records; "
         f"{plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; {total_steps} optimizer steps; "
         f"batching={t.batching} (padding {plan.padding_fraction():.1%})")
+    print_run_plan(cfg, ctx, target_config)  # rank 0: memory / disk / time plan of this run (train/plan.py)
 
     # -- model: a fresh (or given) head + the target's frozen embedding and lm_head
     frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype)
