@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default="/work/notes/plan/real_shape", help="target folder, data and outputs")
     p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--reuse-prep", action="store_true", help="keep an existing cache (no data-prep measurement)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="extra recipe overrides for both stages")
     args = p.parse_args(argv)
 
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     build_target(base, args.layers, target)
     result["build_s"] = time.perf_counter() - t0
     data = out_dir / "data"
-    if not (data / "features" / "manifest.json").exists():
+    if not (args.reuse_prep and (data / "features" / "manifest.json").exists()):
         shutil.rmtree(data, ignore_errors=True)
         vocab = json.loads((target / "config.json").read_text())["vocab_size"]
         write_records(data / "tokenized.jsonl", args.records, args.seq, vocab, args.loss_fraction)
@@ -155,6 +156,8 @@ def main(argv=None) -> int:
         result["prep"] = prep
     manifest = json.loads((data / "features" / "manifest.json").read_text())
     result["cache"] = {k: manifest[k] for k in ("dtype", "num_tokens", "bytes_on_disk", "bytes_per_token")}
+    files = sum(f.stat().st_size for f in (data / "features" / "shards").glob("*.safetensors"))
+    result["cache"]["measured_bytes_per_token"] = files / manifest["num_tokens"]  # the shard files as they are on disk
 
     shape = plan_shape(cfg)
     host = build_plan(cfg, Hardware(host=True, gpu_mem_gb=24.0), shape)
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
         result["ratio_measured_over_predicted"] = tr["peak_rss"] / host.total
     (work / f"real_shape_{args.recipe}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{args.recipe} shape, {args.layers}-layer random target, {args.records} x {args.seq} tokens, micro-batch {mb}")
-    print(f"  bytes/token on disk ({manifest['dtype']}): measured {manifest['bytes_per_token']:.1f} "
+    print(f"  bytes/token on disk ({manifest['dtype']}): measured {result['cache']['measured_bytes_per_token']:.2f} "
           f"(shard files incl. headers and offsets), predicted {bpt_pred}")
     if "prep" in result:
         print(f"  data prep: peak RSS {result['prep']['peak_rss'] / GB:.2f} GB, {result['prep']['wall_s']:.0f} s")

@@ -381,14 +381,17 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     prefill = 2 * s.target_active_params * n_tokens / peak
     gen_tokens = n_tokens * 0.5  # regenerated replies: about half of the tokens (assumption)
     weight_bytes = s.target_params * tdt
-    replicas = max(1, world // max(1, math.ceil(weight_bytes / (hw.gpu_mem_gb * GB * 0.8))))
+    per_replica = max(1, math.ceil(weight_bytes / (hw.gpu_mem_gb * GB * 0.8)))  # GPUs holding one target copy
+    replicas = max(1, world // per_replica)
     gen = gen_tokens / (cfg.data.gen_batch_size * hw.mem_bw_gbs * 1e9 * hw.decode_eff / weight_bytes * replicas)
     head_flops = 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
     steps = t.epochs * n_tokens * (1 - t.eval_fraction)
     train_s = head_flops * steps / peak
     plan.time += [
         Item("data prep: regenerate replies", gen, f"~{gen_tokens:,.0f} new tokens, batch {cfg.data.gen_batch_size}, "
-             f"{replicas} target replica(s) at {hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s"),
+             f"{replicas} target replica(s) of {per_replica} GPU(s) ({weight_bytes / GB:.0f} GB of weights) at "
+             f"{hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s (HF generate; data.backend=openai with a serving engine "
+             f"is faster)"),
         Item("data prep: cache features (prefill)", prefill, f"2 x {s.target_active_params / 1e9:.1f}B x tokens"),
         Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.1f} GFLOP/token (head 6P + lm_head)"),
     ]
@@ -454,8 +457,8 @@ def format_plan(cfg, plan: Plan) -> str:
     hw, s, t = plan.hw, plan.shape, cfg.train
     where = (f"1 CPU process (host mode, {t.precision if t.precision != 'fp16' else 'fp32'})" if hw.host else
              f"{hw.nodes} node(s) x {hw.gpus} GPU(s) x {hw.gpu_mem_gb:g} GB")
-    lines = [f"plan for recipe {cfg.name}: {where}; {s.kind} head, {s.head_trainable / 1e6:.0f}M trainable params over a "
-             f"{s.target_params / 1e9:.1f}B target (H {s.hidden}, V {s.vocab}, I {s.intermediate}, "
+    lines = [f"plan for recipe {cfg.name}: {where}; {s.kind} head, {s.head_trainable / 1e6:.1f}M trainable params over a "
+             f"{s.target_params / 1e9:.2f}B target (H {s.hidden}, V {s.vocab}, I {s.intermediate}, "
              f"{s.heads}/{s.kv_heads} heads); {t.mode} mode, ZeRO-{t.zero_stage}, {t.precision}, micro-batch "
              f"{t.micro_batch_size} x {cfg.data.max_length} tokens, loss_chunk {t.loss_chunk}",
              f"  {'memory per ' + ('process' if hw.host else 'GPU'):<36} {'GB':>7}  note"]
@@ -465,7 +468,10 @@ def format_plan(cfg, plan: Plan) -> str:
     lines.append(f"  {'disk':<36} {'GB':>7}")
     for i in plan.disk:
         lines.append(f"  {i.name:<36} {i.bytes / GB:7.1f}  {i.note}")
-    lines.append(f"  {'time (' + str(hw.world) + ' ' + ('CPU' if hw.host else 'GPU') + ')':<36} {'':>7}  "
+    if hw.host:
+        lines.append("  time: not planned in host mode (the figures assume GPUs)")
+        return "\n".join(lines)
+    lines.append(f"  {'time (' + str(hw.world) + ' GPUs)':<36} {'':>7}  "
                  f"assumed {hw.tflops:g} TFLOPS x MFU {hw.mfu:.0%} per GPU")
     for i in plan.time:
         lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
