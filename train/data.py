@@ -70,6 +70,40 @@ class Subset:
         return rec
 
 
+class LongRecordError(ValueError):
+    """train.long_records=error and some records are longer than the head's positions."""
+
+
+def head_positions(cfg, target_config) -> int:
+    """max_position_embeddings of the head this run trains: head.init_from's config, else the target's."""
+    from eagle.head import HeadConfig, _resolve_head_files, head_config_from_target
+
+    if cfg.head.init_from:
+        import json
+
+        config_file, _ = _resolve_head_files(str(cfg.head.init_from), None)
+        return int(HeadConfig.from_dict(json.loads(Path(config_file).read_text())).max_position_embeddings)
+    return int(head_config_from_target(target_config, bias=cfg.head.bias).max_position_embeddings)
+
+
+def apply_long_records(policy: str, positions: int, lengths: list[int], indices: list[int],
+                       max_length: int) -> tuple[list[int], int]:
+    """(indices kept, record length limit) for records longer than the head's `positions` (after data.max_length):
+    keep = as they are; truncate = cut to `positions` tokens; drop = leave them out; error = LongRecordError."""
+    long = [i for i in indices if min(lengths[i], max_length) > positions]
+    if not long or policy == "keep":
+        return indices, max_length
+    if policy == "truncate":
+        return indices, min(max_length, positions)
+    if policy == "drop":
+        gone = set(long)
+        return [i for i in indices if i not in gone], max_length
+    raise LongRecordError(
+        f"{len(long)} of {len(indices)} records are longer than the head's max_position_embeddings={positions} "
+        f"(up to {max(min(lengths[i], max_length) for i in long)} tokens); set train.long_records=keep (train at those "
+        f"positions), truncate, or drop, or lower data.max_length")
+
+
 def split_train_eval(ids: list[str], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Indices of (train, eval) records. Membership depends only on (seed, record id): adding records to
     the data never moves an existing record to the other side. At least one eval record when fraction > 0."""

@@ -98,7 +98,8 @@ def _train_locked(cfg, ctx) -> dict:
     from train.batching import MicroBatchPlan
     from train.checkpoint import (CheckpointError, checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag,
                                   load_checkpoint, save_checkpoint)
-    from train.data import Subset, TokenizedRecords, cache_dir, micro_batch_loader, split_train_eval, tokenized_file
+    from train.data import (Subset, TokenizedRecords, apply_long_records, cache_dir, head_positions, micro_batch_loader,
+                            split_train_eval, tokenized_file)
     from train.distributed import all_reduce_sum
     from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
     from train.ds_config import deepspeed_config
@@ -106,6 +107,7 @@ def _train_locked(cfg, ctx) -> dict:
     from train.frozen_target import check_cache_matches_target, load_frozen_target
     from train.loss import add_input_noise, eagle_loss, shift_for_head
     from train.metrics import evaluate
+    from train.plan import print_run_plan
     from train.tracking import Tracker
 
     # ================================================================== setup
@@ -130,14 +132,18 @@ def _train_locked(cfg, ctx) -> dict:
     else:
         source = TokenizedRecords(tokenized_file(cfg), cfg.data.max_length)
     train_idx, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
-    train_set = Subset(source, train_idx, cfg.data.max_length)
-    eval_set = Subset(source, eval_idx, cfg.data.max_length)
+    positions = head_positions(cfg, target_config)  # records beyond them: train.long_records
+    train_idx, limit = apply_long_records(t.long_records, positions, source.lengths, train_idx, cfg.data.max_length)
+    eval_idx, _ = apply_long_records(t.long_records, positions, source.lengths, eval_idx, cfg.data.max_length)
+    train_set = Subset(source, train_idx, limit)
+    eval_set = Subset(source, eval_idx, limit)
     plan = MicroBatchPlan(train_set.lengths, t.micro_batch_size, cfg.seed, t.batching, t.group_size,
                           ctx.world_size, ctx.rank)
     total_steps = t.max_steps or max(1, int(t.epochs * plan.per_epoch) // t.grad_accum)
     say(f"target {target_path} ({t.mode}); {len(train_set)} train / {len(eval_set)} eval records; "
         f"{plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; {total_steps} optimizer steps; "
         f"batching={t.batching} (padding {plan.padding_fraction():.1%})")
+    print_run_plan(cfg, ctx, target_config)  # rank 0: memory / disk / time plan of this run (train/plan.py)
 
     # -- model: a fresh (or given) head + the target's frozen embedding and lm_head
     frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype)
@@ -216,7 +222,7 @@ def _train_locked(cfg, ctx) -> dict:
         hidden = frozen.features(batch).to(dtype)  # [B, T, H]
         feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
         pred = engine(add_input_noise(feats, t.noise, t.noise_std), next_ids, attn)  # [B, T-1, H]
-        out = eagle_loss(pred, targets, weights, frozen.lm_head, t.feature_weight, t.token_weight)
+        out = eagle_loss(pred, targets, weights, frozen.lm_head, t.feature_weight, t.token_weight, t.loss_chunk)
         micro += 1
         if not all_ranks_finite(out.loss, ctx.world_size):
             state["bad_in_row"] += 1

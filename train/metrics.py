@@ -107,7 +107,8 @@ def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int
         batch = collate(records).to(device)
         hidden = target.features(batch).to(dtype)  # [B, T, H]
         feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
-        out = eagle_loss(head(feats, next_ids, attn), targets, weights, target.lm_head, s.feature_weight, s.token_weight)
+        out = eagle_loss(head(feats, next_ids, attn), targets, weights, target.lm_head, s.feature_weight, s.token_weight,
+                         s.loss_chunk)
         sums[0] += out.positions
         sums[1] += float(out.feature) * out.positions
         sums[2] += float(out.token) * out.positions

@@ -14,6 +14,7 @@ from typing import Any
 
 MODES = ("offline", "online")
 BATCHING = ("grouped", "padded")
+LONG_RECORDS = ("keep", "truncate", "drop", "error")
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("linear", "cosine", "constant")
 NOISES = ("uniform", "gaussian", "none")
@@ -36,6 +37,7 @@ class TrainSettings:
     tokenized: str = ""  # online mode: tokenised conversations (jsonl); "" = {output_dir}/data/tokenized.jsonl
     eval_fraction: float = 0.05  # records held out for evaluation (stable per record id)
     eval_max_records: int = 0  # evaluate on at most this many held-out records; 0 = all
+    long_records: str = "keep"  # records longer than the head's max_position_embeddings: keep (train at those positions; RoPE has no table limit) | truncate | drop | error
     batching: str = "grouped"  # grouped = length-bucketed micro-batches (little padding); padded = random order, pad to the longest
     group_size: int = 32  # micro-batches per length-sorted bucket (larger = less padding, coarser shuffling)
     num_workers: int = 2  # DataLoader processes reading + collating ahead of the GPU; 0 = in the training process
@@ -62,6 +64,7 @@ class TrainSettings:
     token_weight: float = 0.1  # soft CE: target distribution vs head distribution through the frozen lm_head
     noise: str = "uniform"  # input-feature noise: uniform U(-std/2, std/2) | gaussian N(0, std^2) | none
     noise_std: float = 0.2
+    loss_chunk: int = 256  # token loss over this many loss positions at a time ([chunk, V] logits instead of [N, V]; same value and gradient); 0 = all at once
     # --- evaluation (every eval_every steps and at the end)
     eval_every: int = 0  # optimizer steps; 0 = at the end of every epoch
     rollout_steps: int = 5  # self-fed draft steps simulated per start position
@@ -115,6 +118,7 @@ def validate_train_sections(cfg) -> None:
     _check(t.mode in MODES, "train.mode", t.mode, f"expected one of {MODES}")
     _check(t.verify_cache in ("sha256", "size"), "train.verify_cache", t.verify_cache, "expected 'sha256' or 'size'")
     _check(t.batching in BATCHING, "train.batching", t.batching, f"expected one of {BATCHING}")
+    _check(t.long_records in LONG_RECORDS, "train.long_records", t.long_records, f"expected one of {LONG_RECORDS}")
     _check(t.precision in PRECISIONS, "train.precision", t.precision, f"expected one of {PRECISIONS}")
     _check(t.schedule in SCHEDULES, "train.schedule", t.schedule, f"expected one of {SCHEDULES}")
     _check(t.noise in NOISES, "train.noise", t.noise, f"expected one of {NOISES}")
@@ -125,7 +129,7 @@ def validate_train_sections(cfg) -> None:
                 "max_bad_steps"):
         _check(t[key] >= 1, f"train.{key}", t[key], "expected >= 1")
     for key in ("max_steps", "warmup_steps", "eval_every", "rollout_starts", "eval_max_records", "stop_after", "num_workers",
-                "live_tau_prompts"):
+                "live_tau_prompts", "loss_chunk"):
         _check(t[key] >= 0, f"train.{key}", t[key], "expected >= 0")
     _check(t.live_tau_max_new_tokens >= 1, "train.live_tau_max_new_tokens", t.live_tau_max_new_tokens, "expected >= 1")
     _check(math.isfinite(t.lr) and t.lr > 0, "train.lr", t.lr, "expected a finite number > 0")

@@ -1,0 +1,138 @@
+"""train/plan.py: the memory / disk / time arithmetic, the shipped recipes' verdicts on 8 x 24 GB, the knobs it
+names, the CLI, and the plan printed at the start of a run."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from test_train_helpers import REPO, subprocess_env
+from train.main import load_config
+from train.plan import GB, Hardware, build_plan, memory_items, model_states, plan_shape
+
+SEVEN_B = ("llama3-8b", "llama2-chat-7b", "vicuna-7b", "qwen2-7b")
+
+
+@pytest.fixture(scope="module")
+def llama_shape():
+    return plan_shape(load_config("llama3-8b", []))
+
+
+def test_llama3_head_shape_is_the_published_one(llama_shape):
+    s = llama_shape
+    H, I, kv = 4096, 14336, 8 * 128
+    expected = 2 * H * H + (H * H + 2 * kv * H + H * H) + 3 * H * I + H  # fc (no bias) + attention + MLP + norm
+    assert (s.hidden, s.vocab, s.intermediate, s.heads, s.kv_heads) == (4096, 128256, 14336, 32, 8)
+    assert s.head_trainable == expected  # 251.7M
+    assert 8.0e9 < s.target_params < 8.1e9  # Llama-3-8B: 8.03B
+
+
+def test_zero2_mixed_precision_states_are_deepspeeds_estimate():
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    P = 251_662_336
+    items = model_states(P, P, 2, "fp16", 8, 8, 1, offload=False, host=False)
+    _, gpu = estimate_zero2_model_states_mem_needs(P, 8, 1, cpu_offload=False)
+    assert sum(i.bytes for i in items) == pytest.approx(gpu)
+    fp32 = model_states(P, P, 2, "fp32", 1, 1, 1, offload=False, host=True)  # what one CPU process holds
+    assert sum(i.bytes for i in fp32) == 4 * P + 4 * P + 4 * P + 8 * P  # params, grad partition, master, AdamW
+
+
+@pytest.mark.parametrize("recipe", SEVEN_B)
+def test_shipped_7b_recipes_fit_a_24gb_rtx3090(recipe):
+    cfg = load_config(recipe, [])
+    plan = build_plan(cfg, Hardware(gpus=8, gpu_mem_gb=24))
+    assert plan.fits, plan.verdict
+    assert plan.verdict.startswith("fits")
+    assert {"head activations", "token-loss logits", "frozen lm_head", "DeepSpeed reduce bucket"} <= {i.name for i in plan.memory}
+
+
+def test_unchunked_loss_is_the_knob_it_names(llama_shape):
+    """At 2 x 2048 tokens and V = 128,256 the unchunked token loss alone is ~12 GB: on a 16 GB GPU the plan must
+    say it does not fit and name train.loss_chunk first."""
+    cfg = load_config("llama3-8b", ["train.loss_chunk=0"])
+    items = {i.name: i.bytes for i in memory_items(cfg, Hardware(), llama_shape)}
+    assert items["token-loss logits"] > 4096 * 128256 * 20  # several fp32 [4096, V] tensors
+    chunked = {i.name: i.bytes for i in memory_items(load_config("llama3-8b", []), Hardware(), llama_shape)}
+    assert chunked["token-loss logits"] < items["token-loss logits"] / 10
+    plan = build_plan(cfg, Hardware(gpu_mem_gb=16), llama_shape)
+    assert not plan.fits and plan.knobs[0].startswith("train.loss_chunk=")
+    assert "does NOT fit" in plan.verdict and "train.loss_chunk=" in plan.verdict
+
+
+def test_memory_scales_with_the_micro_batch_and_world(llama_shape):
+    cfg1, cfg2 = load_config("llama3-8b", ["train.micro_batch_size=1"]), load_config("llama3-8b", ["train.micro_batch_size=4"])
+    a = {i.name: i.bytes for i in memory_items(cfg1, Hardware(), llama_shape)}
+    b = {i.name: i.bytes for i in memory_items(cfg2, Hardware(), llama_shape)}
+    assert b["head activations"] == pytest.approx(4 * a["head activations"])
+    one = {i.name: i.bytes for i in memory_items(cfg1, Hardware(gpus=1), llama_shape)}
+    assert one["AdamW moments (fp32)"] == pytest.approx(8 * a["AdamW moments (fp32)"])
+
+
+def test_mixtral_online_needs_more_than_24gb_and_offline_fits():
+    off = build_plan(load_config("mixtral-8x7b", []), Hardware())
+    assert off.fits, off.verdict
+    on = build_plan(load_config("mixtral-8x7b", ["train.mode=online"]), Hardware())
+    assert not on.fits and any(k.startswith("train.mode=offline") for k in on.knobs)
+    target = next(i for i in on.memory if i.name == "frozen target (online mode)")
+    assert target.bytes > 90 * GB  # 46.7B params in bf16
+    assert 12.5e9 < off.shape.target_active_params < 13.5e9  # top-2 of 8 experts: ~12.9B per token
+
+
+def test_disk_is_bytes_per_token_times_tokens(llama_shape):
+    plan = build_plan(load_config("llama3-8b", []), Hardware(), llama_shape, tokens=1_000_000)
+    disk = {i.name.split()[2]: i.bytes for i in plan.disk}
+    assert disk["bfloat16"] == (4096 * 2 + 5) * 1_000_000
+    assert disk["int8"] == (4096 + 7) * 1_000_000
+    assert all(i.bytes > 0 for i in plan.time)
+
+
+def test_eagle3_is_planned_from_its_keys(llama_shape):
+    from omegaconf import OmegaConf
+
+    cfg = load_config("llama3-8b", [])
+    if "kind" not in cfg.head:  # before the EAGLE-3 keys exist in the schema: add them to this config only
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped copy
+        cfg.head.kind, cfg.head.draft_vocab_size, cfg.head.ttt_steps = "eagle3", 32000, 7
+    else:
+        cfg = load_config("llama3-8b", ["head.kind=eagle3", "head.draft_vocab_size=32000", "head.ttt_steps=7"])
+    s = plan_shape(cfg)
+    H = 4096
+    assert s.kind == "eagle3" and s.cache_row == 4 and s.ttt_steps == 7
+    assert s.head_trainable - llama_shape.head_trainable == H * H + (32 + 16) * 128 * H + 32000 * H + 2 * H
+    plan = build_plan(cfg, Hardware(), s, tokens=1000)
+    assert plan.disk[0].bytes == (4 * H * 2 + 5) * 1000
+
+
+def test_cli_table_help_and_one_line_errors(capsys):
+    from train.plan import main
+
+    ok = subprocess.run([sys.executable, "-m", "train.plan", "--recipe", "llama3-8b", "--gpus", "8", "--gpu-mem-gb", "24"],
+                        env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "fits:" in ok.stdout and "token-loss logits" in ok.stdout and "feature cache bfloat16" in ok.stdout
+    capsys.readouterr()
+    assert main(["--recipe", "llama3-8b", "--gpus", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --gpus=0")
+    assert main(["--recipe", "llama3-8b", "train.nope=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: unknown recipe key 'train.nope'") and not any("Traceback" in e for e in err)
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--gpu-mem-gb" in capsys.readouterr().out
+
+
+def test_training_prints_the_plan_first(tmp_path):
+    """Rank 0 prints the plan at the start of every run (here: host mode, one CPU process)."""
+    from test_train_helpers import overrides, save_target, write_cache
+
+    target = save_target(tmp_path / "target")
+    cache = write_cache(tmp_path / "cache", target, n=16)
+    cmd = [sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny",
+           *overrides(target, tmp_path / "run", f"train.cache_dir={cache}", steps=1)]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan for recipe tiny: 1 CPU process (host mode" in proc.stdout and "head activations" in proc.stdout
+    assert proc.stdout.index("plan for recipe tiny") < proc.stdout.index("summary:")

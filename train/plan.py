@@ -1,0 +1,559 @@
+"""Memory / disk / time plan for a recipe before a multi-day run: does it fit these GPUs and disks, and how long?
+
+    python -m train.plan --recipe llama3-8b --gpus 8 --gpu-mem-gb 24          # 8 x RTX 3090 (one node)
+    python -m train.plan --recipe llama3-8b --gpus 8 --nodes 2 train.micro_batch_size=4
+    python -m train.plan --recipe llama3-8b --host                            # one CPU process (what this box measures)
+
+Per rank (GPU) memory, worst case micro-batch (every sequence data.max_length tokens, every position a loss
+position):
+  * model states: the head's trainable parameters, gradients, fp32 master copy and AdamW moments under the
+    recipe's ZeRO stage and precision: DeepSpeed's own estimators (estimate_zero2/3_model_states_mem_needs) for
+    ZeRO-2/3 mixed precision, the same accounting written out for ZeRO-0/1 and fp32 (see `model_states`);
+  * frozen target parts the trainer holds: the head's copy of the embedding and the lm_head, in the compute
+    dtype (online mode: the whole target in target.dtype);
+  * activations of the head layer kept for backward (per token: ~9 H + 2 kv D + 4 I values in the compute dtype
+    + ~4 H float32 values of the loss and norm; attention by SDPA's flash / memory-efficient kernels, O(T));
+  * the token loss: [rows, V] float32 logits, softmax and log-softmax of head and target, rows = all N loss
+    positions, or train.loss_chunk of them (train/loss.py: ChunkedSoftCE) plus its [N, H] gradient;
+  * DeepSpeed buffers from the generated config: the contiguous-gradient (reduce) bucket, the all-gather
+    bucket, ZeRO-3 prefetch; plus the CUDA context and a fragmentation reserve.
+Disk: feature cache = bytes/token (data_prep/feature_cache.py) x tokens, per cache dtype. Time: FLOPs at a
+stated fraction (MFU) of a stated GPU peak (RTX 3090: 71 TFLOPS dense fp16/bf16 tensor-core, NVIDIA Ampere
+GA102 whitepaper, Table 9; 35.6 TFLOPS fp32), and decoding (regeneration) at a stated fraction of the memory
+bandwidth (936 GB/s). Every assumption is a command-line option and is printed.
+
+Host mode (--host): the same breakdown for ONE CPU process in the CPU dtype (what benchmarks/real_shape.py
+measures as peak RSS): no CUDA context and no allocator reserve, DeepSpeed buckets count only the part a
+model of this size writes (CPU pages are committed on first touch, GPU buffers at allocation), plus the
+tensors only the host holds (the target's embedding as read from disk) and the Python/torch/DeepSpeed runtime.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+GB = 1e9
+
+# Published config.json shape keys of the shipped recipes' targets (the hubs are gated / offline here), so the
+# plan runs without downloading them. A local folder or reachable hub id is read with AutoConfig instead.
+KNOWN_TARGETS: dict[str, dict] = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009),
+    "meta-llama/Llama-2-7b-chat-hf": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    "lmsys/vicuna-7b-v1.3": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    "Qwen/Qwen2-7B-Instruct": dict(
+        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": dict(
+        model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+        bos_token_id=1, eos_token_id=2),
+}
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Shipped-recipe data: ShareGPT_V4.3_unfiltered_cleaned_split.json has ~68k conversations; after regeneration
+# with the target (<= 512 new tokens per reply) and truncation to 2048 tokens we assume 1,000 tokens per record
+# on average (stated assumption; a finished cache's manifest replaces it with the real count).
+DEFAULT_RECORDS = 68_000
+DEFAULT_TOKENS_PER_RECORD = 1000
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (unknown target shape, bad option); the message says what to pass."""
+
+
+@dataclass
+class Hardware:
+    gpus: int = 8  # per node
+    nodes: int = 1
+    gpu_mem_gb: float = 24.0  # per GPU, decimal GB as on the spec sheet (RTX 3090: 24 GB)
+    tflops: float = 71.0  # dense fp16/bf16 tensor-core peak (RTX 3090)
+    mfu: float = 0.35  # achieved fraction of peak for training / prefill (stated assumption)
+    mem_bw_gbs: float = 936.0  # HBM/GDDR bandwidth (RTX 3090: 936 GB/s)
+    decode_eff: float = 0.6  # achieved fraction of bandwidth when generating (stated assumption)
+    cuda_context_gb: float = 0.8  # CUDA context + cuBLAS/cuDNN workspaces per process (typical, torch 2.x on Ampere)
+    reserve: float = 0.10  # fraction of GPU memory kept free for allocator fragmentation
+    host: bool = False  # one CPU process instead of GPUs (see module docstring)
+    host_runtime_gb: float = 0.55  # RSS of Python + torch + transformers + DeepSpeed after import (measured here)
+
+    @property
+    def world(self) -> int:
+        return 1 if self.host else self.gpus * self.nodes
+
+
+@dataclass
+class Shape:
+    """What the plan needs of the target and the head."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+    max_positions: int
+    target_params: int  # all parameters of the target
+    target_active_params: int  # per token (MoE: the routed experts only)
+    head_trainable: int  # trainable head parameters
+    head_largest: int  # largest trainable tensor (ZeRO-3 estimator)
+    kind: str = "eagle2"
+    draft_vocab: int = 0  # eagle3: its own lm_head rows
+    ttt_steps: int = 1  # eagle3: unrolled training-time-test steps (each a full head pass)
+    cache_row: int = 1  # hidden states cached per token (eagle2 1 = last layer; eagle3 4 = 3 aux + last)
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    note: str = ""
+    knob: str = ""  # what reduces it
+
+
+@dataclass
+class Plan:
+    hw: Hardware
+    shape: Shape
+    memory: list[Item] = field(default_factory=list)
+    disk: list[Item] = field(default_factory=list)
+    time: list[Item] = field(default_factory=list)  # "bytes" holds seconds here
+    verdict: str = ""
+    fits: bool = False
+    knobs: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(i.bytes for i in self.memory)
+
+
+# ----------------------------------------------------------------------------- shapes
+def target_config(cfg):
+    """HF config of the recipe's target: a local folder, the KNOWN_TARGETS table, or the Hub."""
+    from transformers import AutoConfig
+
+    from data_prep.target import resolve_target_path
+
+    path = resolve_target_path(cfg.target) if cfg.target.path else ""
+    if path and Path(path).is_dir():
+        return AutoConfig.from_pretrained(path)
+    if path in KNOWN_TARGETS:
+        known = dict(KNOWN_TARGETS[path])
+        return AutoConfig.for_model(known.pop("model_type"), **known)
+    try:
+        return AutoConfig.from_pretrained(path or resolve_target_path(cfg.target), revision=cfg.target.revision)
+    except Exception as e:  # offline / gated / typo: say what would work
+        raise PlanError(f"cannot read the config of target {path!r} ({type(e).__name__}: {e}); pass target.path=<local "
+                        f"folder with config.json> or one of {sorted(KNOWN_TARGETS)}") from None
+
+
+def count_target_params(config) -> tuple[int, int]:
+    """(all, active per token) parameters of a target config, counted on the meta device (no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total, experts = 0, 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".experts." in name or ".experts" in name.rsplit(".", 1)[0]:
+            experts += p.numel()
+    from eagle.head import text_config
+
+    c = text_config(config)
+    n_exp, k = getattr(c, "num_local_experts", 0) or getattr(c, "num_experts", 0), getattr(c, "num_experts_per_tok", 0)
+    active = total - experts + (experts * k // n_exp if n_exp and k else experts)
+    return total, active
+
+
+def plan_shape(cfg, config=None) -> Shape:
+    """Target and head shape for `cfg` (EAGLE-2 head from the target config; EAGLE-3 per head.kind)."""
+    import torch
+
+    from eagle.head import EagleHead, head_config_from_target, text_config
+
+    config = config or target_config(cfg)
+    c = text_config(config)
+    hc = head_config_from_target(config, bias=cfg.head.bias)
+    kind = cfg.head.get("kind", "eagle2")
+    with torch.device("meta"):
+        head = EagleHead(hc)
+    trainable = [p.numel() for n, p in head.named_parameters() if p.requires_grad]
+    total, active = count_target_params(config)
+    H, D = hc.hidden_size, hc.head_dim
+    shape = Shape(hidden=H, intermediate=hc.intermediate_size, heads=hc.num_attention_heads,
+                  kv_heads=hc.num_key_value_heads, head_dim=D, vocab=hc.vocab_size, layers=c.num_hidden_layers,
+                  max_positions=hc.max_position_embeddings, target_params=total, target_active_params=active,
+                  head_trainable=sum(trainable), head_largest=max(trainable), kind=kind)
+    if kind == "eagle3":  # e3 contract: fc [H, 3H]; q/k/v read [embed, hidden] (2H); own lm_head [Vd, H]; 2 more norms
+        vd = int(cfg.head.get("draft_vocab_size") or hc.vocab_size)
+        qkv_out = (hc.num_attention_heads + 2 * hc.num_key_value_heads) * D
+        shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
+        shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
+        shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(cfg.head.get("ttt_steps", 7)), 4
+    return shape
+
+
+# ----------------------------------------------------------------------------- memory
+def deepspeed_zero(cfg) -> dict:
+    """The zero_optimization section DeepSpeed will run with (generated config + DeepSpeed's own defaults)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from train.ds_config import deepspeed_config
+
+    ds = deepspeed_config(cfg.train, total_steps=1, world_size=1, on_cpu=False)
+    return DeepSpeedZeroConfig(**ds["zero_optimization"]).model_dump()
+
+
+def model_states(P: int, largest: int, stage: int, precision: str, world: int, gpus_per_node: int, nodes: int,
+                 offload: bool, host: bool) -> list[Item]:
+    """Head parameters / gradients / fp32 master / AdamW moments per rank (bytes)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    mixed = precision != "fp32"
+    p_bytes = 2 if mixed else 4
+    n = world
+    if mixed and stage >= 2 and not host:  # DeepSpeed's estimators (GPU bytes): 2P + 18P/N (ZeRO-2), 4 L + 18P/N (ZeRO-3)
+        if stage == 2:
+            _, gpu = estimate_zero2_model_states_mem_needs(P, gpus_per_node, nodes, cpu_offload=offload)
+            params = 2 * P
+        else:
+            _, gpu, largest_mem = estimate_zero3_model_states_mem_needs(P, largest, gpus_per_node, nodes,
+                                                                         cpu_offload=offload, cpu_offload_params=False)
+            params = largest_mem
+        rest = gpu - params  # DeepSpeed: 16-bit + fp32 grads 6P/N, fp32 master 4P/N, AdamW 8P/N
+        if offload:
+            return [Item("head params (16-bit)", gpu, "DeepSpeed estimator, optimizer offloaded to CPU")]
+        return [Item("head params (16-bit)" if stage == 2 else "head params (ZeRO-3 live layer)", params,
+                     "estimate_zero%d_model_states_mem_needs" % stage),
+                Item("head grads (16 + 32-bit)", rest * 6 / 18, f"partitioned /{n}", "zero_stage"),
+                Item("fp32 master params", rest * 4 / 18, f"partitioned /{n}", "zero_stage"),
+                Item("AdamW moments (fp32)", rest * 8 / 18, f"partitioned /{n}", "zero_stage / offload_optimizer")]
+    # ZeRO-0/1 and fp32 (and host mode): what DeepSpeed's ZeRO-1/2 optimizer allocates. It keeps its own fp32
+    # partition ("single_partition_of_fp32_groups", a copy even when training in fp32) and an fp32 gradient
+    # partition; ZeRO-0 keeps full fp32 grads and, mixed, a full fp32 master.
+    part = 1 if stage == 0 else n
+    params = (largest * p_bytes if stage == 3 else P * p_bytes)
+    grads16 = (P * p_bytes / (n if stage >= 2 else 1)) if mixed else 0
+    items = [Item("head params" + (" (16-bit)" if mixed else " (fp32)"), params, "" if stage < 3 else "ZeRO-3 live layer")]
+    if grads16:
+        items.append(Item("head grads (16-bit)", grads16, f"/{n}" if stage >= 2 else "full", "zero_stage"))
+    items.append(Item("head grads (fp32 partition)", 4 * P / (n if stage >= 2 else 1), "", "zero_stage"))
+    if mixed or stage >= 1:
+        items.append(Item("fp32 master params", 4 * P / part, f"/{part}", "zero_stage"))
+    if offload:
+        items.append(Item("AdamW moments", 0, "offloaded to CPU", ""))
+    else:
+        items.append(Item("AdamW moments (fp32)", 8 * P / part, f"/{part}", "zero_stage / offload_optimizer"))
+    return items
+
+
+def activation_bytes_per_token(s: Shape, cb: int) -> float:
+    """Head-layer tensors autograd keeps for backward, per token (see module docstring), + one [I] transient."""
+    H, I, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
+    kept = (9 * H + 2 * kv + 4 * I) * cb + 4 * H * 4
+    return kept + 2 * I * cb  # backward transients: the gradients of gate/up [T, I]
+
+
+def loss_bytes(s: Shape, rows: int, n_positions: int, cb: int, chunk: int) -> float:
+    """Token-loss peak: [rows, V] tensors (head logits in cb and fp32, log-softmax, target logits in cb and fp32,
+    target softmax, the product) + for the chunked path its [N, H] fp32 gradient."""
+    V = s.draft_vocab or s.vocab
+    per_row = V * (2 * cb + 5 * 4)
+    return rows * per_row + (n_positions * s.hidden * 4 if chunk else 0)
+
+
+def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
+    """Per-rank (or, host mode, per-process) memory breakdown of recipe `cfg` (bytes; no allocator reserve)."""
+    t = cfg.train
+    s = shape
+    precision = "fp32" if hw.host and t.precision == "fp16" else t.precision  # DeepSpeed on CPU: no fp16
+    cb = COMPUTE_BYTES[precision]
+    P = s.head_trainable
+    B, T = t.micro_batch_size, cfg.data.max_length
+    n_tok = B * T
+    world = hw.world
+    zero = deepspeed_zero(cfg)
+    mem = []
+    if hw.host:
+        mem.append(Item("Python/torch/DeepSpeed runtime", hw.host_runtime_gb * GB, "RSS after imports"))
+    else:
+        mem.append(Item("CUDA context + workspaces", hw.cuda_context_gb * GB, "assumption"))
+    mem += model_states(P, s.head_largest, t.zero_stage, precision, world, hw.gpus, hw.nodes, t.offload_optimizer,
+                        hw.host)
+    VH = s.vocab * s.hidden
+    tdt = DTYPE_BYTES[cfg.target.dtype]
+    if t.mode == "offline":
+        mem.append(Item("frozen embedding (head copy)", VH * cb, f"[{s.vocab}, {s.hidden}] in compute dtype"))
+        mem.append(Item("frozen lm_head", VH * cb, f"[{s.vocab}, {s.hidden}] in compute dtype"))
+        if hw.host:
+            mem.append(Item("target embedding as read (host)", VH * tdt, f"target.dtype {cfg.target.dtype}"))
+    else:
+        mem.append(Item("frozen target (online mode)", s.target_params * tdt, f"{s.target_params / 1e9:.1f}B params "
+                        f"in {cfg.target.dtype}", "train.mode=offline (feature cache)"))
+        mem.append(Item("frozen embedding (head copy)", VH * cb, "compute dtype"))
+        if cb != tdt:
+            mem.append(Item("frozen lm_head (compute dtype copy)", VH * cb, ""))
+        mem.append(Item("target forward (no grad)", n_tok * (2 * s.hidden + 2 * s.intermediate) * tdt, "one layer live"))
+    mem.append(Item("micro-batch features", n_tok * s.hidden * s.cache_row * (4 + cb),
+                    f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length"))
+    act = activation_bytes_per_token(s, cb) * n_tok * s.ttt_steps
+    mem.append(Item("head activations", act, f"{B} x {T} tokens" + (f" x {s.ttt_steps} TTT steps" if s.ttt_steps > 1 else ""),
+                    "train.micro_batch_size / data.max_length"))
+    chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
+    rows = chunk or n_tok
+    mem.append(Item("token-loss logits", loss_bytes(s, rows, n_tok, cb, chunk),
+                    f"{rows} rows x {s.draft_vocab or s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
+                    "train.loss_chunk"))
+    # DeepSpeed buffers (ZeRO-1/2: contiguous-gradient reduce bucket(s), all-gather bucket; ZeRO-3: prefetch)
+    if t.zero_stage in (1, 2):
+        red_dtype = 4 if (t.zero_stage == 1 or precision == "fp32") else cb
+        bucket = int(zero["reduce_bucket_size"])
+        n_buf = 2 if zero["overlap_comm"] else 1
+        touched = min(bucket, P) if hw.host else bucket
+        if zero["contiguous_gradients"]:
+            mem.append(Item("DeepSpeed reduce bucket", n_buf * touched * red_dtype,
+                            f"{n_buf} x reduce_bucket_size {bucket:.0e}" + (" (touched part)" if hw.host else ""),
+                            "train.deepspeed.zero_optimization.reduce_bucket_size"))
+        if world > 1:
+            mem.append(Item("DeepSpeed all-gather bucket", min(int(zero["allgather_bucket_size"]), P) * cb,
+                            f"allgather_bucket_size {zero['allgather_bucket_size']:.0e}",
+                            "train.deepspeed.zero_optimization.allgather_bucket_size"))
+    elif t.zero_stage == 3:
+        mem.append(Item("DeepSpeed ZeRO-3 prefetch", min(int(zero["prefetch_bucket_size"]), P) * cb,
+                        f"prefetch_bucket_size {zero['prefetch_bucket_size']:.0e}", ""))
+    return mem
+
+
+def budget_bytes(hw: Hardware) -> float:
+    """Bytes the breakdown may use: the GPU minus the fragmentation reserve (host mode: the given memory)."""
+    return hw.gpu_mem_gb * GB * (1 if hw.host else 1 - hw.reserve)
+
+
+def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None = None) -> Plan:
+    """The plan for recipe `cfg` on `hw` (see module docstring)."""
+    from data_prep.feature_cache import bytes_per_token
+
+    t = cfg.train
+    s = shape or plan_shape(cfg)
+    plan = Plan(hw, s, memory=memory_items(cfg, hw, s))
+    P, world = s.head_trainable, hw.world
+    tdt = DTYPE_BYTES[cfg.target.dtype]
+    budget = budget_bytes(hw)
+    used = plan.total
+    plan.fits = used <= budget
+    if not hw.host:
+        plan.memory.append(Item("allocator reserve", hw.gpu_mem_gb * GB * hw.reserve, f"{hw.reserve:.0%} of the GPU"))
+    plan.knobs = suggest(cfg, hw, s, budget) if not plan.fits else []
+    where = "process" if hw.host else "GPU"
+    plan.verdict = (f"fits: {used / GB:.1f} GB needed of {budget / GB:.1f} GB usable per {where}" if plan.fits else
+                    f"does NOT fit: {used / GB:.1f} GB needed > {budget / GB:.1f} GB usable per {where}; "
+                    + ("set " + " | or ".join(plan.knobs) if plan.knobs else
+                       "no single knob is enough: use GPUs with more memory"))
+    # ---------------------------------------------------------------- disk and time
+    records, per_record, source = data_size(cfg)
+    n_tokens = tokens or records * per_record
+    for dt in ("bfloat16", "float16", "int8", "float32"):
+        bpt = bytes_per_token(s.hidden * s.cache_row, dt)
+        mark = " (recipe)" if dt == cfg.data.cache_dtype else ""
+        plan.disk.append(Item(f"feature cache {dt}{mark}", bpt * n_tokens, f"{bpt} B/token x {n_tokens:,} tokens ({source})"))
+    peak = hw.tflops * 1e12 * hw.mfu * world
+    prefill = 2 * s.target_active_params * n_tokens / peak
+    gen_tokens = n_tokens * 0.5  # regenerated replies: about half of the tokens (assumption)
+    weight_bytes = s.target_params * tdt
+    per_replica = max(1, math.ceil(weight_bytes / (hw.gpu_mem_gb * GB * 0.8)))  # GPUs holding one target copy
+    replicas = max(1, world // per_replica)
+    gen = gen_tokens / (cfg.data.gen_batch_size * hw.mem_bw_gbs * 1e9 * hw.decode_eff / weight_bytes * replicas)
+    head_flops = 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
+    steps = t.epochs * n_tokens * (1 - t.eval_fraction)
+    train_s = head_flops * steps / peak
+    plan.time += [
+        Item("data prep: regenerate replies", gen, f"~{gen_tokens:,.0f} new tokens, batch {cfg.data.gen_batch_size}, "
+             f"{replicas} target replica(s) of {per_replica} GPU(s) ({weight_bytes / GB:.0f} GB of weights) at "
+             f"{hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s (HF generate; data.backend=openai with a serving engine "
+             f"is faster)"),
+        Item("data prep: cache features (prefill)", prefill, f"2 x {s.target_active_params / 1e9:.1f}B x tokens"),
+        Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.1f} GFLOP/token (head 6P + lm_head)"),
+    ]
+    return plan
+
+
+def data_size(cfg) -> tuple[int, int, str]:
+    """(records, tokens per record, where from): a finished cache's manifest, else data.max_records, else the
+    ShareGPT assumption."""
+    from train.data import cache_dir
+
+    manifest = cache_dir(cfg) / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        return int(m["num_records"]), max(1, int(m["num_tokens"]) // max(1, int(m["num_records"]))), f"cache {manifest}"
+    records = cfg.data.max_records or DEFAULT_RECORDS
+    per = min(DEFAULT_TOKENS_PER_RECORD, cfg.data.max_length)
+    return int(records), per, f"assumed {records:,} records x {per} tokens"
+
+
+def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
+    """Up to three settings that each alone bring the memory under `budget`, cheapest first."""
+    from omegaconf import OmegaConf
+
+    tries = []
+    t = cfg.train
+    if t.loss_chunk == 0:
+        tries.append(["train.loss_chunk=256"])
+    if t.mode == "online":
+        tries.append(["train.mode=offline"])
+    for mb in range(t.micro_batch_size - 1, 0, -1):
+        tries.append([f"train.micro_batch_size={mb}", f"train.grad_accum={t.grad_accum * t.micro_batch_size // mb}"])
+    if t.zero_stage < 3:
+        tries.append([f"train.zero_stage={t.zero_stage + 1}"])
+    tries.append(["train.deepspeed={zero_optimization: {reduce_bucket_size: 50000000, allgather_bucket_size: 50000000}}"])
+    if not t.offload_optimizer:
+        tries.append(["train.offload_optimizer=true"])
+    for length in (1024, 512):
+        if length < cfg.data.max_length:
+            tries.append([f"data.max_length={length}"])
+    out = []
+    for overrides in tries:
+        c2 = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        need = sum(i.bytes for i in memory_items(c2, hw, shape))
+        if need <= budget:
+            out.append(" ".join(overrides) + f" ({need / GB:.1f} GB)")
+            if len(out) == 3:
+                break
+    return out
+
+
+
+
+# ----------------------------------------------------------------------------- output
+def _hms(seconds: float) -> str:
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def format_plan(cfg, plan: Plan) -> str:
+    """The plan as text (the table printed by the CLI and at the start of training)."""
+    hw, s, t = plan.hw, plan.shape, cfg.train
+    where = (f"1 CPU process (host mode, {t.precision if t.precision != 'fp16' else 'fp32'})" if hw.host else
+             f"{hw.nodes} node(s) x {hw.gpus} GPU(s) x {hw.gpu_mem_gb:g} GB")
+    lines = [f"plan for recipe {cfg.name}: {where}; {s.kind} head, {s.head_trainable / 1e6:.1f}M trainable params over a "
+             f"{s.target_params / 1e9:.2f}B target (H {s.hidden}, V {s.vocab}, I {s.intermediate}, "
+             f"{s.heads}/{s.kv_heads} heads); {t.mode} mode, ZeRO-{t.zero_stage}, {t.precision}, micro-batch "
+             f"{t.micro_batch_size} x {cfg.data.max_length} tokens, loss_chunk {t.loss_chunk}",
+             f"  {'memory per ' + ('process' if hw.host else 'GPU'):<36} {'GB':>7}  note"]
+    for i in plan.memory:
+        lines.append(f"  {i.name:<36} {i.bytes / GB:7.2f}  {i.note}")
+    lines.append(f"  {'total':<36} {sum(i.bytes for i in plan.memory) / GB:7.2f}  -> {plan.verdict}")
+    lines.append(f"  {'disk':<36} {'GB':>7}")
+    for i in plan.disk:
+        lines.append(f"  {i.name:<36} {i.bytes / GB:7.1f}  {i.note}")
+    if hw.host:
+        lines.append("  time: not planned in host mode (the figures assume GPUs)")
+        return "\n".join(lines)
+    lines.append(f"  {'time (' + str(hw.world) + ' GPUs)':<36} {'':>7}  "
+                 f"assumed {hw.tflops:g} TFLOPS x MFU {hw.mfu:.0%} per GPU")
+    for i in plan.time:
+        lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
+    return "\n".join(lines)
+
+
+def plan_as_dict(plan: Plan) -> dict:
+    return {"fits": plan.fits, "verdict": plan.verdict, "total_bytes": plan.total,
+            "memory": {i.name: i.bytes for i in plan.memory}, "disk": {i.name: i.bytes for i in plan.disk},
+            "time_s": {i.name: i.bytes for i in plan.time}, "shape": plan.shape.__dict__, "knobs": plan.knobs}
+
+
+def hardware_for_run(ctx) -> Hardware:
+    """The hardware a training run is on: its world size and, on GPUs, the device's memory."""
+    import torch
+
+    if ctx.device.type == "cuda":
+        mem = torch.cuda.get_device_properties(ctx.device).total_memory / GB
+        per_node = torch.cuda.device_count()
+        return Hardware(gpus=per_node, nodes=max(1, ctx.world_size // max(1, per_node)), gpu_mem_gb=mem)
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    return Hardware(gpus=1, nodes=1, gpu_mem_gb=total / max(1, ctx.world_size), host=True)
+
+
+def print_run_plan(cfg, ctx, config=None) -> None:
+    """Rank 0 prints the plan at the start of training (a plan that cannot be made is a warning, not an error)."""
+    if not ctx.is_main:
+        return
+    try:
+        print(format_plan(cfg, build_plan(cfg, hardware_for_run(ctx), plan_shape(cfg, config))), flush=True)
+    except PlanError as e:
+        print(f"[train] no plan: {e}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides (as for train/main.py)")
+    d = Hardware()
+    p.add_argument("--gpus", type=int, default=d.gpus, help="GPUs per node (default %(default)s)")
+    p.add_argument("--nodes", type=int, default=d.nodes, help="nodes (default %(default)s)")
+    p.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb, help="memory per GPU in GB (default %(default)s, RTX 3090)")
+    p.add_argument("--tflops", type=float, default=d.tflops, help="GPU dense 16-bit peak TFLOPS (default %(default)s, RTX 3090)")
+    p.add_argument("--mfu", type=float, default=d.mfu, help="achieved fraction of peak (default %(default)s)")
+    p.add_argument("--mem-bw-gbs", type=float, default=d.mem_bw_gbs, help="GPU memory bandwidth GB/s (default %(default)s)")
+    p.add_argument("--cuda-context-gb", type=float, default=d.cuda_context_gb, help="per-process CUDA context (default %(default)s)")
+    p.add_argument("--reserve", type=float, default=d.reserve, help="fraction kept free for fragmentation (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=None, help="training tokens (default: the cache manifest, else an assumption)")
+    p.add_argument("--host", action="store_true", help="one CPU process instead of GPUs (--gpu-mem-gb = RAM for it)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from recipes import RecipeError
+
+    args = parse_args(argv)
+    try:
+        for name in ("gpus", "nodes"):
+            if getattr(args, name) < 1:
+                raise PlanError(f"--{name}={getattr(args, name)}: expected >= 1")
+        for name in ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs"):
+            if getattr(args, name) <= 0:
+                raise PlanError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
+        if not 0 <= args.reserve < 1:
+            raise PlanError(f"--reserve={args.reserve}: expected 0 <= reserve < 1")
+        from train.main import load_config
+
+        cfg = load_config(args.recipe, args.overrides)
+        hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
+                      mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
+                      host=args.host)
+        plan = build_plan(cfg, hw, tokens=args.tokens)
+    except (PlanError, RecipeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_as_dict(plan), indent=1) if args.json else format_plan(cfg, plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
