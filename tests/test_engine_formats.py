@@ -289,3 +289,24 @@ def test_serving_commands():
     assert "--speculative-algorithm EAGLE " in cmds["sglang"]
     e3 = serving_commands("t", "me/e3", "sglang", kind="eagle3")
     assert "--speculative-algorithm EAGLE3" in e3["sglang"] and '"method": "eagle3"' in e3["vllm"]
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_hub_stages_an_engine_format_with_serving_commands(tmp_path, fmt):
+    from recipes import load_recipe
+    from train.hub import push_to_hub
+
+    head, target = perturbed_head("llama", True)
+    target.save_pretrained(tmp_path / "target")
+    head.save_pretrained(tmp_path / "run" / "head")
+    cfg = load_recipe("tiny", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
+                               "export.repo_id=someone/head-x"])
+    result = push_to_hub(cfg, dry_run=True, fmt=fmt)
+    assert result["files"] == ["README.md", "config.json", "model.safetensors"]
+    staged = json.loads((tmp_path / "run" / "hub_upload" / "config.json").read_text())
+    assert staged.get("bias") in (None, False)
+    card = (tmp_path / "run" / "hub_upload" / "README.md").read_text()
+    assert "## Serving" in card and f"vllm serve {tmp_path / 'target'} --speculative-config" in card
+    assert "python -m sglang.launch_server" in card and "--speculative-algorithm EAGLE " in card
+    assert ('"model": "someone/head-x"' in card) == (fmt == "vllm")
+    assert ("--speculative-draft-model-path someone/head-x " in card) == (fmt == "sglang")
