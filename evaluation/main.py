@@ -4,6 +4,8 @@
     python evaluation/main.py --base TARGET --head HEAD [--questions SRC] [key=value ...]
     python evaluation/main.py autotune --base TARGET --head HEAD [...]       # fastest EAGLE-2 tree -> tree_config.json
     python evaluation/main.py chi2 --base TARGET --head HEAD eval.chi2_samples=2000   # losslessness at T > 0
+    python evaluation/main.py serve-check --engine vllm --base TARGET --head HEAD \
+        --engine-python /work/venvs/vllm/bin/python      # the head IN vLLM vs this decoder (evaluation/serve_check.py)
 
 bench: every method of `eval.methods` (vanilla, chain, eagle1, eagle2, tuned; any override like
 "eagle2:total_token=30,depth=4,top_k=8") runs on every prompt, interleaved, after a warm-up; the
@@ -34,7 +36,7 @@ from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.questions import QuestionError, load_questions  # noqa: E402
 from evaluation.runner import GenerationArgs  # noqa: E402
 
-COMMANDS = ("bench", "autotune", "chi2")
+COMMANDS = ("bench", "autotune", "chi2", "serve-check")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("evaluation")
 
@@ -66,6 +68,16 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     p.add_argument("--questions", default=None, help="prompt source (overrides eval.questions)")
     p.add_argument("--out", default=None, help="report folder (overrides eval.output_dir)")
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value, e.g. eval.max_new_tokens=128")
+    sc = p.add_argument_group("serve-check (evaluation/serve_check.py)")
+    sc.add_argument("--engine", default="vllm", help="serving engine to run the head in (vllm)")
+    sc.add_argument("--engine-python", default=None,
+                    help="interpreter with the engine installed (e.g. /work/venvs/vllm/bin/python); default: this one")
+    sc.add_argument("--engine-format", default=None, choices=("eagle", "vllm", "sglang"),
+                    help="folder format served (default: the engine's own; eagle = the official folder unchanged)")
+    sc.add_argument("--num-speculative-tokens", type=int, default=4, help="chain length k in engine and project")
+    sc.add_argument("--tolerance", type=float, default=0.05,
+                    help="largest relative difference of mean acceptance lengths (engine vs project)")
+    sc.add_argument("--num-prompts", type=int, default=None, help="prompts to decode (default: eval.num_questions)")
     return command, p.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
 
@@ -333,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg)
     setup.argv = argv
+    if command == "serve-check":
+        from evaluation.serve_check import serve_check
+
+        return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
+                           k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
+                           engine_format=args.engine_format)
     return {"bench": bench, "autotune": autotune, "chi2": chi2}[command](setup, questions)
 
 

@@ -1,6 +1,7 @@
 """Push an exported head to the Hugging Face Hub with a generated model card.
 
     python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b [--dry-run] [--head DIR]
+    python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b-vllm --format vllm   # engine format
 
 Everything to upload is first staged in {output_dir}/hub_upload/ (head files, recipe, training summary,
 README.md model card, evaluation report + plots when {output_dir}/eval has them); `--dry-run` stops there
@@ -32,14 +33,27 @@ def eval_dir(cfg) -> Path:
     return Path(cfg.eval.output_dir or Path(cfg.output_dir) / "eval")
 
 
-def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str) -> list[Path]:
-    """Fill `staging` with exactly what will be uploaded; returns the files (relative paths)."""
+def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "eagle") -> list[Path]:
+    """Fill `staging` with exactly what will be uploaded; returns the files (relative paths).
+    fmt: eagle (the official folder) | vllm | sglang (train/engine_formats.py, drift-checked against the target)."""
     head_dir = Path(head_dir)
     if not (head_dir / "config.json").exists() or not any((head_dir / f).exists() for f in HEAD_FILES[1:3]):
         raise HubPushError(f"{head_dir} is not an exported head (config.json + model.safetensors); train or export first")
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
+    if fmt != "eagle":
+        from train.engine_formats import write_engine_head
+
+        target_config = None
+        if cfg.target.path:
+            from transformers import AutoConfig
+
+            target_config = AutoConfig.from_pretrained(str(cfg.target.path))
+        converted = staging.with_name(staging.name + f".{fmt}")
+        if converted.exists():
+            shutil.rmtree(converted)
+        head_dir = write_engine_head(head_dir, converted, fmt, target_config)
     for name in HEAD_FILES:
         if (head_dir / name).exists():
             shutil.copy2(head_dir / name, staging / name)
@@ -62,19 +76,21 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str) -> list[Path]
         manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens", "source")}
     # the card describes the recipe the head was trained with (stored at export), not this command's
     trained = OmegaConf.load(head_dir / RECIPE_FILE) if (head_dir / RECIPE_FILE).exists() else cfg
-    card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots)
+    card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots,
+                      fmt=fmt)
     (staging / "README.md").write_text(card)
     return sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
 
 
-def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False) -> dict:
-    """Stage and (unless dry_run) upload the head to export.repo_id. Returns {repo_id, staging, files, url}."""
+def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False, fmt: str = "eagle") -> dict:
+    """Stage and (unless dry_run) upload the head (in format `fmt`) to export.repo_id.
+    Returns {repo_id, staging, files, url}."""
     repo_id = cfg.export.repo_id
     if not repo_id:
         raise HubPushError("export.repo_id is empty: set export.repo_id=USER/NAME")
     head_dir = Path(head_dir) if head_dir else export_dir(cfg)
     staging = Path(cfg.output_dir) / "hub_upload"
-    files = stage_upload(cfg, head_dir, staging, repo_id)
+    files = stage_upload(cfg, head_dir, staging, repo_id, fmt)
     result = {"repo_id": repo_id, "private": bool(cfg.export.private), "staging": str(staging),
               "files": [str(f) for f in files], "url": None}
     if dry_run:
@@ -110,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--head", default=None, help="head folder to push (default: export.dir or {output_dir}/head)")
     p.add_argument("--dry-run", action="store_true", help="stage the upload and list it; do not contact the Hub")
+    p.add_argument("--format", default="eagle", choices=("eagle", "vllm", "sglang"),
+                   help="folder format to upload: eagle (official) or an engine's (python -m train.export --help)")
     args = p.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
-    result = push_to_hub(cfg, args.head, dry_run=args.dry_run)
+    result = push_to_hub(cfg, args.head, dry_run=args.dry_run, fmt=args.format)
     staging = Path(result["staging"])
     verb = "would upload" if args.dry_run else "uploaded"
     print(f"{verb} to {result['repo_id']} ({'private' if result['private'] else 'public'}) from {staging}:")

