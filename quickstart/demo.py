@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its finished stage subprocesses."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def say(msg: str) -> None:
     print(f"[quickstart] {msg}", file=sys.stderr, flush=True)
 
@@ -180,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("WANDB_MODE", "disabled")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # The tiny recipe's models are per-op-overhead bound: one intra-op thread is nearly as fast as two on an
-    # idle 2-core machine and 5-30x faster on a busy one (threads that wait on each other). Set it to override.
+    # One intra-op thread in every stage, the default target's training included: the tiny recipe's models are
+    # per-op-overhead bound, so a second OpenMP thread gains at most ~1.9x on an idle 2-core machine, and when
+    # another job holds a core the two threads wait on each other at every op (measured: target training
+    # 0.33 s/step with 2 threads idle, 5.5 s/step with 2 threads beside other jobs, 0.8 s/step with 1).
+    # Set OMP_NUM_THREADS to override.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
     cache = default_cache_dir()
@@ -219,7 +230,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
         remove_outputs(out_dir, STAGES)
         (out_dir / STATE_FILE).unlink(missing_ok=True)
-    t0 = time.time()
+    t0, c0 = time.time(), cpu_seconds()
     say(f"1/{len(STAGES) + 1} target: " + (args.target or "the embedded default target (built once, then cached)"))
     target, inputs, identity = resolve_inputs(args.target, out_dir, args.target_size)
     say(f"target ready in {time.time() - t0:.0f}s: {target}")
@@ -232,6 +243,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     state = read_state(out_dir)
     upstream = ""
     timings = {"target": round(time.time() - t0, 1)}
+    cpu = {"target": round(cpu_seconds() - c0, 1)}
     for i, stage in enumerate(STAGES):
         fp = stage_fingerprint(cfg, stage, upstream, identity)
         upstream = fp
@@ -252,7 +264,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
             say(header)
         state[stage.name] = {"fingerprint": fp, "done": False}
         write_state(out_dir, state)
-        t = time.time()
+        t, c = time.time(), cpu_seconds()
         try:
             run_stage(stage, args.recipe, overrides, env)
         except StageFailed as e:
@@ -265,11 +277,14 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
                 say(f"{e}; fix the cause and rerun the same command (finished stages are reused)")
             return e.code
         timings[stage.name] = round(time.time() - t, 1)
+        cpu[stage.name] = round(cpu_seconds() - c, 1)
         state[stage.name] = {"fingerprint": fp, "done": True, "seconds": timings[stage.name]}
         write_state(out_dir, state)
 
     eval_dir = Path(cfg.eval.output_dir or out_dir / "eval")
-    say(f"done in {time.time() - started:.0f}s (this run: {timings})")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    say(f"done in {time.time() - started:.0f}s wall, {sum(cpu.values()):.0f}s CPU (this run, seconds wall/CPU per stage: "
+        + ", ".join(f"{k} {timings[k]}/{cpu[k]}" for k in timings) + f"; load average now {load})")
     for line in summarize_report(eval_dir):
         say("  " + line)
     for png in sorted(eval_dir.glob("calibration_*.png")):
