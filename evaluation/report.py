@@ -30,6 +30,7 @@ class EvalReport:
             "meta": self.meta,
             "summaries": [s.to_dict() for s in self.summaries],
             "comparisons": [c.to_dict() for c in self.comparisons],
+            "headline": headline(self.summaries, self.greedy, self.meta.get("methods", {})),
             "losslessness": self.greedy.to_dict() if self.greedy else None,
             "calibration": {m: {q: c.to_dict() for q, c in cals.items()} for m, cals in self.calibration.items()},
             "skipped": self.run.skipped,
@@ -52,6 +53,30 @@ def _ci(e: Estimate | None, digits: int = 2) -> str:
     return f"{_num(e.value, digits)} [{_num(e.low, digits)}, {_num(e.high, digits)}]"
 
 
+def headline(summaries: list[MethodSummary], greedy: GreedyCheck | None, methods: dict) -> dict | None:
+    """The fastest speculative method overall (highest speedup point estimate): its label, tree, tau, speedup
+    with CI, and the greedy mismatch count (None at T > 0). None when no speculative method has a speedup."""
+    ranked = [s for s in summaries if s.category == OVERALL and s.speedup is not None and s.method in methods
+               and methods[s.method].get("mode") != "vanilla"]
+    if not ranked:
+        return None
+    best = max(ranked, key=lambda s: s.speedup.value)
+    return {"method": best.method, "describe": methods[best.method].get("describe", ""),
+            "tau": best.tau.value, "speedup": best.speedup.value, "speedup_low": best.speedup.low,
+            "speedup_high": best.speedup.high, "faster": best.speedup.low is not None and best.speedup.low > 1.0,
+            "mismatches": None if greedy is None else len(greedy.mismatches),
+            "compared": None if greedy is None else greedy.compared}
+
+
+def headline_text(h: dict) -> str:
+    """One sentence: 'fastest: tuned (dynamic ...): tau 3.10, speedup 1.62x [1.55, 1.70] over vanilla, 0 mismatches'."""
+    ci = f" [{_num(h['speedup_low'])}, {_num(h['speedup_high'])}]" if h.get("speedup_low") is not None else ""
+    lossless = "" if h.get("mismatches") is None else \
+        f", {h['mismatches']} mismatches with vanilla greedy over {h['compared']} outputs"
+    return (f"fastest: {h['method']} ({h['describe']}): tau {h['tau']:.2f}, speedup {h['speedup']:.2f}x{ci} "
+            f"over vanilla{lossless}")
+
+
 def markdown(report: EvalReport, figures: dict[str, str]) -> str:
     """The report's tables as Markdown (figures: caption -> relative PNG path)."""
     m = report.meta
@@ -68,10 +93,16 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
                          f"- **{k}**: " + ", ".join(f"{a}={b}" for a, b in m[k].items()))
     lines += ["", "tau = tokens committed per target forward (vanilla = 1.00); speedup = tokens/s over vanilla's on the "
               "same prompts; brackets: paired bootstrap 95% CI over questions; alpha_d = P(depth-d token accepted | "
-              "depths < d accepted).", "", "## Overall", ""]
+              "depths < d accepted).", ""]
+    best = headline(report.summaries, report.greedy, m.get("methods", {}))
+    if best is not None:
+        lines += ["## Headline", "", f"**{headline_text(best)}**", ""]
+    lines += ["## Overall", ""]
     head = "| method | tau | tokens/s | speedup | " + " | ".join(f"alpha_{d}" for d in range(1, max_depth + 1)) + " |"
     lines += [head, "|" + "---|" * (4 + max_depth)]
-    for s in overall:
+    modes = {k: v.get("mode") for k, v in m.get("methods", {}).items()}
+    for s in sorted(overall, key=lambda s: (modes.get(s.method) != "vanilla",  # vanilla, then the fastest first
+                                            -(s.speedup.value if s.speedup is not None else 0.0))):
         alphas = [_num(a.rate) for a in s.depth_acceptance] + ["–"] * (max_depth - len(s.depth_acceptance))
         lines.append(f"| {s.method} | {_ci(s.tau)} | {_ci(s.tokens_per_s, 1)} | {_ci(s.speedup)} | " + " | ".join(alphas) + " |")
     lines += ["", "Methods: " + "; ".join(f"`{k}` = {v['describe']}" for k, v in m.get("methods", {}).items()), ""]

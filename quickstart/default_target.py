@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from quickstart.docstring_corpus import default_conversations, default_questions
 
-FORMAT_VERSION = 1  # bump when the build recipe changes: cached targets with another version are rebuilt
+FORMAT_VERSION = 2  # bump when the build recipe changes: cached targets with another version are rebuilt
 BUILD_INFO_FILE = "default_target.json"  # fingerprint + training summary; its presence marks a complete build
 CONVERSATIONS_FILE = "conversations_train.json"
 QUESTIONS_FILE = "questions_eval.jsonl"
@@ -71,11 +71,11 @@ class TargetSize:
 
 
 SIZES = {
-    # 1.26M params, 2.5M training tokens (~14 epochs): ~3 min on 2 CPU cores with bf16 autocast. At this
-    # compute a small model trained on more tokens beats a wider one (measured: train/held-out loss 1.63/3.47
-    # and 14/16 greedy answers ending on their own, vs 3.27/4.02 and ~2/16 for 192 wide x 300 steps)
-    "default": TargetSize(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                          intermediate_size=352, block_size=256, batch_size=16, steps=600, lr=4e-3,
+    # Deep and narrow, so that speculation pays off on a CPU: decoding a token here is bound by per-layer
+    # overhead, so a target step costs ~16 layer-steps while the one-layer draft head costs ~1 and
+    # verifying a 10-16 node tree costs ~1.4 steps (benchmarks/step_costs.py --default-target).
+    "default": TargetSize(vocab_size=1024, hidden_size=64, num_layers=16, num_heads=4, num_kv_heads=2,
+                          intermediate_size=176, block_size=256, batch_size=16, steps=300, lr=4e-3,
                           max_conversations=None),
     # for tests: builds in a few seconds
     "test": TargetSize(vocab_size=320, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -299,7 +299,9 @@ def _lr_at(step: int, preset: TargetSize) -> float:
 
 
 def train_model(model, rows: torch.Tensor, preset: TargetSize, *, seed: int, progress: bool) -> list[float]:
-    """AdamW on random batches of packed rows (next-token loss on every token), bf16 autocast; returns losses."""
+    """AdamW on random batches of packed rows (next-token loss on every token), float32; returns losses.
+
+    float32, not bf16 autocast: CPUs without native bf16 (no AVX512-BF16/AMX) run autocast ~10x slower."""
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -313,9 +315,8 @@ def train_model(model, rows: torch.Tensor, preset: TargetSize, *, seed: int, pro
         batch = rows[idx]  # [B, block+1]
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, preset)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=batch[:, :-1]).logits  # [B, block, V]
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        logits = model(input_ids=batch[:, :-1]).logits  # [B, block, V]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -26,7 +26,9 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from eagle.cli_errors import ArgumentParser, one_line_errors
-from quickstart.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target, read_build_info
+from quickstart.default_target import (
+    CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir, ensure_default_target, read_build_info,
+)
 
 STATE_FILE = "quickstart_state.json"
 PROMPTS_DIR = "prompts"  # stdlib prompt sets written here when --target is a user model
@@ -39,6 +41,7 @@ class Stage:
     sections: tuple[str, ...]  # recipe sections whose values decide the stage's output
     outputs: tuple[str, ...]  # folders under output_dir the stage writes (removed when its settings change)
     title: str
+    command: tuple[str, ...] = ()  # a subcommand before --recipe (e.g. evaluation.main's "autotune")
 
 
 STAGES = (
@@ -46,9 +49,12 @@ STAGES = (
           "data prep: regenerate answers with the target, loss masks, hidden-state cache"),
     Stage("train", "train.main", ("head", "train", "export"), ("train", "head"),
           "training the draft head (DeepSpeed) and exporting it"),
+    Stage("tune", "evaluation.main", ("decoding", "eval"), ("tune",),
+          "auto-tuning the EAGLE-2 tree for this machine (evaluation/main.py autotune)", ("autotune",)),
     Stage("eval", "evaluation.main", ("decoding", "eval"), ("eval",),
-          "evaluation: vanilla / EAGLE-1 / EAGLE-2, calibration, losslessness"),
+          "evaluation: vanilla / EAGLE-1 / EAGLE-2 (60/5/10 and tuned), calibration, losslessness"),
 )
+TUNE_DIR = "tune"  # the autotune stage's report folder under output_dir (it also writes head/tree_config.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="a local HF causal-LM folder or hub id to use instead of the "
                                                   "embedded default target (then also set data.source / eval.questions "
                                                   "for its domain, else the stdlib-docstring prompts are used)")
+    p.add_argument("--target-size", default="default", choices=sorted(SIZES),
+                   help="size preset of the embedded default target (test: seconds to build, for tests)")
     p.add_argument("--out", default=None, help="run folder (default: the recipe's output_dir, runs/tiny)")
     p.add_argument("--fresh", action="store_true", help="redo every stage (the cached default target is kept)")
     p.add_argument("--recipe", default="tiny", help="recipe name or YAML path (default: tiny)")
@@ -64,14 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its finished stage subprocesses."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def say(msg: str) -> None:
     print(f"[quickstart] {msg}", file=sys.stderr, flush=True)
 
 
-def resolve_inputs(target: str | None, out_dir: Path) -> tuple[str, dict[str, str], dict]:
+def resolve_inputs(target: str | None, out_dir: Path, size: str = "default") -> tuple[str, dict[str, str], dict]:
     """(target path, overrides naming target/prompt files, target identity for the fingerprints)."""
     if target is None:
-        path = ensure_default_target()
+        path = ensure_default_target(size=size)
         info = read_build_info(path)
         return str(path), {"data.source": str(path / CONVERSATIONS_FILE),
                            "eval.questions": str(path / QUESTIONS_FILE)}, {"default_target": info["fingerprint"]}
@@ -121,7 +137,10 @@ def remove_outputs(out_dir: Path, stages) -> None:
 
 
 def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> None:
-    cmd = [sys.executable, "-m", stage.module, "--recipe", recipe, *overrides]
+    cmd = [sys.executable, "-m", stage.module, *stage.command, "--recipe", recipe, *overrides]
+    if stage.name == "tune":  # its report goes to {output_dir}/tune, not into the evaluation's folder
+        out = dict(o.split("=", 1) for o in overrides if "=" in o)["output_dir"]
+        cmd.append(f"eval.output_dir={Path(out) / TUNE_DIR}")
     say("$ " + " ".join(shlex.quote(c) for c in cmd))
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
@@ -151,6 +170,14 @@ def summarize_report(eval_dir: Path) -> list[str]:
     return lines
 
 
+def headline_line(eval_dir: Path) -> str | None:
+    """The report's headline sentence (fastest method, tau, speedup with CI, mismatches), or None."""
+    from evaluation.report import headline_text
+
+    h = json.loads((eval_dir / "report.json").read_text()).get("headline")
+    return None if h is None else headline_text(h)
+
+
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     from recipes import load_recipe
@@ -163,9 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("WANDB_MODE", "disabled")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # The tiny recipe's models are per-op-overhead bound: one intra-op thread is nearly as fast as two on an
-    # idle 2-core machine and 5-30x faster on a busy one (threads that wait on each other). Set it to override.
+    # One intra-op thread in every stage, the default target's training included: the tiny recipe's models are
+    # per-op-overhead bound, so a second OpenMP thread gains at most ~1.9x on an idle 2-core machine, and when
+    # another job holds a core the two threads wait on each other at every op (measured: target training
+    # 0.33 s/step with 2 threads idle, 5.5 s/step with 2 threads beside other jobs, 0.8 s/step with 1).
+    # Set OMP_NUM_THREADS to override.
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
+    cache = default_cache_dir()
+    # libraries that cache under ~ or /tmp write into the documented cache folder instead
+    env.setdefault("MPLCONFIGDIR", str(cache / "matplotlib"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "torchinductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        os.environ[key] = env[key]  # this process too (it builds the default target)
+    import torch
+
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
     user = list(args.overrides)
     if args.out is not None:
@@ -191,9 +232,9 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
         remove_outputs(out_dir, STAGES)
         (out_dir / STATE_FILE).unlink(missing_ok=True)
-    t0 = time.time()
-    say("1/4 target: " + (args.target or "the embedded default target (built once, then cached)"))
-    target, inputs, identity = resolve_inputs(args.target, out_dir)
+    t0, c0 = time.time(), cpu_seconds()
+    say(f"1/{len(STAGES) + 1} target: " + (args.target or "the embedded default target (built once, then cached)"))
+    target, inputs, identity = resolve_inputs(args.target, out_dir, args.target_size)
     say(f"target ready in {time.time() - t0:.0f}s: {target}")
     given = {o.split("=", 1)[0] for o in user}
     overrides = [f"target.path={target}", f"output_dir={out_dir}"]
@@ -204,11 +245,12 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     state = read_state(out_dir)
     upstream = ""
     timings = {"target": round(time.time() - t0, 1)}
+    cpu = {"target": round(cpu_seconds() - c0, 1)}
     for i, stage in enumerate(STAGES):
         fp = stage_fingerprint(cfg, stage, upstream, identity)
         upstream = fp
         rec = state.get(stage.name, {})
-        header = f"{i + 2}/4 {stage.title}"
+        header = f"{i + 2}/{len(STAGES) + 1} {stage.title}"
         if rec.get("fingerprint") == fp and rec.get("done"):
             say(f"{header}: already done ({rec.get('seconds', '?')}s), reusing")
             continue
@@ -224,7 +266,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
             say(header)
         state[stage.name] = {"fingerprint": fp, "done": False}
         write_state(out_dir, state)
-        t = time.time()
+        t, c = time.time(), cpu_seconds()
         try:
             run_stage(stage, args.recipe, overrides, env)
         except StageFailed as e:
@@ -237,14 +279,20 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
                 say(f"{e}; fix the cause and rerun the same command (finished stages are reused)")
             return e.code
         timings[stage.name] = round(time.time() - t, 1)
+        cpu[stage.name] = round(cpu_seconds() - c, 1)
         state[stage.name] = {"fingerprint": fp, "done": True, "seconds": timings[stage.name]}
         write_state(out_dir, state)
 
     eval_dir = Path(cfg.eval.output_dir or out_dir / "eval")
-    say(f"done in {time.time() - started:.0f}s (this run: {timings})")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    say(f"done in {time.time() - started:.0f}s wall, {sum(cpu.values()):.0f}s CPU (this run, seconds wall/CPU per stage: "
+        + ", ".join(f"{k} {timings[k]}/{cpu[k]}" for k in timings) + f"; load average now {load})")
     for line in summarize_report(eval_dir):
         say("  " + line)
-    say(f"report: {eval_dir / 'report.md'}")
     for png in sorted(eval_dir.glob("calibration_*.png")):
         say(f"calibration plot: {png}")
+    say(f"report: {eval_dir / 'report.md'}")
+    best = headline_line(eval_dir)
+    if best is not None:
+        say(best)
     return 0

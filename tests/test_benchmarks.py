@@ -64,3 +64,19 @@ def test_step_costs_runs_on_stories260k(shared_dir, capsys):
 
     assert step_costs.main(["--shared", str(shared_dir), "--total-token", "8", "--depth", "2", "--top-k", "2"]) == 0
     assert "full generation loop, per round" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~15 s on an idle machine (400-call timing bursts)
+def test_step_costs_runs_on_the_default_target(tmp_path, monkeypatch, capsys):
+    """--default-target: the piece costs of the quickstart's target (test-size build here, random head)."""
+    import step_costs
+
+    from quickstart import default_target as dt
+
+    built = dt.ensure_default_target(tmp_path, size="test", progress=False)
+    monkeypatch.setattr(dt, "ensure_default_target", lambda *a, **k: built)
+    assert step_costs.main(["--default-target", "--total-token", "8", "--depth", "2", "--top-k", "2",
+                            "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "default target (2 layers x 32, vocab 320)" in out and "target forward, 1 token" in out
+    assert "full generation loop, per round" in out

@@ -230,3 +230,28 @@ def test_report_files(hand_run, tmp_path):
     assert len(data["turns"]) == 4 and data["losslessness"]["lossless"]
     md = paths["markdown"].read_text()
     assert "| eagle2 | 3.50" in md and "LOSSLESS" in md and "calibration_eagle2.png" in md
+
+
+def test_report_headline_is_the_fastest_speculative_method():
+    from evaluation.bootstrap import Estimate
+    from evaluation.losslessness import GreedyCheck
+    from evaluation.metrics import MethodSummary
+    from evaluation.report import headline, headline_text
+
+    def summary(method, tau, speedup):
+        return MethodSummary(method, OVERALL, 4, 4, 100, 1.0, 10, Estimate(tau, tau - 0.1, tau + 0.1, 4),
+                             Estimate(50.0, 45.0, 55.0, 4), Estimate(*speedup, 4))
+
+    methods = {"vanilla": {"mode": "vanilla", "describe": "naivegenerate"},
+               "eagle2": {"mode": "dynamic", "describe": "dynamic total_token=60 depth=5 top_k=10"},
+               "tuned": {"mode": "dynamic", "describe": "dynamic total_token=16 depth=4 top_k=2"}}
+    summaries = [summary("vanilla", 1.0, (1.0, 1.0, 1.0)), summary("eagle2", 3.4, (1.13, 1.09, 1.17)),
+                 summary("tuned", 3.66, (1.71, 1.61, 1.82))]
+    h = headline(summaries, GreedyCheck(compared=12), methods)
+    assert h["method"] == "tuned" and h["faster"] and h["mismatches"] == 0
+    assert headline_text(h) == ("fastest: tuned (dynamic total_token=16 depth=4 top_k=2): tau 3.66, speedup 1.71x "
+                                "[1.61, 1.82] over vanilla, 0 mismatches with vanilla greedy over 12 outputs")
+    slower = [summary("vanilla", 1.0, (1.0, 1.0, 1.0)), summary("eagle2", 3.4, (0.8, 0.7, 1.02))]
+    h = headline(slower, None, methods)  # a CI that reaches below 1 is not "faster"; T > 0: no mismatch count
+    assert h["method"] == "eagle2" and not h["faster"] and h["mismatches"] is None
+    assert headline([summaries[0]], None, methods) is None  # vanilla alone: no headline
