@@ -152,3 +152,21 @@ def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir):
     assert runs["speculators"]["outputs"] == runs["plain"]["outputs"] == runs["released"]["outputs"]
     assert runs["speculators"]["metrics"]["num_drafts"] > 0
     assert runs["speculators"]["metrics"] == runs["released"]["metrics"]
+
+
+def test_serve_check_without_the_engine_says_how_to_get_it(tmp_path):
+    """With an interpreter lacking vllm the command stops with exit 2 and the install recipe, before any work."""
+    from evaluation.main import main
+    from test_evaluation_questions import char_tokenizer
+
+    target = tiny_target("llama", vocab_size=258, eos_token_id=1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
+    random_head(target).save_pretrained(tmp_path / "h")
+    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    fake = tmp_path / "python-without-vllm"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -I \"$@\"\n")  # isolated: the project's venv has no vllm
+    fake.chmod(0o755)
+    rc = main(["serve-check", "--base", str(tmp_path / "t"), "--head", str(tmp_path / "h"), "--questions",
+               str(tmp_path / "q.txt"), "--engine-python", str(fake), "--out", str(tmp_path / "e")])
+    assert rc == 2
