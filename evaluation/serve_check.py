@@ -150,7 +150,7 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
                 engine_format: str | None = None) -> int:
     """Run the check (module docstring); writes serve_check/report.{json,md} under the eval output folder."""
     if engine not in ENGINES:
-        raise ValueError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
+        raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
                          "its export format is checked by tests/test_engine_formats.py)")
     engine_python = engine_python or sys.executable
     engine_format = engine_format or engine
