@@ -346,11 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     setup = build_setup(cfg)
     setup.argv = argv
     if command == "serve-check":
-        from evaluation.serve_check import serve_check
+        from evaluation.serve_check import ServeCheckError, serve_check
 
-        return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
-                           k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
-                           engine_format=args.engine_format)
+        try:
+            return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
+                               k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
+                               engine_format=args.engine_format)
+        except ServeCheckError as e:  # the engine is missing or crashed: the message holds its log's end
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return {"bench": bench, "autotune": autotune, "chi2": chi2}[command](setup, questions)
 
 

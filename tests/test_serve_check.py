@@ -114,3 +114,59 @@ def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
     assert report["draft_config"]["bias"] is False and report["draft_config"]["attention_bias"] is bias
     assert report["project_acceptance"]["mean_length"] > 1.5
     assert abs(report["ratio"] - 1) <= report["tolerance"]
+
+
+@pytest.mark.slow
+@pytest.mark.shared
+@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} ($EAGLE_VLLM_PYTHON)")
+def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir):
+    """A hand-written released-layout EAGLE-3 folder and its vLLM speculators conversion load in vLLM on a
+    head_dim-32 copy of stories260K (vLLM finds the speculators config and the verifier), decode unchanged by
+    speculation, and report the same draft statistics. Random weights accept almost nothing, so this shows
+    loading, not acceptance; norm_before_residual is pinned by tests/test_engine_formats.py."""
+    from safetensors.torch import save_file
+
+    from evaluation.serve_check import engine_run
+    from test_engine_formats import eagle3_folder
+    from train.engine_formats import convert_eagle3_folder
+
+    target = pad_target_folder(shared_dir / "models" / "stories260K", tmp_path / "t32", 32)
+    cfg, sd = eagle3_folder(tmp_path / "released", H=64, V=512, Vd=256, aux=(1, 2, 4))
+    g = torch.Generator().manual_seed(0)
+    cfg.update(num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+    for k, rows in (("q", 64), ("k", 32), ("v", 32)):
+        sd[f"midlayer.self_attn.{k}_proj.weight"] = torch.randn(rows, 128, generator=g) * 0.05
+    sd["midlayer.self_attn.o_proj.weight"] = torch.randn(64, 64, generator=g) * 0.05
+    (tmp_path / "released" / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(tmp_path / "released" / "model.safetensors"))
+    convert_eagle3_folder(tmp_path / "released", tmp_path / "spec", "vllm", verifier=str(target),
+                          verifier_architectures=["LlamaForCausalLM"], num_speculative_tokens=3)
+    spec = lambda d: {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}  # noqa: E731
+    res = engine_run("vllm", VLLM_PYTHON, {
+        "model": str(target), "dtype": "float32", "max_model_len": 512, "prompts": [[1, 400, 300, 200], [1, 50, 60]],
+        "max_tokens": 32, "stop_token_ids": [1, 2], "seed": 0,
+        "runs": [{"name": "plain", "speculative_config": None},
+                 {"name": "speculators", "speculative_config": spec(tmp_path / "spec")},
+                 {"name": "released", "speculative_config": spec(tmp_path / "released")}]}, tmp_path)
+    runs = res["runs"]
+    assert runs["speculators"]["outputs"] == runs["plain"]["outputs"] == runs["released"]["outputs"]
+    assert runs["speculators"]["metrics"]["num_drafts"] > 0
+    assert runs["speculators"]["metrics"] == runs["released"]["metrics"]
+
+
+def test_serve_check_without_the_engine_says_how_to_get_it(tmp_path):
+    """With an interpreter lacking vllm the command stops with exit 2 and the install recipe, before any work."""
+    from evaluation.main import main
+    from test_evaluation_questions import char_tokenizer
+
+    target = tiny_target("llama", vocab_size=258, eos_token_id=1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
+    random_head(target).save_pretrained(tmp_path / "h")
+    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    fake = tmp_path / "python-without-vllm"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -I \"$@\"\n")  # isolated: the project's venv has no vllm
+    fake.chmod(0o755)
+    rc = main(["serve-check", "--base", str(tmp_path / "t"), "--head", str(tmp_path / "h"), "--questions",
+               str(tmp_path / "q.txt"), "--engine-python", str(fake), "--out", str(tmp_path / "e")])
+    assert rc == 2

@@ -133,13 +133,19 @@ def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, targe
 
     dtype: weights dtype of the output (default: the head's). Raises DriftError on an inconsistent head.
     """
-    head_dir, out_dir = Path(head_dir), Path(out_dir)
-    raw = json.loads((head_dir / CONFIG_NAME).read_text())
-    config = HeadConfig.from_dict(raw)
-    weights = head_dir / SAFE_WEIGHTS_NAME
-    if not weights.exists():
-        weights = head_dir / "pytorch_model.bin"
-    sd = _load_weights(str(weights))
+    from eagle.head import EagleHead, _resolve_head_files
+
+    config_file, weights_file = _resolve_head_files(str(head_dir), None)  # a local folder or a Hub id
+    head_dir, out_dir = Path(config_file).parent, Path(out_dir)
+    config = HeadConfig.from_dict(json.loads(Path(config_file).read_text()))
+    sd = _load_weights(weights_file)
+    own = set(EagleHead(config).state_dict())
+    # fc.bias against the `bias` flag is left to the drift check (its message is precise)
+    unexpected = sorted(set(sd) - own - {"fc.bias"})
+    missing = sorted(own - set(sd) - {"embed_tokens.weight", "fc.bias"})
+    if unexpected or missing:
+        raise EngineFormatError(f"{head_dir} is not an official EAGLE-1/2 head (unexpected {unexpected}, missing "
+                                f"{missing}); an engine folder cannot be converted again: convert the official head")
     dtype = dtype or str(next(iter(sd.values())).dtype).replace("torch.", "")
     raise_on_errors(check_drift(config, sd, target_config, export_dtype=dtype), f"head {head_dir}")
     cfg, out_sd = engine_head(config, sd, fmt, target_config)
@@ -278,13 +284,16 @@ def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, ver
 def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", num_speculative_tokens: int = 5,
                      total_token: int = 60, depth: int = 5, top_k: int = 10) -> dict[str, str]:
     """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine.
-    An engine whose format is not `fmt` gets the conversion command first."""
+    An engine whose format is not `fmt` gets the conversion command first (from the official folder: `draft`
+    itself when fmt is eagle, else the placeholder OFFICIAL_HEAD_DIR)."""
     method, algo = ("eagle3", "EAGLE3") if kind == "eagle3" else ("eagle", "EAGLE")
+    official = draft if fmt == "eagle" else "OFFICIAL_HEAD_DIR"  # engine folders are converted from the official one
+    flag = "--eagle3" if kind == "eagle3" else "--head"
     out = {}
     for engine in ("vllm", "sglang"):
         path = draft if fmt == engine else f"{Path(str(draft)).name}-{engine}"
         convert = "" if fmt == engine else (
-            f"python -m train.export --head {draft} --base {base} --format {engine} --out {path}\n")
+            f"python -m train.export {flag} {official} --base {base} --format {engine} --out {path}\n")
         if engine == "vllm":
             spec = json.dumps({"method": method, "model": path, "num_speculative_tokens": num_speculative_tokens})
             out[engine] = f"{convert}vllm serve {base} --speculative-config '{spec}'"
