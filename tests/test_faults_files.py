@@ -318,3 +318,33 @@ def test_zero3_bf16_resume_through_the_safe_loader(toy, tmp_path):
             *extra, steps=4)], env=subprocess_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and (run / "head" / "model.safetensors").exists()
+
+
+def damage_then(action, extra):
+    def setup(d):
+        action(d)
+        return extra
+    return setup
+
+
+HUB_FAULTS = [  # (id, setup(head dir) -> extra argv, needles)
+    ("not-a-head", damage_then(lambda d: (d / "config.json").unlink(), ["--dry-run"]), ["is not an exported head"]),
+    ("damaged-summary", damage_then(lambda d: (d / "train_summary.json").write_text("{"), ["--dry-run"]),
+     ["train_summary.json", "damaged JSON"]),
+    ("no-repo", damage_then(lambda d: None, ["export.repo_id=''", "--dry-run"]), ["export.repo_id is empty"]),
+    ("no-token", damage_then(lambda d: None, ["export.token_env=EAGLE_TEST_NO_SUCH_TOKEN"]),
+     ["no Hub token", "EAGLE_TEST_NO_SUCH_TOKEN"]),
+]
+
+
+@pytest.mark.parametrize("name,setup,needles", HUB_FAULTS, ids=[h[0] for h in HUB_FAULTS])
+def test_hub_push_faults_are_one_line(toy, tmp_path, capsys, name, setup, needles):
+    from train.hub import main
+
+    head = copy(toy["head"], tmp_path / "head")
+    extra = setup(head)
+    before = snapshot(head)
+    code, _, err = run_cli(main, ["--recipe", "tiny", f"output_dir={tmp_path / 'run'}", "export.repo_id=someone/head",
+                                  *extra, "--head", head], capsys)
+    assert_one_line_error(code, err, *needles)
+    assert_unchanged(before, head)

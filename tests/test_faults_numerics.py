@@ -64,6 +64,20 @@ def test_divergence_after_a_good_checkpoint_keeps_it_and_a_lower_lr_resumes_from
     assert all(torch.isfinite(v.float()).all() for v in head.values())
 
 
+def test_a_checkpoint_saved_just_before_the_divergence_is_never_named_by_latest(toy, tmp_path, capsys):
+    """checkpoint_every=1: the step-3 checkpoint holds the weights of the exploding update; the next loss exposes
+    it, so `latest` never moved to it and the folder is removed."""
+    run = tmp_path / "run"
+    code, _, err = train_cli(toy, run, capsys, "train.lr=1e-3", "train.stop_after=2", "train.checkpoint_every=1")
+    assert code == 0, err
+    good = snapshot(run / "train" / "checkpoints" / "step-00000002")
+    code, _, err = train_cli(toy, run, capsys, "train.lr=30", "train.checkpoint_every=1")
+    assert_one_line_error(code, err, "training diverged at step 3", "step-00000002")
+    assert latest(run) == "step-00000002"
+    assert sorted(p.name for p in (run / "train" / "checkpoints").glob("step-*")) == ["step-00000001", "step-00000002"]
+    assert_unchanged(good, run / "train" / "checkpoints" / "step-00000002")
+
+
 def test_a_good_export_is_never_replaced_by_a_diverged_run(toy, tmp_path, capsys):
     run = tmp_path / "run"
     code, _, err = train_cli(toy, run, capsys, "train.lr=1e-3", steps=4)

@@ -127,4 +127,10 @@ def serving_section(cfg, target: str, repo_id: str, fmt: str) -> list[str]:
 
 
 def read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
+    """The JSON file at `path`, None when absent; a damaged file raises naming it."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: damaged JSON ({e}); rerun the stage that writes it") from None
