@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--context", type=int, default=200, help="committed tokens when timing the pieces")
     p.add_argument("--default-target", action="store_true",
-                   help="time the embedded default target ($EAGLE_HOME cache; built if missing) instead of stories260K; "
+                   help="time the embedded default target ($EAGLE_HOME cache; built if missing) instead of "
+                        "stories260K; "
                         "--head defaults to a random head there (costs, not tau, are what it measures then)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -159,7 +160,8 @@ def load_default_target(head_arg: str | None, context: int):
     questions = [json.loads(line) for line in (path / QUESTIONS_FILE).read_text().splitlines()[:10]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
-    name = f"default target ({base.config.num_hidden_layers} layers x {base.config.hidden_size}, vocab {base.config.vocab_size})"
+    c = base.config
+    name = f"default target ({c.num_hidden_layers} layers x {c.hidden_size}, vocab {c.vocab_size})"
     return EaModel(base, head.eval()), what, ctx, prompts, [tok.eos_token_id], name
 
 
