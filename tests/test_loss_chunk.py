@@ -47,36 +47,31 @@ def test_chunked_loss_other_dtypes_match_within_rounding():
 
 def test_chunked_loss_lowers_peak_memory():
     """Peak bytes held by autograd-visible tensors during forward+backward (CPU allocator via a tracking mode)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.weak import WeakIdKeyDictionary
     import weakref
 
-    class Peak(TorchDispatchMode):
-        """Bytes of live tensor storages created inside the mode; records the peak."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-        def __init__(self):
-            super().__init__()
-            self.live, self.now, self.peak = WeakIdKeyDictionary(), 0, 0
+    class Peak(TorchDispatchMode):
+        """Bytes of the live tensor storages created inside the mode (freed when their tensor dies); keeps the peak."""
+
+        def __enter__(self):
+            self.sizes, self.now, self.peak = {}, 0, 0
+            return super().__enter__()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    key = st.data_ptr()
-                    if key not in self._ptrs:
-                        self._ptrs[key] = st.nbytes()
-                        self.now += st.nbytes()
+                    key = t.untyped_storage().data_ptr()
+                    if key not in self.sizes:
+                        self.sizes[key] = t.untyped_storage().nbytes()
+                        self.now += self.sizes[key]
                         self.peak = max(self.peak, self.now)
                         weakref.finalize(t, self._free, key)
             return out
 
         def _free(self, key):
-            self.now -= self._ptrs.pop(key, 0)
-
-        def __enter__(self):
-            self._ptrs = {}
-            return super().__enter__()
+            self.now -= self.sizes.pop(key, 0)
 
     def peak(chunk):
         pred, targets, weights, lm_head = _inputs(torch.float32, B=2, T=256, H=32, V=4000, seed=2)

@@ -464,7 +464,8 @@ def format_plan(cfg, plan: Plan) -> str:
              f"  {'memory per ' + ('process' if hw.host else 'GPU'):<36} {'GB':>7}  note"]
     for i in plan.memory:
         lines.append(f"  {i.name:<36} {i.bytes / GB:7.2f}  {i.note}")
-    lines.append(f"  {'total':<36} {sum(i.bytes for i in plan.memory) / GB:7.2f}  -> {plan.verdict}")
+    need = sum(i.bytes for i in plan.memory if i.name != "allocator reserve")
+    lines.append(f"  {'total (without the reserve)':<36} {need / GB:7.2f}  -> {plan.verdict}")
     lines.append(f"  {'disk':<36} {'GB':>7}")
     for i in plan.disk:
         lines.append(f"  {i.name:<36} {i.bytes / GB:7.1f}  {i.note}")
