@@ -175,7 +175,7 @@ def test_drift_fc_bias_flag():
         raise_on_errors(check_drift(head.config, sd, target.config), "head")
 
 
-def test_drift_max_position_rope_shapes_dtype(tmp_path, caplog):
+def test_drift_max_position_rope_shapes_dtype(tmp_path, caplog, capsys):
     head, target = perturbed_head("llama", True)
     sd = head.official_state_dict()
     assert check_drift(head.config, sd, target.config, export_dtype="float32") == []
@@ -206,7 +206,9 @@ def test_drift_max_position_rope_shapes_dtype(tmp_path, caplog):
     assert cfg["bias"] is False
     from train.export import main
 
-    assert main(["--head", str(tmp_path / "h"), "--format", "vllm"]) == 1
+    assert main(["--head", str(tmp_path / "h"), "--format", "vllm"]) == 2  # a user error: one line, exit 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "bias" in err[0]
 
 
 # ----------------------------------------------------------------------------- EAGLE-3 folders

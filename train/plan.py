@@ -39,6 +39,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+
 GB = 1e9
 
 # Published config.json shape keys of the shipped recipes' targets (the hubs are gated / offline here), so the
@@ -510,7 +512,7 @@ def print_run_plan(cfg, ctx, config=None) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__,
+    p = ArgumentParser(prog="python -m train.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides (as for train/main.py)")
@@ -529,6 +531,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None) -> int:
     from recipes import RecipeError
 
