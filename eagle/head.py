@@ -575,6 +575,25 @@ class EagleHead(nn.Module):
         return head
 
 
+UNROLL_ROW_CHUNKS = 4  # Eagle3Head.unroll splits the query rows of steps >= 2 into this many causal chunks
+
+
+def _prefix_diag_attention(q, k1, v1, bias, dk, dv):
+    """Attention of training-time-test step j: each query row r attends to the step-1 keys (additive bias masks the
+    ones after its index / padding) and to its OWN keys of steps 2..j (the diagonal).
+    q [B, h, R, D]; k1, v1 [B, kv, S, D]; bias [B|1, R, S]; dk, dv [B, kv, R, n, D] -> [B, h, R, D]."""
+    B, h, R, D = q.shape
+    kv, S, n = k1.shape[1], k1.shape[2], dk.shape[3]
+    g = h // kv
+    qg = q.reshape(B, kv, g * R, D) * (1.0 / math.sqrt(D))  # query heads of a kv group stacked: no K/V copies
+    s_prefix = (qg @ k1.transpose(-1, -2)).view(B, kv, g, R, S) + bias[:, None, None]  # [B, kv, g, R, S]
+    s_diag = (qg.view(B, kv, g, R, 1, D) * dk[:, :, None]).sum(-1)  # [B, kv, g, R, n]
+    p = torch.cat([s_prefix, s_diag], dim=-1).softmax(-1, dtype=torch.float32).to(q.dtype)  # [B, kv, g, R, S + n]
+    o = (p[..., :S].reshape(B, kv, g * R, S) @ v1).view(B, kv, g, R, D)
+    o = o + (p[..., S:, None] * dv[:, :, None]).sum(-2)  # + diagonal values
+    return o.reshape(B, h, R, D)
+
+
 class Eagle3Layer(nn.Module):
     """The EAGLE-3 draft layer: attention reads [input_layernorm(embed) ; hidden_norm(feature)] (2H wide), the
     residual stream starts at the feature; then the usual post-attention norm + SwiGLU MLP."""
@@ -744,34 +763,30 @@ class Eagle3Head(nn.Module):
         if steps == 1:
             return hiddens
         h_, kv_, D = attn.n_heads, attn.n_kv, attn.head_dim
-        g = h_ // kv_
         idx = torch.arange(T, device=dev) if rows is None else rows.to(dev)  # [R]
         R = idx.numel()
+        # row chunks: chunk c reads step-1 keys [0, end_c) only (causality), ~(1 + 1/n) / 2 of the full score matrix
+        bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
+        bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
+        ends = (idx[torch.tensor([hi - 1 for _, hi in bounds], device=dev)] + 1).tolist()  # one host sync per unroll
         visible = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
         visible = visible[None] if real is None else visible[None] & real[:, None, :]  # [B|1, R, T]
         bias = torch.zeros(visible.shape, dtype=dt, device=dev).masked_fill_(~visible, torch.finfo(dt).min)
-        bias = bias[:, None, None]  # [B|1, 1, 1, R, T]
         ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
-        k1g, v1g = k1[:, :, None], v1[:, :, None]  # [B, kv, 1, T, D]
         pos_r = pos[:, idx]  # [B|1, R]
         prev = hidden if rows is None else hidden[:, idx]  # [B, R, H]
-        diag_k, diag_v = [], []  # per step >= 2: [B, kv, 1, R, D]
-        scale = 1.0 / math.sqrt(D)
+        diag_k, diag_v = [], []  # per step >= 2: [B, kv, R, D]
         for j in range(2, steps + 1):
             tok_emb = self.embed_tokens(ids_ext[:, idx + j - 1]).to(dt)  # [B, R, H]
             cos, sin = self.rotary(pos_r + j - 1, dt)
             q, k, v = attn.qkv(layer.attn_input(tok_emb, prev), cos, sin)  # [B, h, R, D], [B, kv, R, D] x 2
-            diag_k.append(k[:, :, None])
-            diag_v.append(v[:, :, None])
-            qg = q.view(B, kv_, g, R, D) * scale  # [B, kv, g, R, D]
-            s_prefix = qg @ k1g.transpose(-1, -2) + bias  # [B, kv, g, R, T]
-            s_diag = torch.stack([(qg * dk).sum(-1) for dk in diag_k], dim=-1)  # [B, kv, g, R, j - 1]
-            p = torch.cat([s_prefix, s_diag], dim=-1).softmax(-1, dtype=torch.float32).to(dt)  # [B, kv, g, R, T + j - 1]
-            o = p[..., :T] @ v1g  # [B, kv, g, R, D]
-            for i, dv in enumerate(diag_v):
-                o = o + p[..., T + i, None] * dv
-            o = o.reshape(B, h_, R, D).transpose(1, 2).reshape(B, R, h_ * D)  # [B, R, h D]
-            prev = layer.finish(prev, attn.o_proj(o))  # [B, R, H]
+            diag_k.append(k)
+            diag_v.append(v)
+            dk, dv = torch.stack(diag_k, dim=-2), torch.stack(diag_v, dim=-2)  # [B, kv, R, j - 1, D]
+            o = torch.cat([_prefix_diag_attention(q[:, :, lo:hi], k1[:, :, :end], v1[:, :, :end],
+                                                  bias[:, lo:hi, :end], dk[:, :, lo:hi], dv[:, :, lo:hi])
+                           for (lo, hi), end in zip(bounds, ends)], dim=2)  # [B, h, R, D]
+            prev = layer.finish(prev, attn.o_proj(o.transpose(1, 2).reshape(B, R, h_ * D)))  # [B, R, H]
             hiddens.append(prev)
         return hiddens
 
