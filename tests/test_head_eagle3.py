@@ -239,3 +239,105 @@ def test_save_and_load_round_trip_without_the_embedding(tmp_path, setup):
         assert torch.equal(loaded.state_dict()[k], v), k
     with pytest.raises(HeadConfigError, match="EAGLE-3 head"):
         EagleHead.from_pretrained(tmp_path)
+
+
+# ----------------------------------------------------------------------------- released layout
+def write_released_folder(path, target, aux=AUX, where="eagle_config", draft_vocab_size=40, seed=0,
+                          d2t_len=None, with_t2d=True, fc_in=None):
+    """A hand-written folder in the released EAGLE-3 layout (yuhuili/EAGLE3-*, SpecForge): LlamaConfig with
+    draft_vocab_size, weights midlayer.* / fc / norm / lm_head / d2t / t2d, NO embed_tokens. Returns its tensors."""
+    from safetensors.torch import save_file
+
+    c = target.config
+    H, I, nh, nkv, V = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size
+    D = H // nh
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.1).to(torch.float16)
+
+    vocab = torch.randperm(V, generator=g)[:draft_vocab_size].sort().values
+    d2t = (vocab - torch.arange(draft_vocab_size))[: d2t_len or draft_vocab_size]
+    sd = {"fc.weight": w(H, fc_in or 3 * H), "norm.weight": 1 + w(H), "lm_head.weight": w(draft_vocab_size, H),
+          "midlayer.self_attn.q_proj.weight": w(nh * D, 2 * H), "midlayer.self_attn.k_proj.weight": w(nkv * D, 2 * H),
+          "midlayer.self_attn.v_proj.weight": w(nkv * D, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, nh * D),
+          "midlayer.mlp.gate_proj.weight": w(I, H), "midlayer.mlp.up_proj.weight": w(I, H),
+          "midlayer.mlp.down_proj.weight": w(H, I), "midlayer.input_layernorm.weight": 1 + w(H),
+          "midlayer.hidden_norm.weight": 1 + w(H), "midlayer.post_attention_layernorm.weight": 1 + w(H), "d2t": d2t}
+    if with_t2d:
+        sd["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, vocab, True)
+    config = {  # a released EAGLE-3 head's config.json
+        "architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": H, "initializer_range": 0.02, "intermediate_size": I, "max_position_embeddings": 2048,
+        "model_type": "llama", "num_attention_heads": nh, "num_hidden_layers": 1, "num_key_value_heads": nkv,
+        "pad_token_id": 0, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True,
+        "vocab_size": V, "draft_vocab_size": draft_vocab_size,
+    }
+    if where == "eagle_config":
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}
+    elif where == "top":
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(sd, str(path / "model.safetensors"))
+    return sd
+
+
+@pytest.mark.parametrize("where", ["eagle_config", "top", "absent"])
+def test_released_layout_loads_through_eamodel_from_pretrained(tmp_path, where):
+    from eagle import EaModel
+    from tiny_models import hf_greedy, random_prompts
+
+    layers = 8 if where == "absent" else 4  # absent ids: the target default (2, 4, 5) needs L >= 7
+    target = tiny_target("llama", num_layers=layers, seed=4)
+    target.save_pretrained(tmp_path / "target")
+    sd = write_released_folder(tmp_path / "head", target, where=where)
+    model = EaModel.from_pretrained(str(tmp_path / "target"), str(tmp_path / "head"), torch_dtype=torch.float32)
+    head = model.ea_layer
+    assert isinstance(head, Eagle3Head) and head.config.aux_layers == ([2, 4, 5] if where == "absent" else AUX)
+    assert model.aux_layers == tuple(head.config.aux_layers)
+    for k, v in sd.items():
+        assert torch.equal(head.state_dict()[k].to(v.dtype), v), k
+    assert torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight)  # the target's
+    for prompt in random_prompts(3, seed=5):
+        assert torch.equal(model.eagenerate(prompt, max_new_tokens=12), hf_greedy(target, prompt, 12))
+    # saved back, it is the same layout (no embed_tokens) and loads to the same head
+    head.save_pretrained(tmp_path / "again")
+    again = load_head(tmp_path / "again").bind_target(target)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    for k, v in head.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
+
+
+def test_released_layout_without_t2d_derives_it(tmp_path):
+    target = tiny_target("llama", num_layers=4)
+    sd = write_released_folder(tmp_path, target, with_t2d=False)
+    head = load_head(tmp_path)
+    assert int(head.t2d.sum()) == 40 and torch.equal(head.d2t, sd["d2t"])
+
+
+@pytest.mark.parametrize("case,match", [
+    ("too_few_target_layers", r"aux layer id\(s\) \[3\] out of range for a 3-layer target"),
+    ("hidden_size", r"hidden_size=64 .* target's hidden_size=32"),
+    ("d2t_length", "d2t has 39 entries, draft_vocab_size is 40"),
+    ("aux_out_of_range", r"aux layer id\(s\) \[9\] out of range for a 4-layer target"),
+    ("fc_shape", r"fc.weight has shape \(64, 128\)"),
+    ("default_aux_collapses", r"default does not fit a 4-layer target"),
+])
+def test_bad_released_folders_are_one_line_errors(tmp_path, case, match):
+    from eagle import EaModel
+
+    target = tiny_target("llama", num_layers=4, seed=4)
+    head_target = target
+    if case == "too_few_target_layers":
+        target = tiny_target("llama", num_layers=3, seed=4)
+    elif case == "hidden_size":
+        target = tiny_target("llama", num_layers=4, hidden_size=32, seed=4)
+    target.save_pretrained(tmp_path / "target")
+    kw = {"d2t_length": dict(d2t_len=39, with_t2d=False), "aux_out_of_range": dict(aux=[1, 2, 9]),
+          "fc_shape": dict(fc_in=128), "default_aux_collapses": dict(where="absent")}.get(case, {})
+    write_released_folder(tmp_path / "head", head_target, **kw)
+    with pytest.raises(HeadConfigError, match=match) as e:
+        EaModel.from_pretrained(str(tmp_path / "target"), str(tmp_path / "head"), torch_dtype=torch.float32)
+    assert "\n" not in str(e.value)
