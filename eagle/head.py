@@ -854,13 +854,17 @@ class Eagle3Head(nn.Module):
         return head
 
 
+def head_class(config: HeadConfig) -> type:
+    """The module class of a head config: `EagleHead` (kind eagle2) or `Eagle3Head` (kind eagle3)."""
+    return Eagle3Head if config.kind == "eagle3" else EagleHead
+
+
 def load_head(path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
               device: str | torch.device | None = None) -> "EagleHead | Eagle3Head":
     """Load any head folder, dispatching on its config: EAGLE-1/2 -> `EagleHead`, EAGLE-3 -> `Eagle3Head` (call
     `bind_target` on an EAGLE-3 head before use: its embedding is the target's)."""
     config_file, _ = _resolve_head_files(str(path_or_hub_id), revision)
-    kind = HeadConfig.from_dict(json.loads(Path(config_file).read_text())).kind
-    cls = Eagle3Head if kind == "eagle3" else EagleHead
+    cls = head_class(HeadConfig.from_dict(json.loads(Path(config_file).read_text())))
     return cls.from_pretrained(path_or_hub_id, dtype=dtype, revision=revision, device=device)
 
 
@@ -973,7 +977,7 @@ def count_parameters(head: "EagleHead | Eagle3Head") -> int:
 
 
 __all__ = [
-    "HeadConfig", "HeadConfigError", "EagleHead", "Eagle3Head", "load_head", "head_config_from_target",
+    "HeadConfig", "HeadConfigError", "EagleHead", "Eagle3Head", "load_head", "head_class", "head_config_from_target",
     "check_aux_layers", "default_aux_layers", "load_target_embedding_and_lm_head",
     "count_parameters",
 ]
