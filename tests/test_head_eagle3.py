@@ -341,3 +341,71 @@ def test_bad_released_folders_are_one_line_errors(tmp_path, case, match):
     with pytest.raises(HeadConfigError, match=match) as e:
         EaModel.from_pretrained(str(tmp_path / "target"), str(tmp_path / "head"), torch_dtype=torch.float32)
     assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- decode path
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("family,kwargs", [("llama", {}), ("llama", {"num_heads": 8, "num_kv_heads": 4})])
+def test_decoder_commits_and_drafted_chains_equal_the_unroll(family, kwargs, fast):
+    """The decode path (commit positions 0..t through fc, then a chain of drafted nodes fed their own hidden) equals
+    `unroll`: step 1 at t is the committed hidden, step j the (j-1)-th drafted node."""
+    target = tiny_target(family, num_layers=4, seed=2, **kwargs)
+    head = e3_head(target)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (1, 30), generator=g)
+    steps = 5
+    with torch.no_grad():
+        aux = aux_states(target, ids)
+        hs = head.unroll(aux, ids, steps=steps)
+        dec = head.decoder(64, fast=fast)
+        assert dec.fast == fast
+        for t in (0, 7, 21):
+            dec.truncate(0)
+            committed = dec.forward(dec.fuse(aux[0, : t + 1]), ids[0, : t + 1], range(t + 1))  # [t + 1, H]
+            torch.testing.assert_close(committed, hs[0][0, : t + 1], rtol=0, atol=1e-5 * float(hs[0].abs().max()))
+            h = committed[-1:]
+            for j in range(2, steps + 1):
+                h = dec.forward(h, ids[0, t + j - 1 : t + j], t + j - 1)  # one drafted node
+                torch.testing.assert_close(h[0], hs[j - 1][0, t], rtol=0, atol=1e-5 * float(hs[j - 1].abs().max()),
+                                           msg=f"t={t} step {j}")
+        torch.testing.assert_close(dec.logits(h), head.draft_logits(h), rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_fast_and_plain_paths_agree_on_a_tree_level():
+    target = tiny_target("qwen2", num_layers=4, seed=2)
+    head = Eagle3Head(head_config_from_target(target.config, kind="eagle3", aux_layers=AUX))
+    head.config.qkv_bias = True  # q/k/v bias through the token table and rolled copies
+    head = Eagle3Head(head.config).eval()
+    head.bind_target(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(2)
+    k = 6
+    f, ids = torch.randn(20, 64, generator=g), torch.randint(0, 256, (20,), generator=g)
+    level_f, level_ids = torch.randn(k, 64, generator=g), torch.randint(0, 256, (k,), generator=g)
+    mask = torch.cat([torch.ones(k, 20, dtype=torch.bool), torch.eye(k, dtype=torch.bool)], 1)  # [k, 20 + k]
+    outs = []
+    with torch.no_grad():
+        for fast in (False, True):
+            dec = head.decoder(32, fast=fast)
+            dec.forward(f, ids, range(20))
+            outs.append(dec.forward(level_f, level_ids, 20, mask))
+            dec.truncate(20)
+            torch.testing.assert_close(dec.forward(level_f, level_ids, 20, mask), outs[-1])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_fast_path_in_bfloat16():
+    target = tiny_target("llama", num_layers=4, seed=2)
+    head = e3_head(target, std=0.05)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        aux = aux_states(target, ids)
+        ref = head.unroll(aux, ids)[0][0]
+        dec = head.to(torch.bfloat16).decoder(16)
+        assert dec.fast
+        out = dec.forward(dec.fuse(aux[0]), ids[0], range(9))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2 * float(ref.abs().max()))
