@@ -1,7 +1,7 @@
 """What differs between head kinds in training, behind one small interface the loop calls (`head.kind`).
 
     kind = head_kind(cfg, target_config)           # Eagle2Kind | Eagle3Kind
-    head = kind.new_head(target_config, source, train_set.indices)
+    head = kind.new_head(target_config, source, train_set.indices, frozen.lm_head)
     out = kind.loss(engine, features, batch, frozen.lm_head, micro)   # LossOutput (train/loss.py)
     metrics = kind.evaluate(head, eval_set, frozen, device, dtype, rank, world_size)
 
@@ -28,8 +28,8 @@ class Eagle2Kind:
         """Extra keys of the run summary (none for EAGLE-2: its summary is unchanged)."""
         return {}
 
-    def new_head(self, target_config, source, train_indices):
-        """A fresh head (or head.init_from), checked against the target."""
+    def new_head(self, target_config, source, train_indices, lm_head):
+        """A fresh head (or head.init_from), checked against the target (EAGLE-2 uses the frozen lm_head [V, H] as is)."""
         from eagle.head import EagleHead, head_config_from_target
 
         h = self.cfg.head
@@ -71,8 +71,9 @@ class Eagle3Kind(Eagle2Kind):
         self.stride = cfg.head.ttt_row_stride
         self.vocab_info: dict = {}
 
-    def new_head(self, target_config, source, train_indices):
-        """A fresh EAGLE-3 head with the draft vocabulary of the training split (or head.init_from, its vocabulary kept)."""
+    def new_head(self, target_config, source, train_indices, lm_head):
+        """A fresh EAGLE-3 head with the draft vocabulary of the training split (or head.init_from, its vocabulary kept);
+        head.lm_head_init=target starts its lm_head [Vd, H] from the target's lm_head [V, H] rows of the draft tokens."""
         from eagle.head import Eagle3Head, head_config_from_target, text_config
         from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 
@@ -95,6 +96,9 @@ class Eagle3Kind(Eagle2Kind):
             head = Eagle3Head(expect)
             d2t, t2d = build_draft_vocab(counts, size)
             head.set_vocab(d2t, t2d)
+            if h.lm_head_init == "target":
+                with torch.no_grad():
+                    head.lm_head.weight.copy_(lm_head[(torch.arange(size) + d2t).to(lm_head.device)].float())
         self.vocab_info = {"draft_vocab_size": head.config.draft_vocab_size, "distinct_loss_tokens": int((counts > 0).sum()),
                            "draft_vocab_coverage": vocab_coverage(counts, head.t2d.cpu())}
         return head

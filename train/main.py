@@ -112,7 +112,7 @@ def train(cfg, ctx=None) -> dict:
 
     # -- model: a fresh (or given) head + the target's frozen embedding and lm_head
     frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype, kind.layers)
-    head = kind.new_head(target_config, source, train_set.indices)  # eagle3: + the draft vocabulary of the train split
+    head = kind.new_head(target_config, source, train_set.indices, frozen.lm_head)  # eagle3: + the draft vocabulary of the train split
     if kind.name == "eagle3":
         say(f"EAGLE-3 head: aux layers {kind.layers[:-1]}, {kind.steps} unrolled steps (weights "
             f"{', '.join(f'{w:.2f}' for w in kind.step_weights)}), row stride {kind.stride}; draft vocabulary "

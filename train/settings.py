@@ -34,6 +34,7 @@ class HeadSettings:
     ttt_steps: int = 7  # training-time test: unrolled draft steps per position (1 = no self-fed steps)
     ttt_step_weights: list[float] = field(default_factory=list)  # loss weight of step j (1-based); [] = 0.8^(j-1)
     ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
+    lm_head_init: str = "target"  # target = the draft vocabulary's rows of the target's lm_head (a warm start) | random
 
 
 @dataclass
@@ -127,7 +128,7 @@ def validate_head_section(h) -> None:
     _check(h.kind in HEAD_KINDS, "head.kind", h.kind, f"expected one of {HEAD_KINDS}")
     if h.kind == "eagle2":
         defaults = HeadSettings()
-        for key in ("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride"):
+        for key in ("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride", "lm_head_init"):
             value = list(h[key]) if isinstance(getattr(defaults, key), list) else h[key]
             _check(value == getattr(defaults, key), f"head.{key}", value, "only used by head.kind=eagle3")
         return
@@ -140,6 +141,7 @@ def validate_head_section(h) -> None:
     _check(not w or (len(w) == h.ttt_steps and all(x >= 0 for x in w) and sum(w) > 0), "head.ttt_step_weights", w,
            f"expected [] or {h.ttt_steps} weights >= 0 (one per head.ttt_steps), not all 0")
     _check(h.ttt_row_stride >= 1, "head.ttt_row_stride", h.ttt_row_stride, "expected >= 1")
+    _check(h.lm_head_init in ("target", "random"), "head.lm_head_init", h.lm_head_init, "expected 'target' or 'random'")
 
 
 def validate_train_sections(cfg) -> None:
