@@ -790,6 +790,11 @@ class Eagle3Head(nn.Module):
             hiddens.append(prev)
         return hiddens
 
+    def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """= `unroll` (so a DeepSpeed engine wrapping the head runs it through its forward hooks)."""
+        return self.unroll(aux, next_ids, attention_mask, steps=steps, rows=rows)
+
     # -- checkpoint I/O ---------------------------------------------------------------
     def official_state_dict(self) -> dict[str, torch.Tensor]:
         """The released EAGLE-3 keys: everything but the target's embedding (d2t int64, t2d bool included)."""

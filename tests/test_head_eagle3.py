@@ -137,7 +137,7 @@ def test_unroll_shapes(setup):
     hs = head.unroll(aux, ids, steps=4)
     assert len(hs) == 4 and all(h.shape == (3, 12, 64) for h in hs)
     assert head.draft_logits(hs[0]).shape == (3, 12, 256)
-    sub = head.unroll(aux, ids, steps=3, rows=torch.tensor([0, 5, 11]))
+    sub = head(aux, ids, steps=3, rows=torch.tensor([0, 5, 11]))  # forward = unroll
     assert sub[0].shape == (3, 12, 64) and sub[1].shape == sub[2].shape == (3, 3, 64)
     with pytest.raises(ValueError, match="steps"):
         head.unroll(aux, ids, steps=0)
