@@ -333,12 +333,14 @@ def test_live_tau_prompts_are_the_turns_before_the_trained_tokens():
     assert live_prompts(records, 1) == [[5, 6]]
 
 
-def test_eval_head_reproduces_the_trainers_final_eval(toy, tmp_path, dist_ctx):
+def test_eval_head_reproduces_the_trainers_final_eval(any_toy, tmp_path, dist_ctx):
     from train.eval_head import evaluate_head
     from train.main import load_config
 
+    toy = any_toy
     summary = run_train(toy, tmp_path / "run", "export.dtype=float32", steps=4, ctx=dist_ctx)
-    cfg = load_config("tiny", overrides(toy["target"], tmp_path / "run", f"train.cache_dir={toy['cache']}", steps=4))
+    cfg = load_config("tiny", overrides(toy["target"], tmp_path / "run", f"train.cache_dir={toy['cache']}",
+                                        *toy.get("extra", ()), steps=4))
     got = evaluate_head(cfg, str(tmp_path / "run" / "head"))
     assert got["eval_records"] > 0
     for key, value in summary["eval"].items():
