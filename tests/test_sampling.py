@@ -189,9 +189,9 @@ def eagle3_undraftable_token_check(decoding_name, draws, seed, setting="T1.0"):
     return rounds
 
 
-def test_eagle3_sampling_is_exact_with_an_undraftable_token_2k_draws():
+def test_eagle3_sampling_is_exact_with_an_undraftable_token_1k_draws():
     target, prompt, head = sampling_setup("eagle3")
-    rounds = eagle3_undraftable_token_check("dynamic", draws=2_000, seed=4)
+    rounds = eagle3_undraftable_token_check("dynamic", draws=1_000, seed=4)
     assert rounds < 2.0, f"{rounds:.2f} verification rounds per 3 tokens: the EAGLE-3 drafts are hardly ever accepted"
     model = EaModel(target, head, DECODINGS["dynamic"])
     with torch.inference_mode():  # a full draft tree never holds the token
