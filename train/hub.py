@@ -77,7 +77,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
     # the card describes the recipe the head was trained with (stored at export), not this command's
     trained = OmegaConf.load(head_dir / RECIPE_FILE) if (head_dir / RECIPE_FILE).exists() else cfg
     card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots,
-                      fmt=fmt)
+                      fmt=fmt, head_config=read_json(head_dir / "config.json"))
     (staging / "README.md").write_text(card)
     return sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
 
