@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--recipe", default=None, help="take the head (export.dir) and the target (target.path) from a recipe")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
-    p.add_argument("--head", default=None, help="exported EAGLE-1/2 head folder")
+    p.add_argument("--head", default=None, help="exported head folder (EAGLE-1/2, or EAGLE-3 in the released layout)")
     p.add_argument("--eagle3", default=None, help="a released-layout EAGLE-3 head folder to convert instead")
     p.add_argument("--base", default=None, help="target model folder or hub id (drift checks; vLLM EAGLE-3 verifier)")
     p.add_argument("--out", default=None, help="output folder (default: HEAD-FORMAT beside the head)")
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         convert_eagle3_folder(args.eagle3, out, args.format, verifier=base, verifier_architectures=archs,
                               num_speculative_tokens=args.num_speculative_tokens)
     else:
-        write_engine_head(head, out, args.format, target_config, dtype=args.dtype)
+        write_engine_head(head, out, args.format, target_config, dtype=args.dtype, verifier=base,
+                          num_speculative_tokens=args.num_speculative_tokens)
     print(f"wrote {out} ({args.format})")
     return 0
 

@@ -53,7 +53,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
         converted = staging.with_name(staging.name + f".{fmt}")
         if converted.exists():
             shutil.rmtree(converted)
-        head_dir = write_engine_head(head_dir, converted, fmt, target_config)
+        head_dir = write_engine_head(head_dir, converted, fmt, target_config, verifier=str(cfg.target.path) or None)
     for name in HEAD_FILES:
         if (head_dir / name).exists():
             shutil.copy2(head_dir / name, staging / name)
