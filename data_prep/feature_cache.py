@@ -1,4 +1,5 @@
-"""The feature cache: the target's final hidden states + token ids + loss masks, on disk.
+"""The feature cache: the target's final hidden states (EAGLE-3: aux layers + final state) + token ids + loss
+masks, on disk.
 
 Layout of a cache directory::
 
@@ -6,10 +7,12 @@ Layout of a cache directory::
     parts/{part}.json                   what one writer (one rank / `--shard i/n`) has committed
     manifest.json                       merged summary of all parts, rewritten by every `close()`
 
-A shard holds ``hidden`` [N, H] (bf16 / fp16 / fp32, or int8 with ``scales`` [N] fp16 per row),
+A shard holds ``hidden`` [N, W] (bf16 / fp16 / fp32, or int8 with ``scales`` [N] fp16 per row; [N, S] with one
+scale per layer segment when the meta names S > 1 ``feature_layers``). W = H for EAGLE-2; W = 4H for EAGLE-3
+(meta ``feature_layers`` [a, b, c, L]: three aux layers + the final state, see data_prep/feature_layers.py),
 ``input_ids`` [N] int32, ``loss_mask`` [N] uint8 and ``offsets`` [R+1] int64 (record r owns rows
-offsets[r]:offsets[r+1]). Bytes per token = H*b + 5 (+2 for int8 scales), against 2H + 16 for
-the reference layout (fp16 hidden + int64 ids + int64 mask per file).
+offsets[r]:offsets[r+1]). Bytes per token = W*b + 5 (+2 per segment for int8 scales), against 2H + 16 for
+the reference EAGLE-2 layout (fp16 hidden + int64 ids + int64 mask per file).
 
 The part manifests are the source of truth: several writers (ranks) can fill one directory at
 once, each appending its own part, and a writer re-opened on an existing directory continues
@@ -42,12 +45,18 @@ class FeatureCacheError(UserError, RuntimeError):
     """A cache directory is missing, corrupt, truncated or inconsistent; the message names the file."""
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """On-disk bytes per cached token for `dtype` (hidden row + int32 id + uint8 mask [+ fp16 scale])."""
+def bytes_per_token(hidden_size: int, dtype: str, segments: int = 1) -> int:
+    """On-disk bytes per cached token for `dtype` with `segments` hidden states of width `hidden_size` per token
+    (feature row + int32 id + uint8 mask [+ one fp16 scale per segment])."""
     if dtype not in CACHE_DTYPES:
         raise ValueError(f"unknown cache dtype {dtype!r}; choose one of {sorted(CACHE_DTYPES)}")
-    row = hidden_size * CACHE_DTYPES[dtype].itemsize
-    return row + 4 + 1 + (2 if dtype == "int8" else 0)
+    row = segments * hidden_size * CACHE_DTYPES[dtype].itemsize
+    return row + 4 + 1 + (2 * segments if dtype == "int8" else 0)
+
+
+def segments_of(meta: dict) -> int:
+    """Hidden states per cached token: len(meta["feature_layers"]) (EAGLE-3), else 1 (the final state)."""
+    return len(meta.get("feature_layers") or [None])
 
 
 def reference_bytes_per_token(hidden_size: int) -> int:
@@ -72,16 +81,20 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def quantize_int8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: hidden [T, H] float -> (q [T, H] int8, scales [T] fp16)."""
-    x = hidden.float()
-    scales = (x.abs().amax(dim=-1) / 127.0).clamp(min=1e-8).to(torch.float16)  # [T]
-    q = torch.round(x / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)  # [T, H]
-    return q, scales
+def quantize_int8(hidden: torch.Tensor, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row and segment (layers differ in scale): hidden [T, S*H] float -> (q [T, S*H] int8,
+    scales [T] fp16 when S = 1 else [T, S])."""
+    T = hidden.shape[0]
+    x = hidden.float().reshape(T, segments, -1)  # [T, S, H]
+    scales = (x.abs().amax(dim=-1) / 127.0).clamp(min=1e-8).to(torch.float16)  # [T, S]
+    q = torch.round(x / scales.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(T, -1)  # [T, S*H]
+    return q, (scales[:, 0] if segments == 1 else scales)
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q.float() * scales.float()[:, None]
+    """q [T, S*H] int8, scales [T] or [T, S] -> [T, S*H] float32."""
+    s = scales.float().reshape(q.shape[0], -1)  # [T, S]
+    return (q.float().reshape(q.shape[0], s.shape[1], -1) * s[..., None]).reshape(q.shape)
 
 
 # --------------------------------------------------------------------------- manifests
@@ -161,13 +174,13 @@ def merge_manifests(out_dir: str | Path) -> dict:
     }
     hidden = any_part["meta"].get("hidden_size")
     if hidden is not None:
-        manifest["bytes_per_token"] = bytes_per_token(int(hidden), any_part["dtype"])
+        manifest["bytes_per_token"] = bytes_per_token(int(hidden), any_part["dtype"], segments_of(any_part["meta"]))
         manifest["reference_bytes_per_token"] = reference_bytes_per_token(int(hidden))
     if any_part["dtype"] == "int8":
         sq_err = sum(p["quant"]["sum_sq_err"] for p in parts.values())
         sq = sum(p["quant"]["sum_sq"] for p in parts.values())
         manifest["quantization"] = {
-            "method": "int8 symmetric, per-row absmax scale (fp16)",
+            "method": "int8 symmetric, per-row (per layer segment) absmax scale (fp16)",
             "relative_rmse": (sq_err / sq) ** 0.5 if sq > 0 else 0.0,
             "max_abs_error": max(p["quant"]["max_abs_err"] for p in parts.values()),
         }
@@ -205,6 +218,8 @@ class FeatureCacheWriter:
         (self.out_dir / "shards").mkdir(parents=True, exist_ok=True)
         (self.out_dir / "parts").mkdir(parents=True, exist_ok=True)
         self.hidden_size = int(meta["hidden_size"])
+        self.segments = segments_of(self.meta)
+        self.width = self.segments * self.hidden_size  # cached feature row per token
 
         parts = _load_parts(self.out_dir)
         for name, p in parts.items():
@@ -246,15 +261,15 @@ class FeatureCacheWriter:
         T = input_ids.shape[0]
         if T == 0:
             raise ValueError(f"record {record_id!r}: empty input_ids")
-        if hidden.dim() != 2 or hidden.shape != (T, self.hidden_size):
-            raise ValueError(f"record {record_id!r}: hidden has shape {tuple(hidden.shape)}, expected ({T}, {self.hidden_size})")
+        if hidden.dim() != 2 or hidden.shape != (T, self.width):
+            raise ValueError(f"record {record_id!r}: hidden has shape {tuple(hidden.shape)}, expected ({T}, {self.width})")
         if loss_mask.shape[0] != T:
             raise ValueError(f"record {record_id!r}: loss_mask has {loss_mask.shape[0]} entries for {T} tokens")
         hidden = hidden.detach().cpu()
         scales = None
         if self.dtype == "int8":
-            q, scales = quantize_int8(hidden)
-            err = (dequantize_int8(q, scales) - hidden.float())  # [T, H]
+            q, scales = quantize_int8(hidden, self.segments)
+            err = (dequantize_int8(q, scales) - hidden.float())  # [T, W]
             quant = self._state["quant"]
             quant["sum_sq_err"] += float(err.double().pow(2).sum())
             quant["sum_sq"] += float(hidden.double().pow(2).sum())
@@ -264,7 +279,7 @@ class FeatureCacheWriter:
             stored = hidden.to(CACHE_DTYPES[self.dtype])
         self._buffer.append((record_id, input_ids.to(torch.int32).cpu(), stored.contiguous(), loss_mask.to(torch.uint8).cpu(), scales))
         self._done_ids.add(record_id)
-        self._buffer_bytes += T * bytes_per_token(self.hidden_size, self.dtype)
+        self._buffer_bytes += T * bytes_per_token(self.hidden_size, self.dtype, self.segments)
         if self._buffer_bytes >= self.max_shard_bytes:
             self.flush()
         return True
@@ -278,13 +293,13 @@ class FeatureCacheWriter:
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
         tensors = {
-            "hidden": torch.cat([b[2] for b in self._buffer]),  # [N, H]
+            "hidden": torch.cat([b[2] for b in self._buffer]),  # [N, W]
             "input_ids": torch.cat([b[1] for b in self._buffer]),  # [N] int32
             "loss_mask": torch.cat([b[3] for b in self._buffer]),  # [N] uint8
             "offsets": offsets,  # [R+1]
         }
         if self.dtype == "int8":
-            tensors["scales"] = torch.cat([b[4] for b in self._buffer])  # [N] fp16
+            tensors["scales"] = torch.cat([b[4] for b in self._buffer])  # [N] or [N, S] fp16
         index = len(self._state["shards"])
         name = f"{self.part}-{index:05d}.safetensors"
         path = self.out_dir / "shards" / name
@@ -334,8 +349,9 @@ class FeatureCacheWriter:
 class FeatureCacheReader:
     """Random access to a feature cache. Verifies every shard (size + sha256) on open.
 
-    ``r[i]`` -> {"id", "input_ids" LongTensor[T], "hidden_states" FloatTensor[T, H] float32,
-    "loss_mask" LongTensor[T]}; ``r.lengths`` for length-grouped batching; ``r.manifest``.
+    ``r[i]`` -> {"id", "input_ids" LongTensor[T], "hidden_states" FloatTensor[T, W] float32 (W = H, or 4H for an
+    EAGLE-3 cache: see `feature_layers`), "loss_mask" LongTensor[T]}; ``r.lengths`` for length-grouped batching;
+    ``r.manifest``; ``r.feature_layers`` (None = final state only); ``r.tokens(i)`` = (input_ids, loss_mask) only.
     `verify="sha256"` (default) hashes every shard, `"size"` only checks sizes (fast, for huge caches).
     """
 
@@ -347,6 +363,7 @@ class FeatureCacheReader:
             raise FeatureCacheError(f"feature cache {self.out_dir} does not exist")
         self.manifest = merge_manifests(self.out_dir)
         self.dtype = self.manifest["dtype"]
+        self.feature_layers = self.manifest.get("feature_layers")  # None: an EAGLE-2 cache (final state only)
         self._shards = self.manifest["shards"]
         for s in self._shards:
             self._verify_shard(s, verify)
@@ -442,6 +459,13 @@ class FeatureCacheReader:
             "hidden_states": hidden.float(),
             "loss_mask": handle.get_slice("loss_mask")[a:b].long(),
         }
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [T], loss_mask [T]) of record i without reading its features (draft-vocabulary counts)."""
+        k = bisect_right(self._starts, i) - 1
+        handle = self._open(k)
+        a, b = self._offsets[k][i - self._starts[k]], self._offsets[k][i - self._starts[k] + 1]
+        return handle.get_slice("input_ids")[a:b].long(), handle.get_slice("loss_mask")[a:b].long()
 
     def __iter__(self):
         for i in range(len(self)):

@@ -217,6 +217,7 @@ def file_sha256(path: Path) -> str:
 def stage_cache(run: Run) -> None:
     from data_prep.cache_features import cache_shard, check_disk
     from data_prep.feature_cache import FeatureCacheWriter, merge_manifests
+    from data_prep.feature_layers import feature_layers
     from data_prep.target import resolve_target_path, target_config_hash
 
     d = run.cfg.data
@@ -228,12 +229,15 @@ def stage_cache(run: Run) -> None:
     meta = {"target": resolve_target_path(run.cfg.target), "config_hash": target_config_hash(config),
             "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
             "target_dtype": run.cfg.target.dtype, "tokenized_sha256": file_sha256(tok_path)}
+    layers = feature_layers(run.cfg.head, config)  # None for eagle2: the legacy meta, byte for byte
+    if layers is not None:
+        meta["feature_layers"] = layers
     out = run.data_dir / "features"
     writer = FeatureCacheWriter(out, meta, dtype=d.cache_dtype, part=f"shard{run.shard:05d}-of-{run.num_shards:05d}",
                                 max_shard_bytes=d.cache_shard_mb * 2**20)
     remaining = sum(len(r["input_ids"]) for r in records if r["id"] not in writer)
-    check_disk(out, remaining, meta["hidden_size"], d.cache_dtype, d.disk_headroom_gb)
-    stats = cache_shard(model, records, writer, run.shard, run.num_shards, progress=run.progress)
+    check_disk(out, remaining, meta["hidden_size"], d.cache_dtype, d.disk_headroom_gb, layers)
+    stats = cache_shard(model, records, writer, run.shard, run.num_shards, progress=run.progress, layers=layers)
     writer.close()
     s = stats.as_dict()
     run.update_report(f"cache_shard{run.shard}of{run.num_shards}", s)

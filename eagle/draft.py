@@ -3,22 +3,30 @@
 `Drafter` owns the head's `HeadDecoder` (its decoding forward and preallocated KV cache). Committed
 positions stay in the cache across rounds; tree nodes are appended while drafting and rolled back
 afterwards (`truncate`).
+
+EAGLE-3 heads differ in two places only, both chosen once in `__init__`: `extend` fuses the target's aux states
+(fc) before committing them, and `_topk` scores with the head's own lm_head over the draft vocabulary and maps the
+chosen draft ids to target ids (d2t). Tree building is shared.
 """
 from __future__ import annotations
 
 import torch
 
-from eagle.head import EagleHead, linear_t
+from eagle.head import Eagle3Head, EagleHead, linear_t
 from eagle.head_decoder import HeadDecoder
 from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree
 
 
 class Drafter:
-    def __init__(self, head: EagleHead, lm_head: torch.nn.Module, capacity: int):
+    def __init__(self, head: "EagleHead | Eagle3Head", lm_head: torch.nn.Module, capacity: int):
+        """lm_head: the target's (scores EAGLE-1/2 drafts; an EAGLE-3 head has its own)."""
         self.head = head
         self.lm_head = lm_head
         self.decoder: HeadDecoder | None = None  # built by the first reset, under the caller's grad mode
         self._layouts: dict[tuple, object] = {}  # per (k, depth, device): constant candidate layouts
+        self.eagle3 = isinstance(head, Eagle3Head)
+        if self.eagle3:
+            self._topk, self.extend = self._topk_draft_vocab, self._extend_aux
 
     @property
     def length(self) -> int:
@@ -28,15 +36,34 @@ class Drafter:
         """Empty the draft cache (at least `capacity` positions) and re-take the head's and lm_head's weights
         (they may have changed between generations)."""
         if self.decoder is None:
-            self.decoder = HeadDecoder(self.head, capacity)
+            self.decoder = self.head.decoder(capacity)
         else:
             self.decoder.reset(capacity)
+        if self.eagle3:
+            return
         self._lm_t = self.lm_head.weight.detach().t()  # [H, V]
         self._lm_b = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
 
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
         """[n, H] predicted features -> [n, V] float32 draft log-probs through the target's lm_head."""
         return torch.log_softmax(linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float(), dim=-1)
+
+    def _topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H] -> (log-probs [n, k], target token ids [n, k]) of the k best draft tokens."""
+        return self._logprobs(features).topk(k, dim=-1)
+
+    def _topk_draft_vocab(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE-3: [n, H] output hiddens -> the k best of the draft vocabulary, mapped to target ids."""
+        lp, draft_ids = torch.log_softmax(self.decoder.logits(hidden).float(), dim=-1).topk(k, dim=-1)  # [n, k]
+        return lp, draft_ids + self.decoder.d2t[draft_ids]
+
+    @torch.no_grad()
+    def _extend_aux(self, aux: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3 `extend`: aux [1, n, 3H] the target's aux-layer states, next_ids [1, n]. Returns the output
+        hidden after the last one, [1, H]."""
+        pos = range(self.decoder.length, self.decoder.length + next_ids.shape[1])
+        out = self.decoder.forward(self.decoder.fuse(aux[0]), next_ids[0], pos)
+        return out[-1:]  # [1, H]
 
     @torch.no_grad()
     def extend(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
@@ -55,7 +82,7 @@ class Drafter:
         committed = self.decoder.length
         dev = root.device
         k = top_k
-        lp, tok = self._logprobs(feature)[0].topk(k)  # [k], [k] depth-1 candidates
+        lp, tok = (t[0] for t in self._topk(feature, k))  # [k], [k] depth-1 candidates
         cand_tok, cand_lp, cand_path, bests = [tok], [lp], [lp], []
         front_feat = feature.expand(k, -1)  # [k, H] input feature of each frontier node (its parent's prediction)
         front_tok, front_path = tok, lp  # [k] each
@@ -70,7 +97,7 @@ class Drafter:
             end = committed + (d + 1) * k
             mask[:, end - k : end] = eye  # each frontier node sees itself
             out = self.decoder.forward(front_feat, front_tok, committed + d, mask.narrow(1, 0, end))  # [k, H]; one position per level
-            lp, tok = self._logprobs(out).topk(k, dim=-1)  # [k, k]
+            lp, tok = self._topk(out, k)  # [k, k]
             path = (front_path.unsqueeze(1) + lp).flatten()  # [k k] value = log of the product of confidences
             lp, tok = lp.flatten(), tok.flatten()  # [k k]: children of frontier row r at r k .. r k + k - 1
             cand_tok.append(tok)
@@ -123,7 +150,7 @@ class Drafter:
         depth, parents, ranks = spec.depth.to(dev), spec.parents.to(dev), spec.ranks.to(dev)
         ancestors = spec.ancestors.to(dev)
         for d, (lo, hi) in enumerate(spec.levels, start=1):  # Python bounds: no host sync per level
-            lp, tok = self._logprobs(feats[parents[lo:hi]]).topk(kmax, dim=-1)  # [m, kmax]
+            lp, tok = self._topk(feats[parents[lo:hi]], kmax)  # [m, kmax]
             pick = ranks[lo:hi, None]
             tokens[lo:hi] = tok.gather(1, pick)[:, 0]
             logprob[lo:hi] = lp.gather(1, pick)[:, 0]

@@ -15,7 +15,7 @@ from torch import nn
 
 from eagle.decoding_config import DecodingConfig
 from eagle.draft import Drafter
-from eagle.head import EagleHead, text_config
+from eagle.head import Eagle3Head, EagleHead, load_head, text_config
 from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
@@ -56,7 +56,7 @@ class StopRule:
 class EaModel(nn.Module):
     """Target + draft head. `eagenerate` is lossless w.r.t. `naivegenerate` (same target code path)."""
 
-    def __init__(self, base_model: nn.Module, ea_layer: EagleHead, decoding: DecodingConfig | None = None,
+    def __init__(self, base_model: nn.Module, ea_layer: "EagleHead | Eagle3Head", decoding: DecodingConfig | None = None,
                  static_tree: list[list[int]] | None = None, fused_target: bool | None = None):
         """static_tree: a custom EAGLE-1 choice list, used instead of `decoding.static_choices` in mode "static".
         fused_target: run the target through `FusedDecoder` (None = when it supports the target and it is small;
@@ -65,13 +65,21 @@ class EaModel(nn.Module):
         self.static_tree = static_tree
         self.base_model = base_model.eval()
         self.ea_layer = ea_layer.eval()
-        self.decoding = (decoding or DecodingConfig()).validate(vocab_size=ea_layer.config.vocab_size)
+        self.eagle3 = isinstance(ea_layer, Eagle3Head)
+        # tokens a draft step chooses from: the draft vocabulary of an EAGLE-3 head, else the target's
+        self.draft_vocab_size = ea_layer.config.draft_vocab_size if self.eagle3 else ea_layer.config.vocab_size
+        self.decoding = (decoding or DecodingConfig()).validate(vocab_size=self.draft_vocab_size)
         self._check_compatible()
+        # EAGLE-3: the target hands these hidden states (HF hidden_states ids) to the drafter; EAGLE-2: its final ones
+        self.aux_layers = tuple(ea_layer.config.aux_layers) if self.eagle3 else None
         self.target = Target(base_model, capacity=0, fused=fused_target)
         self.drafter = Drafter(ea_layer, self.target.lm_head, capacity=0)
         self.tokenizer = None
 
     def _check_compatible(self) -> None:
+        if self.eagle3:  # layer count, hidden size, vocabulary; copies the target's embedding into the head
+            self.ea_layer.bind_target(self.base_model)
+            return
         t = text_config(self.base_model.config)
         h = self.ea_layer.config
         if h.hidden_size != t.hidden_size:
@@ -86,7 +94,8 @@ class EaModel(nn.Module):
                         depth: int | None = None, top_k: int | None = None, torch_dtype: torch.dtype | str = "auto",
                         device_map=None, tree_mode: str | None = None, static_tree: str | list | None = None,
                         chain_length: int | None = None, attn_implementation: str = "sdpa", **model_kwargs) -> "EaModel":
-        """Load a target (HF id or folder) and a head (ours or a released `yuhuili/EAGLE-*`).
+        """Load a target (HF id or folder) and a head: EAGLE-1/2 or EAGLE-3, ours or released (`yuhuili/EAGLE-*`,
+        `yuhuili/EAGLE3-*`, SpecForge exports); an EAGLE-3 head takes the target's embedding.
 
         Tree settings: explicit arguments > `tree_config.json` saved next to the head by the
         auto-tuner > DecodingConfig defaults (60 / 5 / 10).
@@ -95,7 +104,7 @@ class EaModel(nn.Module):
 
         base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch_dtype, device_map=device_map,
                                                     attn_implementation=attn_implementation, **model_kwargs)
-        head = EagleHead.from_pretrained(ea_model_path, dtype=base.dtype, device=base.get_output_embeddings().weight.device)
+        head = load_head(ea_model_path, dtype=base.dtype, device=base.get_output_embeddings().weight.device)
         decoding = load_tree_config(ea_model_path)
         overrides = {"total_token": total_token, "depth": depth, "top_k": top_k, "mode": tree_mode,
                      "chain_length": chain_length, "static_choices": static_tree if isinstance(static_tree, str) else None}
@@ -244,7 +253,7 @@ class EaModel(nn.Module):
 
         Yields (new tokens [n], RoundStats or None). The first yield is the prefill's token.
         """
-        decoding.validate(vocab_size=self.target.vocab_size)
+        decoding.validate(vocab_size=self.draft_vocab_size)
         spec = self._tree_spec(decoding)
         tree_nodes, draft_slots = self._max_tree_nodes(decoding, spec)
         prompt_len = input_ids.shape[1]
@@ -255,7 +264,11 @@ class EaModel(nn.Module):
         eos = torch.tensor(stop.eos_ids, dtype=torch.long, device=input_ids.device)
 
         t = time.perf_counter()
-        hidden = self.target.forward(input_ids)  # prefill: [1, T, H]
+        vanilla = decoding.mode == "vanilla"
+        aux_layers = None if vanilla else self.aux_layers
+        hidden = feats_all = self.target.forward(input_ids, aux_layers=aux_layers)  # prefill: [1, T, H]
+        if aux_layers is not None:
+            hidden, feats_all = hidden  # EAGLE-3: the drafter reads the aux states [1, T, 3H]
         root = self._choose(self.target.logits(hidden[0, -1:]), sampling, generator)  # [1]
         if stats is not None:
             stats.prefill_s = time.perf_counter() - t
@@ -263,8 +276,7 @@ class EaModel(nn.Module):
         yield root, None
         if produced >= stop.budget or bool(torch.isin(root, eos).any()):
             return
-        vanilla = decoding.mode == "vanilla"
-        feats, next_ids = hidden, torch.cat([input_ids[:, 1:], root[None]], dim=1)  # what the draft must commit
+        feats, next_ids = feats_all, torch.cat([input_ids[:, 1:], root[None]], dim=1)  # what the draft must commit
         while True:
             t0 = time.perf_counter()
             prefix = self.target.length
@@ -281,7 +293,10 @@ class EaModel(nn.Module):
                 else:
                     tree = self.drafter.draft_static(root, draft_feat, spec)
                 t1 = time.perf_counter()
-                hidden = self.target.forward(tree.tokens[None], tree.position_ids(prefix), tree.attention_mask())
+                hidden = feats_all = self.target.forward(tree.tokens[None], tree.position_ids(prefix),
+                                                         tree.attention_mask(), aux_layers=aux_layers)
+                if aux_layers is not None:
+                    hidden, feats_all = hidden
                 logits = self.target.logits(hidden[0])  # verify: [N, V]
                 if sampling.greedy:  # accept: path [a + 1] incl. the root, new tokens [a + 1]
                     path, new = verify_greedy(tree, logits)
@@ -305,7 +320,7 @@ class EaModel(nn.Module):
             if done:
                 return
             if not vanilla:
-                feats, next_ids = hidden[:, path], new[None]  # the draft commits the accepted positions next round
+                feats, next_ids = feats_all[:, path], new[None]  # the draft commits the accepted positions next round
             root = new[-1:]
 
     def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:

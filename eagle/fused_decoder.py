@@ -135,11 +135,12 @@ class FusedDecoder:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | range, mask: torch.Tensor | None,
-                cache: PreallocatedKVCache) -> torch.Tensor:
+                cache: PreallocatedKVCache, capture: tuple[int, ...] | None = None):
         """input_ids [1, n]; positions: a tensor [n] (a tree: every entry < cache.length + n, as node
         depths guarantee) or a `range` of consecutive positions (sliced, no gather); mask additive
         [1, 1, n, past + n] or None (n == 1, full attention). Appends K/V to `cache`; returns normed final
-        hidden states [1, n, H]."""
+        hidden states [1, n, H]; with `capture` (HF hidden_states ids: the state entering layer j) returns
+        (hidden, [1, n, len(capture) H] those states concatenated in the given order)."""
         n = input_ids.shape[1]
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
         # a tree's positions are < cache.length + n: that bound avoids reading the tensor back (a host sync)
@@ -149,7 +150,10 @@ class FusedDecoder:
         if mask is not None and use_bmm_attention(n, d_, mask.dtype):
             bmm_bias = mask[0, 0].repeat(h_ // kv_, 1)  # [g n, past + n]: the mask per query row of a kv group
         x = F.embedding(input_ids[0], self.body.embed_tokens.weight)  # [n, H]: 2-D activations, mm / addmm
-        for layer, eps, cache_layer in zip(self.layers, self.layer_eps, cache.layers):
+        captured = {} if capture else None  # layer id -> the state entering that layer
+        for i, (layer, eps, cache_layer) in enumerate(zip(self.layers, self.layer_eps, cache.layers)):
+            if captured is not None and i in capture:
+                captured[i] = x
             qkv = linear_t(rms_norm(x, layer.ln1, eps), layer.w_qkv_t, layer.b_qkv)  # [n, (h + 2 kv) D]
             qkv = qkv.view(n, h_ + 2 * kv_, d_).transpose(0, 1)  # [h + 2 kv, n, D]
             qk = rotate_rolled(qkv[: h_ + kv_], cos, sin)  # q and k rotate together: [h + kv, n, D]
@@ -165,4 +169,7 @@ class FusedDecoder:
             x = torch.addmm(x, F.silu(gate) * up, layer.w_down_t)  # residual + down_proj
             if layer.b_down is not None:
                 x = x + layer.b_down
-        return rms_norm(x, self.body.norm.weight, self.eps)[None]  # [1, n, H]
+        out = rms_norm(x, self.body.norm.weight, self.eps)[None]  # [1, n, H]
+        if captured is None:
+            return out
+        return out, torch.cat([captured[i] for i in capture], dim=-1)[None]  # [1, n, 3H]

@@ -193,3 +193,116 @@ class HeadDecoder:
     def _rotary(self, positions: "torch.Tensor | range | int") -> tuple[torch.Tensor, torch.Tensor]:
         self._reserve(positions_end(positions))
         return rows_at(positions, self._cos, self._sin)
+
+
+class Eagle3HeadDecoder(HeadDecoder):
+    """Decoding forward of an `Eagle3Head` (same cache, `truncate`, `refresh` contract as `HeadDecoder`).
+
+    `fuse(aux [n, 3H]) -> [n, H]` is fc on the target's aux states (committed positions); `forward(features [n, H],
+    next_ids, positions, mask)` returns the layer's output hidden (pre-norm), which is both the next drafted node's
+    feature and, through `logits`, the draft distribution over the draft vocabulary.
+
+    Fast path (small heads), as `HeadDecoder`'s: the embedding half of q|k|v (input_layernorm included) is a [V, ...]
+    token table, the feature half has hidden_norm's weight (and sqrt(H)) folded in and is divided by the feature's
+    norm taken over a scratch row padded with sqrt(H eps) (one `addcdiv` joins both halves); q|k|v come with their
+    rolled copy (rotary = mul + addcmul; K and V enter the cache in one copy); the post-attention norm is folded into
+    gate|up. Same math as `Eagle3Head.unroll` up to float rounding, which only the draft sees.
+    """
+
+    def _fast_fits(self, capacity: int) -> bool:
+        c = self.head.config
+        heads = self.n_heads + 2 * self.n_kv
+        extra = (2 * c.vocab_size * heads * self.head_dim  # token table (q|k|v and rolled)
+                 + 2 * heads * self.head_dim * c.hidden_size  # feature half, and rolled
+                 + 2 * c.intermediate_size * c.hidden_size  # folded gate|up
+                 + 2 * max(capacity, 256) * heads * self.head_dim)  # rotary tables
+        return (extra * self.head.fc.weight.element_size() <= FAST_HEAD_MAX_BYTES
+                and c.vocab_size * c.hidden_size * 2 * heads * self.head_dim <= FAST_HEAD_MAX_TABLE_MACS)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """(Re)take the weights: transposed views, or for the fast path the folded / rolled copies."""
+        head, layer = self.head, self.head.midlayer
+        a, m = layer.self_attn, layer.mlp
+        H, D = self.hidden, self.head_dim
+        self.fc_t = head.fc.weight.detach().t()  # [3H, H]
+        self.o_t = a.o_proj.weight.detach().t()  # [h D, H]
+        self.down_t = m.down_proj.weight.detach().t()  # [I, H]
+        self.norm_w = head.norm.weight.detach()
+        self.lm_t = head.lm_head.weight.detach().t()  # [H, Vd]
+        self.d2t = head.d2t
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()  # [(h + 2 kv) D, 2H]
+        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+        if not self.fast:
+            self.emb = head.embed_tokens.weight.detach()
+            self.ln_in, self.ln_h = layer.input_layernorm.weight.detach(), layer.hidden_norm.weight.detach()
+            self.qkv_t, self.qkv_b = w_qkv.t(), b_qkv  # [2H, (h + 2 kv) D]
+            self.ln = layer.post_attention_layernorm.weight.detach()
+            self.gate_up_t = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().t()  # [H, 2 I]
+            return
+        dt = head.dtype
+        heads = self.n_heads + 2 * self.n_kv
+
+        def with_rolled(w):  # [(h + 2 kv) D, k] -> [2 (h + 2 kv) D, k]: output row i of a head -> i + D/2 in the copy
+            return torch.cat([w, w.view(heads, D, -1).roll(D // 2, dims=1).reshape(heads * D, -1)])
+
+        emb_normed = rms_norm(head.embed_tokens.weight.float(), layer.input_layernorm.weight.float(), self.eps)  # [V, H]
+        table = emb_normed @ with_rolled(w_qkv[:, :H].float()).t()  # [V, 2 (h + 2 kv) D]
+        if b_qkv is not None:
+            table += with_rolled(b_qkv.float()[:, None])[:, 0]
+        self.tok_qkv = table.to(dt)
+        w_feat = w_qkv[:, H:].float() * (layer.hidden_norm.weight.float() * math.sqrt(H))  # hidden_norm folded in
+        self.feat_qkv_t = with_rolled(w_feat).to(dt).t()  # [H, 2 (h + 2 kv) D]
+        w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).float()  # [2 I, H]
+        self.gate_up_t = (w_gu * (layer.post_attention_layernorm.weight.float() * math.sqrt(H))).to(dt).t()
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """[n, 3H] target aux states -> [n, H] the committed positions' features."""
+        return torch.mm(aux.to(self.fc_t.dtype), self.fc_t)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] output hidden -> [n, Vd] draft-vocabulary logits (lm_head(norm(hidden)))."""
+        return torch.mm(rms_norm(hidden, self.norm_w, self.eps), self.lm_t)
+
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: "torch.Tensor | range | int",
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """As `HeadDecoder.forward`: features [n, H] (fused aux states or the head's own output hiddens), next_ids [n],
+        positions, mask [n, length + n] (None = causal over the new rows). Returns the output hiddens [n, H]."""
+        n = next_ids.shape[0]
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(f"draft KV cache overflow: {end} positions > capacity {self.capacity}")
+        if mask is None and n > 1:
+            mask = torch.ones(n, end, dtype=torch.bool, device=features.device).tril(diagonal=self.length)  # [n, L + n]
+        h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
+        features = features.to(self._kv.dtype)
+        if self.fast:
+            rows = self._scratch(n)
+            rows[:, : self.hidden] = features
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(H (mean(f^2) + eps))
+            y = torch.addcdiv(F.embedding(next_ids, self.tok_qkv), torch.mm(features, self.feat_qkv_t), norm.to(features.dtype))
+            y, y_rolled = y.view(n, 2, h_ + 2 * kv_, d_).unbind(1)  # q|k|v, then rolled
+            cos, sin = self._rotary(positions)  # [n | 1, h + 2 kv, D]
+            qkv = torch.addcmul(y * cos, y_rolled, sin).transpose(0, 1)  # rotated q, k; v as is: [h + 2 kv, n, D]
+            self._kv[:, self.length : end] = qkv[h_:]  # K and V in one copy
+            q = qkv[:h_]
+        else:
+            x_in = torch.cat([rms_norm(F.embedding(next_ids, self.emb), self.ln_in, self.eps),
+                              rms_norm(features, self.ln_h, self.eps)], dim=-1)  # [n, 2H]
+            qkv = linear_t(x_in, self.qkv_t, self.qkv_b).view(n, -1, d_).transpose(0, 1)  # [h + 2 kv, n, D]
+            cos, sin = self.head.rotary.at(positions, features.device, features.dtype)  # [n | 1, D]
+            qk = rotate_rolled(qkv[: h_ + kv_], cos, sin)
+            self._kv[:kv_, self.length : end] = qk[h_:]
+            self._kv[kv_:, self.length : end] = qkv[h_ + kv_ :]
+            q = qk[:h_]
+        self.length = end
+        keys, values = self._keys.narrow(2, 0, end), self._values.narrow(2, 0, end)  # [1, kv, L + n, D] views
+        att = sdpa_attention(q.unsqueeze(0), keys, values, mask)  # [n, h D]
+        if self.fast:
+            x = torch.addmm(features, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)
+            gate, up = torch.mm(x, self.gate_up_t).div_(norm).chunk(2, -1)
+        else:
+            x = torch.addmm(features, att, self.o_t)  # residual + o_proj
+            gate, up = torch.mm(rms_norm(x, self.ln, self.eps), self.gate_up_t).chunk(2, -1)
+        return torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]

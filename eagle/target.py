@@ -95,11 +95,13 @@ class Target:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, aux_layers: tuple[int, ...] | None = None):
         """Run n new tokens after the cached prefix and append their K/V.
 
         input_ids [1, n]; position_ids [n] (default: consecutive after the prefix);
         tree_mask [n, n] bool among the new tokens (default: causal). Returns hidden [1, n, H].
+        aux_layers (EAGLE-3 drafting): HF `output_hidden_states` indices (j = the state entering decoder layer j);
+        then returns (hidden [1, n, H], aux [1, n, len(aux_layers) H]: those states concatenated in the given order).
         """
         n = input_ids.shape[1]
         past = self.cache.length
@@ -108,20 +110,27 @@ class Target:
             mask = self._mask(past, n, position_ids, tree_mask)
         if self.fused is not None:
             positions = range(past, past + n) if position_ids is None else position_ids
-            return self.fused.forward(input_ids, positions, mask, self.cache)
+            return self.fused.forward(input_ids, positions, mask, self.cache, capture=aux_layers)
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device)
         if not self.direct_layers:
             out = self.body(input_ids=input_ids, position_ids=position_ids[None], attention_mask=mask,
-                            use_cache=True, **{self._cache_kw: self.cache})
-            return out.last_hidden_state
+                            use_cache=True, output_hidden_states=aux_layers is not None, **{self._cache_kw: self.cache})
+            if aux_layers is None:
+                return out.last_hidden_state
+            return out.last_hidden_state, torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1)
         pos = position_ids[None]  # [1, n]
         h = self.body.embed_tokens(input_ids)  # [1, n, H]
         rope = self.body.rotary_emb(h, pos)
-        for layer in self.body.layers[: self.num_layers]:
+        captured = {} if aux_layers else None  # layer id -> the state entering that layer
+        for i, layer in enumerate(self.body.layers[: self.num_layers]):
+            if captured is not None and i in aux_layers:
+                captured[i] = h
             h = layer(h, attention_mask=mask, position_ids=pos, use_cache=True, position_embeddings=rope,
                       **{self._cache_kw: self.cache})
-        return self.body.norm(h)
+        if captured is None:
+            return self.body.norm(h)
+        return self.body.norm(h), torch.cat([captured[i] for i in aux_layers], dim=-1)
 
     def _mask(self, past: int, n: int, position_ids: torch.Tensor | None,
               tree_mask: torch.Tensor | None) -> torch.Tensor:

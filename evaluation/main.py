@@ -132,7 +132,7 @@ def load_all_questions(cfg) -> list:
 def build_setup(cfg) -> Setup:
     """Load the target, head(s) and tokenizer once; every command shares them."""
     from eagle.ea_model import EaModel
-    from eagle.head import EagleHead
+    from eagle.head import load_head
 
     if cfg.eval.threads > 0:
         torch.set_num_threads(int(cfg.eval.threads))
@@ -161,8 +161,8 @@ def build_setup(cfg) -> Setup:
     base_decoding = DecodingConfig.from_section(cfg.decoding)
     models = {"A": model}
     if cfg.eval.compare_head:
-        head_b = EagleHead.from_pretrained(str(cfg.eval.compare_head), dtype=model.base_model.dtype,
-                                           device=model.base_model.get_output_embeddings().weight.device)
+        head_b = load_head(str(cfg.eval.compare_head), dtype=model.base_model.dtype,  # EAGLE-2 or EAGLE-3
+                           device=model.base_model.get_output_embeddings().weight.device)
         models["B"] = EaModel(model.base_model, head_b, base_decoding)
     tokenizer = model.tokenizer
     if tokenizer is None:
@@ -184,6 +184,14 @@ def build_setup(cfg) -> Setup:
                          top_k=int(cfg.eval.top_k), eos_token_id=[int(e) for e in eos])
     out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / "eval")
     return Setup(cfg, models, fmt, gen, base_decoding, target_path, head_path, out_dir)
+
+
+def with_head_kinds(methods: list[Method], models: dict) -> list[Method]:
+    """Each speculative method annotated with its head's kind (eagle2 / eagle3) for the report."""
+    import dataclasses
+
+    return [m if m.is_vanilla else dataclasses.replace(m, head_kind="eagle3" if models[m.head].eagle3 else "eagle2")
+            for m in methods]
 
 
 def local_head_dir(head_path: str) -> Path | None:
@@ -230,7 +238,8 @@ def bench(s: Setup, questions: list) -> int:
     from evaluation.runner import run_benchmark
 
     ev = s.cfg.eval
-    methods = parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path), "B" in s.models)
+    methods = with_head_kinds(parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path),
+                                            "B" in s.models), s.models)
     questions = questions[: ev.num_questions] if ev.num_questions > 0 else questions
     log.info("%d questions (%d turns) x %d methods, chat format %s", len(questions),
              sum(len(q.turns) for q in questions), len(methods), s.fmt.name)
@@ -313,7 +322,8 @@ def chi2(s: Setup, questions: list) -> int:
     from evaluation.report import write_chi2_report
 
     ev = s.cfg.eval
-    methods = parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path), "B" in s.models)
+    methods = with_head_kinds(parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path),
+                                            "B" in s.models), s.models)
     question = questions[0]
     prompt = s.fmt.first_prompt(question.turns[0])
     vanilla = methods[0]

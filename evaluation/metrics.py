@@ -71,10 +71,11 @@ class Comparison:
     category: str
     tau_difference: Estimate  # tau(a) - tau(b)
     speed_ratio: Estimate  # tokens/s(a) / tokens/s(b)
+    tau_ratio: Estimate  # tau(a) / tau(b), e.g. an EAGLE-3 head's tau over an EAGLE-2 head's on the same prompts
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "category": self.category,
-                "tau_difference": self.tau_difference.to_dict(), "speed_ratio": self.speed_ratio.to_dict()}
+        return {"a": self.a, "b": self.b, "category": self.category, "tau_difference": self.tau_difference.to_dict(),
+                "speed_ratio": self.speed_ratio.to_dict(), "tau_ratio": self.tau_ratio.to_dict()}
 
 
 def rounds_of(r: TurnResult) -> list:
@@ -158,7 +159,7 @@ def summarize(results: list[TurnResult], *, baseline: str = "vanilla", n_resampl
 
 def compare(results: list[TurnResult], a: str, b: str, *, category: str = OVERALL, n_resamples: int = 5000,
             confidence_level: float = 0.95, seed: int = 0) -> Comparison:
-    """tau(a) - tau(b) and tokens/s(a) / tokens/s(b) with paired bootstrap CIs over shared prompts."""
+    """tau(a) - tau(b), tau(a) / tau(b) and tokens/s(a) / tokens/s(b) with paired bootstrap CIs over shared prompts."""
     kw = dict(n_resamples=n_resamples, confidence_level=confidence_level, seed=seed)
     ra = [r for r in results if r.method == a and (category == OVERALL or r.category == category)]
     rb = [r for r in results if r.method == b and (category == OVERALL or r.category == category)]
@@ -170,7 +171,8 @@ def compare(results: list[TurnResult], a: str, b: str, *, category: str = OVERAL
     y = np.stack([qb[k] for k in qa])
     return Comparison(a, b, category,
                       tau_difference=ratio_difference_ci(x[:, 2], x[:, 3], y[:, 2], y[:, 3], **kw),
-                      speed_ratio=ratio_of_ratios_ci(x[:, 0], x[:, 1], y[:, 0], y[:, 1], **kw))
+                      speed_ratio=ratio_of_ratios_ci(x[:, 0], x[:, 1], y[:, 0], y[:, 1], **kw),
+                      tau_ratio=ratio_of_ratios_ci(x[:, 2], x[:, 3], y[:, 2], y[:, 3], **kw))
 
 
 def compare_all_pairs(results: list[TurnResult], methods: list[str], **kw) -> list[Comparison]:

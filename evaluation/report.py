@@ -114,8 +114,10 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
     if report.comparisons:
-        lines += ["## Paired comparisons", "", "| a | b | tau(a) - tau(b) | tokens/s(a) / tokens/s(b) |", "|---|---|---|---|"]
-        lines += [f"| {c.a} | {c.b} | {_ci(c.tau_difference)} | {_ci(c.speed_ratio)} |" for c in report.comparisons]
+        lines += ["## Paired comparisons", "", "| a | b | tau(a) - tau(b) | tau(a) / tau(b) | tokens/s(a) / tokens/s(b) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {c.a} | {c.b} | {_ci(c.tau_difference)} | {_ci(c.tau_ratio)} | {_ci(c.speed_ratio)} |"
+                  for c in report.comparisons]
         lines.append("")
     lines += ["## Losslessness", ""]
     if report.greedy is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class EvalSettings:
     # --- what to evaluate -------------------------------------------------------------
     head_path: str = ""  # draft head folder or hub id; "" = {output_dir}/head
-    compare_head: str = ""  # a second head: every speculative method also runs with it ("NAME[B]")
+    compare_head: str = ""  # a second head (EAGLE-2 or -3): methods "NAME@B[:k=v]" use it; none named: all repeat as "NAME[B]"
     output_dir: str = ""  # reports go here; "" = {output_dir}/eval
     # --- prompts ----------------------------------------------------------------------
     # questions: *.jsonl[.gz] in the MT-bench/Spec-Bench schema (question_id, category, turns),

@@ -162,3 +162,37 @@ def test_tokenized_round_trip(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"id": "x", "input_ids": [1, 2], "loss_mask": [1]}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1.*'x'"):
         list(load_tokenized(tmp_path / "bad.jsonl"))
+
+
+# ----------------------------------------------------------------------------- EAGLE-3: aux layers + final state
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_eagle3_cache_holds_four_states_per_token(tmp_path, dtype):
+    """meta feature_layers [a, b, c, L]: rows are 4H wide; int8 has one scale per layer segment, so a layer of tiny
+    magnitude (the embeddings) keeps its precision next to large ones; bytes/token counts all four states."""
+    from data_prep.feature_cache import FeatureCacheReader, FeatureCacheWriter, bytes_per_token
+
+    H = 8
+    meta = {"target": "t", "config_hash": "h", "hidden_size": H, "feature_layers": [1, 2, 4, 5]}
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.01, 1.0, 30.0, 3.0]).repeat_interleave(H)  # [4H] very different layer magnitudes
+    feats = torch.randn(6, 4 * H, generator=g) * scales
+    with FeatureCacheWriter(tmp_path / "c", meta, dtype=dtype) as w:
+        w.add("r0", torch.arange(6), feats, torch.ones(6, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"expected \(6, 32\)"):
+            w.add("bad", torch.arange(6), feats[:, :H], torch.ones(6, dtype=torch.long))
+    r = FeatureCacheReader(tmp_path / "c")
+    got = r[0]["hidden_states"]
+    assert got.shape == (6, 4 * H) and r.feature_layers == [1, 2, 4, 5]
+    rel = ((got - feats).reshape(6, 4, H).norm(dim=-1) / feats.reshape(6, 4, H).norm(dim=-1)).max()
+    assert rel < {"float32": 1e-6, "bfloat16": 1e-2, "int8": 2e-2}[dtype], rel  # per segment, the small layer too
+    assert r.manifest["bytes_per_token"] == bytes_per_token(H, dtype, 4) == 4 * H * {"float32": 4, "bfloat16": 2,
+                                                                                    "int8": 1}[dtype] + 5 + (8 if dtype == "int8" else 0)
+
+
+def test_disk_estimate_states_bytes_per_token_first(tmp_path, capsys):
+    from data_prep.cache_features import check_disk
+
+    info = check_disk(tmp_path, num_tokens=1000, hidden_size=64, dtype="bfloat16", headroom_gb=0, layers=[1, 2, 4, 5])
+    line = capsys.readouterr().out
+    assert info["bytes_per_token"] == 4 * 64 * 2 + 5
+    assert line.startswith("[cache] 517 B/token (4 x 64 hidden: layers [1, 2, 4, 5] x bfloat16)"), line

@@ -315,3 +315,33 @@ def test_hub_stages_an_engine_format_with_serving_commands(tmp_path, fmt):
     assert "python -m sglang.launch_server" in card and "--speculative-algorithm EAGLE " in card
     assert ('"model": "someone/head-x"' in card) == (fmt == "vllm")
     assert ("--speculative-draft-model-path someone/head-x " in card) == (fmt == "sglang")
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_trained_eagle3_export_converts_through_the_export_cli(tmp_path, fmt):
+    """An EAGLE-3 head as this project exports it (Eagle3Head.save_pretrained, the released layout) goes through
+    `python -m train.export --head` like an EAGLE-2 head: write_engine_head dispatches on the config's kind."""
+    from eagle.head import Eagle3Head
+    from train.export import main
+
+    target = tiny_target("llama", num_layers=4)
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(target, aux_layers=[0, 1, 3], draft_vocab_size=48)
+    perm = torch.randperm(head.config.vocab_size)[:48].sort().values  # a draft vocabulary: 48 target ids
+    head.set_vocab(perm - torch.arange(48))
+    head.save_pretrained(tmp_path / "head")
+    target.save_pretrained(tmp_path / "target")
+    out = tmp_path / f"head-{fmt}"
+    assert main(["--head", str(tmp_path / "head"), "--base", str(tmp_path / "target"), "--format", fmt,
+                 "--out", str(out)]) == 0
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert cfg["draft_vocab_size"] == 48
+    if fmt == "vllm":
+        assert cfg["speculators_model_type"] == "eagle3"
+        assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+        assert torch.equal(sd["layers.0.self_attn.q_proj.weight"], head.midlayer.self_attn.q_proj.weight)
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert torch.equal(sd["midlayer.self_attn.q_proj.weight"], head.midlayer.self_attn.q_proj.weight)
+    assert torch.equal(sd["d2t"], head.d2t) and torch.equal(sd["lm_head.weight"], head.lm_head.weight)

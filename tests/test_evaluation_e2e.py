@@ -280,3 +280,37 @@ def test_cli_sampling_bench_and_chi2_command(saved, tmp_path):
     assert [t["method"] for t in chi2["tests"]] == ["chain", "eagle2"]
     assert [p["position"] for p in chi2["tests"][1]["positions"]] == [0, 3]
     assert (out / "chi2" / "chi2.md").read_text().count("PASS") == 2
+
+
+def test_cli_eagle2_and_eagle3_heads_in_one_interleaved_run(tmp_path):
+    """Head A (EAGLE-2) and head B (EAGLE-3) on one 4-layer target: methods name the head with @B, each setting runs
+    once per head, every pair is compared on the same prompts (tau ratio with a CI), outputs stay lossless."""
+    from tiny_models import EAGLE3_AUX, EAGLE3_LAYERS
+
+    target = tiny_llama(vocab_size=VOCAB, eos_token_id=1, num_layers=EAGLE3_LAYERS)
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "target")
+    random_head(target).save_pretrained(tmp_path / "head2")
+    random_head(target, kind="eagle3", aux_layers=EAGLE3_AUX).save_pretrained(tmp_path / "head3")
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [t]}) + "\n"
+                                              for i, t in enumerate(["Once upon a time", "The dog ran"])))
+    rc = main(["--base", str(tmp_path / "target"), "--head", str(tmp_path / "head2"), "--compare-head",
+               str(tmp_path / "head3"), "--questions", str(tmp_path / "q.jsonl"), "--out", str(tmp_path / "eval"),
+               "target.dtype=float32", "eval.max_new_tokens=12", "eval.bootstrap_samples=200", "eval.threads=1",
+               "decoding.total_token=12", "decoding.depth=3", "decoding.top_k=4",
+               "eval.methods=[vanilla,eagle2,eagle2@B,'eagle2@B:depth=2']"])
+    assert rc == 0
+    data = json.loads((tmp_path / "eval" / "report.json").read_text())
+    overall = [s["method"] for s in data["summaries"] if s["category"] == "overall"]
+    assert overall == ["vanilla", "eagle2", "eagle2@B", "eagle2@B:depth=2"]  # no automatic "[B]" copies
+    meta = data["meta"]["methods"]
+    assert meta["eagle2@B"]["head"] == "B" and meta["eagle2@B"]["describe"].endswith("head B (eagle3)")
+    assert meta["eagle2"]["describe"].endswith("head A (eagle2)") and meta["eagle2@B:depth=2"]["depth"] == 2
+    pairs = {(c["a"], c["b"]): c for c in data["comparisons"]}
+    ratio = pairs[("eagle2", "eagle2@B")]["tau_ratio"]
+    assert ratio["ci_low"] <= ratio["value"] <= ratio["ci_high"]
+    assert data["losslessness"]["lossless"]
+    assert "| tau(a) / tau(b) |" in (tmp_path / "eval" / "report.md").read_text()
+    with pytest.raises(ValueError, match="use head B, but eval.compare_head"):  # not a silent head A
+        main(["--base", str(tmp_path / "target"), "--head", str(tmp_path / "head2"), "--questions",
+              str(tmp_path / "q.jsonl"), "eval.methods=[eagle2@B]"])

@@ -5,14 +5,20 @@ targets with GQA; 20 prompts each; a random head (mostly rejects) and a fitted h
 so long accepted paths are compacted in the KV cache); EAGLE-2 dynamic trees, the EAGLE-1 static
 tree and chains; EOS inside an accepted path, max_new_tokens / max_length cuts; log/stats consistency.
 Mixtral, Qwen2-MoE, Qwen3 and Qwen3-MoE run through their own HF decoder layers (random and fitted heads).
+Both head kinds: EAGLE-3 heads (`kind="eagle3"`: 4-layer targets, aux layers 1, 2, 3) run the main cases on every
+fused family, Mixtral through the HF layers, Gemma through the model's own forward, and a reduced draft vocabulary
+that leaves some of the target's greedy tokens undraftable.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from eagle import DecodingConfig, EaModel
 from tiny_models import (  # noqa: F401  (single_thread is a fixture)
+    EAGLE3_LAYERS,
     FAMILIES,
     HF_LAYER_FAMILIES,
     NEW_TOKENS,
@@ -48,11 +54,17 @@ def assert_same(target, expected, got, what):
 RANDOM_HEAD_NEW_TOKENS = 12  # a random head is rejected almost every round: one round per token, keep it short
 MAIN = ["dyn60-5-10", "static-mc_sim_7b_63", "chain5"]
 # the other dynamic shapes run on one family each by default and on all of them under -m slow
+HEAD_KINDS = ("random", "good")
 EXTRA = [("llama", "dyn16-3-4"), ("qwen2", "dyn24-6-2"), ("mistral", "dyn16-3-4"), ("llama", "dyn24-6-2")]
 FULL = [(f, d) for f in FAMILIES for d in DECODINGS]
 DEFAULT = [(f, d) for f in FAMILIES for d in MAIN] + EXTRA
-CASES = [pytest.param(f, d, id=f"{f}-{d}") for f, d in DEFAULT] + [
-    pytest.param(f, d, id=f"{f}-{d}", marks=pytest.mark.slow) for f, d in FULL if (f, d) not in DEFAULT
+CASES = [pytest.param(f, d, "eagle2", h, id=f"{f}-{d}-{h}") for f, d in DEFAULT for h in HEAD_KINDS] + [
+    pytest.param(f, d, "eagle2", h, id=f"{f}-{d}-{h}", marks=pytest.mark.slow)
+    for f, d in FULL if (f, d) not in DEFAULT for h in HEAD_KINDS
+] + [  # EAGLE-3: fitted heads on the main decodings of every family, a random head on one (the rest under -m slow)
+    pytest.param(f, d, "eagle3", h, id=f"eagle3-{f}-{d}-{h}",
+                 marks=() if d in MAIN and (h == "good" or (f, d) == ("llama", "dyn60-5-10")) else pytest.mark.slow)
+    for f, d in FULL for h in HEAD_KINDS
 ]
 
 
@@ -64,17 +76,17 @@ def max_accept_length(decoding: DecodingConfig) -> int:
     return decoding.depth + 1  # root's top-k, then `depth` expansion steps
 
 
-@pytest.mark.parametrize("head_kind", ["random", "good"])
-@pytest.mark.parametrize("family,decoding_name", CASES)
-def test_greedy_matches_transformers_generate(family, decoding_name, head_kind):
-    s = family_setup(family)
+@pytest.mark.parametrize("family,decoding_name,kind,head_kind", CASES)
+def test_greedy_matches_transformers_generate(family, decoding_name, kind, head_kind):
+    s = family_setup(family, kind=kind)
     decoding = DECODINGS[decoding_name]
     model = EaModel(s.target, head_of(s, head_kind), decoding)
     n_new = NEW_TOKENS if head_kind == "good" else RANDOM_HEAD_NEW_TOKENS
     new_tokens, rounds, longest = 0, 0, 0
     for i, (prompt, ref) in enumerate(zip(s.prompts, s.references)):
         out, stats = model.eagenerate(prompt, max_new_tokens=n_new, return_stats=True)
-        assert_same(s.target, ref[:, : prompt.shape[1] + n_new], out, f"{family}/{head_kind}/{decoding_name} prompt {i}")
+        assert_same(s.target, ref[:, : prompt.shape[1] + n_new], out,
+                    f"{kind} {family}/{head_kind}/{decoding_name} prompt {i}")
         new_tokens += sum(r.new_tokens for r in stats.rounds)
         rounds += len(stats.rounds)
         longest = max([longest] + [r.accept_length for r in stats.rounds])
@@ -113,23 +125,62 @@ def test_one_and_two_token_prompts():
                     f"prompt {prompt.tolist()}")
 
 
-@pytest.mark.parametrize("family", HF_LAYER_FAMILIES)
-def test_hf_layer_families_random_and_fitted_head(family):
+@pytest.mark.parametrize("family,head_kind", [(f, "eagle2") for f in HF_LAYER_FAMILIES] + [
+    ("mixtral", "eagle3"), ("gemma", "eagle3")])
+def test_hf_layer_families_random_and_fitted_head(family, head_kind):
     """Mixtral, Qwen2-MoE, Qwen3 (q/k norms), Qwen3-MoE: decoded through their own HF decoder layers with our
-    cache; a random head (rejects) and a fitted one (long accepted paths, so compaction runs), 20 prompts."""
-    target = tiny_target(family, seed=3)
+    cache; Gemma through the model's own forward (aux states from its output_hidden_states); a random head
+    (rejects) and a fitted one (long accepted paths, so compaction runs), 20 prompts."""
+    layers = {"num_layers": EAGLE3_LAYERS} if head_kind == "eagle3" else {}
+    target = tiny_target(family, seed=3, **layers)
     prompts = random_prompts(20, seed=30)
     refs = [hf_greedy(target, p, NEW_TOKENS) for p in prompts]
-    for kind, head in (("random", random_head(target)), ("fitted", fit_good_head(target, sequences=refs))):
+    for kind, head in (("random", random_head(target, kind=head_kind)),
+                       ("fitted", fit_good_head(target, sequences=refs, kind=head_kind))):
         model = EaModel(target, head, DECODINGS["dyn60-5-10"])
-        assert model.target.direct_layers and model.target.fused is None
+        assert model.target.direct_layers == (family != "gemma") and model.target.fused is None
         new_tokens = rounds = 0
         for i, (prompt, ref) in enumerate(zip(prompts, refs)):
             out, n, r = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, log=True)
-            assert_same(target, ref, out, f"{family} {kind} head, prompt {i}")
+            assert_same(target, ref, out, f"{family} {head_kind} {kind} head, prompt {i}")
             new_tokens, rounds = new_tokens + n, rounds + r
         if kind == "fitted":
             assert new_tokens / rounds > 2.5, f"the fitted head should be accepted often (tau {new_tokens / rounds:.2f})"
+
+
+@functools.lru_cache(maxsize=None)
+def reduced_vocab_setup():
+    """The qwen2 EAGLE-3 setup, an EAGLE-3 head fitted over a draft vocabulary of its 24 most frequent greedy tokens,
+    and the greedy tokens left outside."""
+    s = family_setup("qwen2", kind="eagle3")
+    counts = torch.bincount(torch.cat([r[0, p.shape[1]:] for p, r in zip(s.prompts, s.references)]), minlength=256)
+    vocab = counts.argsort(descending=True, stable=True)[:24].sort().values  # target ids of the draft vocabulary
+    outside = set(torch.nonzero(counts).flatten().tolist()) - set(vocab.tolist())
+    head = fit_good_head(s.target, sequences=s.references, kind="eagle3", draft_vocab_size=24,
+                         d2t=vocab - torch.arange(24))
+    return s, head, outside
+
+
+@pytest.mark.parametrize("decoding_name", ["dyn60-5-10", "static-mc_sim_7b_63", "chain5"])
+def test_eagle3_reduced_draft_vocabulary_is_lossless(decoding_name):
+    """A draft vocabulary of the 24 most frequent greedy tokens: the other tokens are never drafted (the head cannot
+    name them) but verification still emits every one of them: the output equals transformers' greedy."""
+    s, head, outside = reduced_vocab_setup()
+    assert outside, "every greedy token is in the draft vocabulary: the test would not test anything"
+    model = EaModel(s.target, head, DECODINGS[decoding_name])
+    new_tokens, rounds = 0, 0
+    for i, (prompt, ref) in enumerate(zip(s.prompts, s.references)):
+        out, stats = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, return_stats=True)
+        assert_same(s.target, ref, out, f"prompt {i}")
+        new_tokens += sum(r.new_tokens for r in stats.rounds)
+        rounds += len(stats.rounds)
+    tau = new_tokens / rounds
+    assert 1.5 < tau, f"tau={tau:.2f}: the fitted head should still be accepted on in-vocabulary stretches"
+    # drafting never proposes a token outside the draft vocabulary
+    with torch.inference_mode():
+        model.drafter.reset(64)
+        tree = model.drafter.draft_dynamic(torch.tensor([3]), torch.randn(1, 64), 60, 5, 10)
+    assert bool(head.t2d[tree.tokens[1:]].all()) and tree.size == 60
 
 
 @pytest.mark.parametrize("family", FAMILIES)

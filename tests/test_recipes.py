@@ -19,8 +19,33 @@ PUBLISHED = {  # recipe -> (target, fc bias of the released heads)
 }
 
 
+EAGLE3_DRAFT_VOCAB = {"llama3-8b": 32000, "qwen2-7b": 32000, "llama2-chat-7b": 0, "vicuna-7b": 0, "mixtral-8x7b": 0}
+
+
 def test_every_published_model_has_a_recipe():
-    assert set(PUBLISHED) | {"tiny", "stories260k"} <= set(list_recipes())
+    assert set(PUBLISHED) | {"tiny", "stories260k", "stories260k-eagle3"} <= set(list_recipes())
+    assert {f"{n}-eagle3" for n in PUBLISHED} <= set(list_recipes())
+
+
+@pytest.mark.parametrize("name", list_recipes())
+def test_every_recipe_names_its_head_kind(name):
+    assert "kind:" in recipe_path(name).read_text()
+    assert load_config(name, []).head.kind == ("eagle3" if name.endswith("eagle3") else "eagle2")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_eagle3_settings(name):
+    """SpecForge's / the reference EAGLE-3 settings: lr 1e-4, 10 epochs, batch 1, 2048 tokens, cosine after warm-up,
+    clip 0.5, ttt 7 steps weighted 0.8^j, token loss only, 32k draft vocabulary for the 128k/152k-vocabulary targets."""
+    from train.settings import ttt_weights
+
+    cfg = load_config(f"{name}-eagle3", [])
+    h, t = cfg.head, cfg.train
+    assert cfg.target.path == PUBLISHED[name][0] and cfg.data.max_length == 2048
+    assert (h.kind, list(h.aux_layers), h.draft_vocab_size, h.ttt_steps) == ("eagle3", [], EAGLE3_DRAFT_VOCAB[name], 7)
+    assert ttt_weights(h) == pytest.approx([0.8 ** j for j in range(7)])
+    assert (t.lr, t.epochs, t.micro_batch_size, t.schedule, t.grad_clip, t.noise, t.precision) == \
+        (1e-4, 10, 1, "cosine", 0.5, "none", "bf16")
 
 
 @pytest.mark.parametrize("name", list_recipes())
@@ -83,6 +108,9 @@ def test_unknown_key_in_a_yaml_file(tmp_path):
     ("export.push_to_hub=true", "export.repo_id"),
     ("train.lr=fast", "train.lr"),
     ("train.deepspeed={optimizer: {type: SGD}}", "generated from the train.* settings"),
+    ("head.kind=medusa", "head.kind='medusa'"),
+    ("head.aux_layers=[1,2,3]", "head.aux_layers=[1, 2, 3]: only used by head.kind=eagle3"),
+    ("head.draft_vocab_size=100", "head.draft_vocab_size=100: only used by head.kind=eagle3"),
 ])
 def test_bad_values_are_clear_errors(override, needle):
     with pytest.raises(RecipeError) as e:
@@ -105,3 +133,33 @@ def test_recipe_path_resolution(tmp_path):
     assert recipe_path("tiny") == Path(recipe_path("tiny.yaml"))
     with pytest.raises(FileNotFoundError, match="shipped"):
         recipe_path("no-such-recipe")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("head.aux_layers=[1,2]", "head.aux_layers=[1, 2]: expected [] (the target default) or 3 strictly increasing"),
+    ("head.aux_layers=[3,2,1]", "head.aux_layers=[3, 2, 1]"),
+    ("head.aux_layers=[-1,2,3]", "head.aux_layers=[-1, 2, 3]"),
+    ("head.draft_vocab_size=-5", "head.draft_vocab_size=-5"),
+    ("head.ttt_steps=0", "head.ttt_steps=0"),
+    ("head.ttt_step_weights=[1.0,0.5]", "head.ttt_step_weights=[1.0, 0.5]: expected [] or 7 weights"),
+    ("head.ttt_row_stride=0", "head.ttt_row_stride=0"),
+])
+def test_bad_eagle3_values_are_clear_errors(override, needle):
+    with pytest.raises(RecipeError) as e:
+        load_config("stories260k-eagle3", [override])
+    assert needle in str(e.value), str(e.value)
+
+
+def test_aux_layers_are_checked_against_the_target():
+    """Out of range for the target, or the default (2, L//2, L-3) collapsing on a 5-layer target: RecipeError."""
+    from transformers import LlamaConfig
+
+    from data_prep.feature_layers import feature_layers
+
+    five = LlamaConfig(num_hidden_layers=5, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=512)
+    assert feature_layers(load_config("stories260k-eagle3", []).head, five) == [1, 2, 4, 5]
+    assert feature_layers(load_config("stories260k", []).head, five) is None
+    with pytest.raises(RecipeError, match="head.aux_layers=\\[1, 2, 7\\]"):
+        feature_layers(load_config("stories260k-eagle3", ["head.aux_layers=[1,2,7]"]).head, five)
+    with pytest.raises(RecipeError, match="set head.aux_layers explicitly"):
+        feature_layers(load_config("stories260k-eagle3", ["head.aux_layers=[]"]).head, five)

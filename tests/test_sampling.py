@@ -8,6 +8,8 @@
    alpha = 0.01. 20k draws per setting under `-m slow` (about 3 min each on one core); the default
    run keeps a 2k-draw T=1.0 check. The >= 20k-draw exactness test that runs by default is on
    `verify_sampling` itself (tests/test_verify.py), where exactness lives.
+3. The same for an EAGLE-3 head whose draft vocabulary leaves out a token the target samples with real
+   probability: that token is never drafted, yet it is produced with its exact probability.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from transformers.generation.logits_process import (
 
 from eagle import DecodingConfig, EaModel
 from eagle.sampling import SamplingParams, greedy_ids, target_probs
-from tiny_models import fit_good_head, random_prompts, single_thread, tiny_target  # noqa: F401
+from tiny_models import EAGLE3_LAYERS, fit_good_head, hf_greedy, random_prompts, single_thread, tiny_target  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 ALPHA = 0.01
@@ -62,11 +64,25 @@ def test_target_probs_equal_transformers_warpers(temperature, top_p, top_k):
 
 # ----------------------------------------------------------------------------- 2. end to end
 @functools.lru_cache(maxsize=None)
-def sampling_setup():
-    """A 32-token Llama with peaked distributions and a head fitted on its greedy continuations."""
-    target = tiny_target("llama", vocab_size=VOCAB, init_std=0.3, seed=5)
+def sampling_setup(kind: str = "eagle2"):
+    """A 32-token Llama with peaked distributions and a head fitted on its greedy continuations.
+
+    kind="eagle3": a 4-layer Llama and an EAGLE-3 head over a 16-token draft vocabulary (the most frequent greedy
+    tokens) that leaves out `outside`, the second most likely first token after the prompt."""
+    layers = {"num_layers": EAGLE3_LAYERS} if kind == "eagle3" else {}
+    target = tiny_target("llama", vocab_size=VOCAB, init_std=0.3, seed=5, **layers)
     prompts = random_prompts(6, vocab_size=VOCAB, min_len=4, max_len=8, seed=3)
-    head = fit_good_head(target, prompts, new_tokens=8)
+    if kind == "eagle2":
+        return target, prompts[0], fit_good_head(target, prompts, new_tokens=8)
+    with torch.no_grad():
+        outside = int(target(prompts[0]).logits[0, -1].topk(2).indices[1])
+    seqs = [hf_greedy(target, p, 8) for p in prompts]
+    counts = torch.bincount(torch.cat([s[0] for s in seqs]), minlength=VOCAB)
+    counts[outside] = -1
+    vocab = counts.argsort(descending=True, stable=True)[:16].sort().values
+    head = fit_good_head(target, sequences=seqs, kind="eagle3", draft_vocab_size=16, d2t=vocab - torch.arange(16))
+    assert not bool(head.t2d[outside])
+    head.outside = outside  # for the tests
     return target, prompts[0], head
 
 
@@ -100,8 +116,8 @@ def chi_square_against(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, 
     return float(chisquare(o, e).pvalue), len(o)
 
 
-def run_chi_square(generate, temperature, top_p, top_k, draws, seed):
-    target, prompt, _ = sampling_setup()
+def run_chi_square(generate, temperature, top_p, top_k, draws, seed, kind="eagle2", counts_out=None):
+    target, prompt, _ = sampling_setup(kind)
     law = exact_joint(target, prompt, temperature, top_p, top_k)
     T = prompt.shape[1]
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.long)
@@ -115,6 +131,8 @@ def run_chi_square(generate, temperature, top_p, top_k, draws, seed):
         counts[a, b, c] += 1
         rounds += r
     pvalue, bins = chi_square_against(counts, law)
+    if counts_out is not None:
+        counts_out.append((counts, law))
     return pvalue, bins, rounds / draws
 
 
@@ -132,8 +150,8 @@ DECODINGS = {
 }
 
 
-def eagle_generate(decoding_name):
-    target, _, head = sampling_setup()
+def eagle_generate(decoding_name, kind="eagle2"):
+    target, _, head = sampling_setup(kind)
     return EaModel(target, head, DECODINGS[decoding_name]).eagenerate
 
 
@@ -151,6 +169,43 @@ def test_eagenerate_sampling_matches_the_exact_law_2k_draws():
     pvalue, bins, rounds = run_chi_square(eagle_generate("dynamic"), 1.0, 0.0, 0, draws=2_000, seed=0)
     assert rounds < 1.9, f"{rounds:.2f} verification rounds per 3 tokens: drafts are hardly ever accepted"
     assert pvalue > ALPHA, f"chi-square p={pvalue:.2e} over {bins} bins"
+
+
+def eagle3_undraftable_token_check(decoding_name, draws, seed, setting="T1.0"):
+    """Chi-square of the EAGLE-3 head's samples, and the token outside its draft vocabulary: never in a draft tree,
+    produced first as often as its exact probability says (within 4.5 binomial sigmas)."""
+    target, prompt, head = sampling_setup("eagle3")
+    found = []
+    pvalue, bins, rounds = run_chi_square(eagle_generate(decoding_name, "eagle3"), *SETTINGS[setting], draws=draws,
+                                          seed=seed, kind="eagle3", counts_out=found)
+    counts, law = found[0]
+    x = head.outside
+    p_first = float(law.sum((1, 2))[x])
+    seen = int(counts.sum((1, 2))[x])
+    assert p_first > 0.05, f"the undraftable token has p={p_first:.3f}: the test would not test anything"
+    sigma = (draws * p_first * (1 - p_first)) ** 0.5
+    assert abs(seen - draws * p_first) < 4.5 * sigma, f"token {x}: {seen} of {draws} first tokens, expected {draws * p_first:.0f}"
+    assert pvalue > ALPHA, f"eagle3 {decoding_name} {setting}: chi-square p={pvalue:.2e} over {bins} bins"
+    return rounds
+
+
+def test_eagle3_sampling_is_exact_with_an_undraftable_token_1k_draws():
+    target, prompt, head = sampling_setup("eagle3")
+    rounds = eagle3_undraftable_token_check("dynamic", draws=1_000, seed=4)
+    assert rounds < 2.0, f"{rounds:.2f} verification rounds per 3 tokens: the EAGLE-3 drafts are hardly ever accepted"
+    model = EaModel(target, head, DECODINGS["dynamic"])
+    with torch.inference_mode():  # a full draft tree never holds the token
+        model.drafter.reset(64)
+        model.drafter.extend(torch.randn(1, 3, 3 * 64), torch.tensor([[1, 2, 3]]))
+        tree = model.drafter.draft_dynamic(torch.tensor([0]), torch.randn(1, 64), 16, 3, 4)
+    assert not bool((tree.tokens[1:] == head.outside).any()) and bool(head.t2d[tree.tokens[1:]].all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decoding_name", ["dynamic", "static", "chain"])
+@pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
+def test_eagle3_sampling_is_exact_with_an_undraftable_token_20k_draws(decoding_name, setting):
+    eagle3_undraftable_token_check(decoding_name, draws=20_000, seed=5, setting=setting)
 
 
 @pytest.mark.slow

@@ -72,3 +72,38 @@ def test_model_forward_path_verifies_a_tree_as_one_forward_of_its_paths():
         t.reset(64)
         ref = t.forward(seq)[0, -1]  # [H]
         torch.testing.assert_close(tree_h[node], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["fused", "hf layers", "model forward"])
+def test_aux_layer_states_are_hf_hidden_states_on_every_path(path):
+    """EAGLE-3's aux states: id j = HF output_hidden_states[j] (the input of decoder layer j, 0 = embeddings), at
+    prefill, for one appended token and for every node of a verified tree (= its root->node path run as a sequence)."""
+    model = tiny_target("gemma" if path == "model forward" else "llama", num_layers=4)
+    t = Target(model, capacity=64, fused=None if path == "fused" else False)
+    assert (t.fused is not None, t.direct_layers) == {"fused": (True, True), "hf layers": (False, True),
+                                                      "model forward": (False, False)}[path]
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    aux_ids = (0, 2, 3)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+        want = torch.cat([ref.hidden_states[i] for i in aux_ids], -1)  # [1, 9, 3H]
+        t.reset(64)
+        hidden, aux = t.forward(ids[:, :8], aux_layers=aux_ids)
+        torch.testing.assert_close(aux, want[:, :8], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden, ref.hidden_states[-1][:, :8], rtol=1e-5, atol=1e-5)
+        _, aux = t.forward(ids[:, 8:], aux_layers=aux_ids)
+        torch.testing.assert_close(aux, want[:, 8:], rtol=1e-5, atol=1e-5)
+        # a tree: root, two children, a grandchild under node 1
+        parents, tokens = [-1, 0, 0, 1], torch.tensor([[5, 17, 40, 99]])
+        anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        t.reset(64)
+        assert isinstance(t.forward(ids), torch.Tensor)  # without aux_layers: the hidden states only (EAGLE-2)
+        _, tree_aux = t.forward(tokens, torch.tensor([0, 1, 1, 2]) + 9, anc, aux_layers=aux_ids)
+        for node in range(4):
+            path_nodes, j = [], node
+            while j >= 0:
+                path_nodes.append(j)
+                j = parents[j]
+            seq = torch.cat([ids, tokens[:, path_nodes[::-1]]], dim=1)
+            hs = model(seq, output_hidden_states=True).hidden_states
+            torch.testing.assert_close(tree_aux[0, node], torch.cat([hs[i][0, -1] for i in aux_ids]), rtol=1e-4, atol=1e-4)

@@ -25,6 +25,25 @@ def toy(tmp_path_factory):
     return {"root": root, "target": target, "cache": cache}
 
 
+EAGLE3 = ("head.kind=eagle3", "head.aux_layers=[1,2,3]", "head.draft_vocab_size=100", "head.ttt_steps=3",
+          "head.ttt_row_stride=2")  # a 4-layer toy target; steps 2-3 at every other position
+
+
+@pytest.fixture(scope="module")
+def toy3(tmp_path_factory):
+    """A 4-layer tiny target + an EAGLE-3 feature cache (aux layers 1, 2, 3 + the final state, 4H per token)."""
+    root = tmp_path_factory.mktemp("toy3")
+    target = save_target(root / "target", num_layers=4)
+    cache = write_cache(root / "cache", target, layers=[1, 2, 3, 4])
+    return {"root": root, "target": target, "cache": cache, "extra": EAGLE3}
+
+
+@pytest.fixture(params=["eagle2", "eagle3"])
+def any_toy(request, toy, toy3):
+    """The EAGLE-2 toy or the EAGLE-3 toy: trainer tests that must hold for both head kinds."""
+    return toy if request.param == "eagle2" else toy3
+
+
 @pytest.fixture(scope="module")
 def dist_ctx():
     """One in-process gloo world of size 1 for the in-process trainings; the environment is restored after."""
@@ -52,7 +71,8 @@ def dist_ctx():
 def run_train(toy, out, *extra, steps=6, ctx=None):
     from train.main import load_config, train
 
-    cfg = load_config("tiny", overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", *extra, steps=steps))
+    cfg = load_config("tiny", overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", *toy.get("extra", ()),
+                                        *extra, steps=steps))
     return train(cfg, ctx)
 
 
@@ -108,10 +128,12 @@ def test_loss_decreases_on_learnable_toy(toy, tmp_path, dist_ctx):
     assert ev["eval/step1_acc"] >= ev["eval/step5_acc"] - 0.05
 
 
-def test_resume_is_exact(toy, tmp_path, dist_ctx):
-    """2N steps straight == N steps, stop, resume, N more: bit-identical weights."""
+def test_resume_is_exact(any_toy, tmp_path, dist_ctx):
+    """2N steps straight == N steps, stop, resume, N more: bit-identical weights (both head kinds; EAGLE-3 with input
+    noise on and a row stride, so the noise RNG and the cycling row offset must both be restored)."""
     n = 5
-    common = ("train.lr=3e-3", "train.checkpoint_every=3", "train.eval_every=4")
+    toy = any_toy
+    common = ("train.lr=3e-3", "train.checkpoint_every=3", "train.eval_every=4", "train.noise=uniform")
     straight = run_train(toy, tmp_path / "straight", *common, steps=2 * n, ctx=dist_ctx)
     first = run_train(toy, tmp_path / "resumed", *common, f"train.stop_after={n}", steps=2 * n, ctx=dist_ctx)
     assert first["stopped_early"] and first["steps"] == n
@@ -141,6 +163,71 @@ def test_resume_rejects_changed_data(toy, tmp_path, dist_ctx):
     run_train(toy, out, "train.stop_after=2", steps=4, ctx=dist_ctx)
     with pytest.raises(RuntimeError, match="exact resume needs the same"):
         run_train(toy, out, "train.micro_batch_size=2", steps=4, ctx=dist_ctx)
+
+
+def test_eagle3_learns_every_unrolled_step(toy3, tmp_path, dist_ctx):
+    """EAGLE-3 on the learnable toy: loss falls, every unrolled step's accuracy is logged and rises, the eval reports
+    per-step chain accuracy, simulated acceptance and the training-time-test accuracies; the draft vocabulary is
+    the 100 most frequent loss tokens and is saved with the head."""
+    out = tmp_path / "run"
+    summary = run_train(toy3, out, "train.lr=3e-3", "logging.log_every=10", "train.eval_every=40", steps=120,
+                        ctx=dist_ctx)
+    logs = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in logs if "train/loss" in r]
+    assert losses[-1] < 0.7 * losses[0], losses
+    for j in (1, 2, 3):
+        acc = [r[f"train/step{j}_acc"] for r in logs if f"train/step{j}_acc" in r]
+        assert len(acc) == 12 and acc[-1] > acc[0] + 0.1, (j, acc)
+    ev = summary["eval"]
+    assert {f"eval/step{j}_acc" for j in range(1, 6)} | {f"eval/ttt_step{j}_acc" for j in (1, 2, 3)} <= set(ev)
+    assert ev["eval/top1"] > 0.03 and 1.0 < ev["eval/sim_accept_len"] <= 6.0, ev  # 8x chance; 100 of 256 tokens draftable
+    assert ev["eval/feature_loss"] == 0.0
+    assert summary["head_kind"] == "eagle3" and summary["draft_vocab_size"] == 100 and summary["aux_layers"] == [1, 2, 3]
+    assert summary["distinct_loss_tokens"] == 256 and 0.3 < summary["draft_vocab_coverage"] < 1.0
+    from data_prep.feature_cache import FeatureCacheReader
+    from eagle.head import load_head
+    from train.data import split_train_eval
+    from train.draft_vocab import build_draft_vocab, count_loss_tokens
+
+    reader = FeatureCacheReader(toy3["cache"])
+    train_idx, _ = split_train_eval(reader.ids, 0.1, 0)
+    d2t, t2d = build_draft_vocab(count_loss_tokens(reader, train_idx, 256), 100)
+    head = load_head(out / "head")
+    assert torch.equal(head.d2t.cpu(), d2t) and torch.equal(head.t2d.cpu(), t2d)
+
+
+def test_eagle3_online_mode_computes_the_aux_layers_in_the_loop(toy3, tmp_path, dist_ctx):
+    """Online EAGLE-3: the target's aux-layer + final states computed in the loop equal the cached ones, so the run
+    trains exactly like offline on the same records."""
+    from data_prep.feature_cache import FeatureCacheReader
+    from data_prep.tokenized import write_tokenized
+    from train.data import collate
+    from train.frozen_target import load_frozen_target
+    from recipes import load_recipe
+
+    reader = FeatureCacheReader(toy3["cache"])
+    recs = [{"id": r["id"], "input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in reader]
+    write_tokenized(tmp_path / "tok.jsonl", recs)
+    cfg = load_recipe("tiny", [f"target.path={toy3['target']}", "target.dtype=float32"])
+    frozen, _ = load_frozen_target("online", cfg.target, str(toy3["target"]), torch.device("cpu"), torch.float32,
+                                   [1, 2, 3, 4])
+    batch = collate([reader[0], reader[1]])
+    online = frozen.features(batch)  # [2, T, 4H]
+    real = batch.attention_mask.bool()
+    assert online.shape == batch.hidden.shape and torch.allclose(online[real], batch.hidden[real], atol=1e-5)
+    summary = run_train(toy3, tmp_path / "run", "train.mode=online", f"train.tokenized={tmp_path / 'tok.jsonl'}",
+                        "target.dtype=float32", steps=3, ctx=dist_ctx)
+    assert summary["mode"] == "online" and summary["eval"]["eval/positions"] > 0
+
+
+def test_eagle2_cache_is_rejected_by_an_eagle3_recipe(toy, toy3, tmp_path, dist_ctx):
+    from train.frozen_target import CacheMismatchError
+
+    cache = write_cache(tmp_path / "cache", toy3["target"], n=8)  # final states only
+    with pytest.raises(CacheMismatchError, match=r"hidden-state layers final only \(EAGLE-2\) \(cache\) != \[1, 2, 3, 4\]"):
+        run_train(toy3, tmp_path / "run", f"train.cache_dir={cache}", ctx=dist_ctx)
+    with pytest.raises(CacheMismatchError, match=r"\[1, 2, 3, 4\] \(cache\) != final only"):  # and the other way round
+        run_train(toy, tmp_path / "run2", f"target.path={toy3['target']}", f"train.cache_dir={toy3['cache']}", ctx=dist_ctx)
 
 
 # ----------------------------------------------------------------------------- errors before training
@@ -246,12 +333,14 @@ def test_live_tau_prompts_are_the_turns_before_the_trained_tokens():
     assert live_prompts(records, 1) == [[5, 6]]
 
 
-def test_eval_head_reproduces_the_trainers_final_eval(toy, tmp_path, dist_ctx):
+def test_eval_head_reproduces_the_trainers_final_eval(any_toy, tmp_path, dist_ctx):
     from train.eval_head import evaluate_head
     from train.main import load_config
 
+    toy = any_toy
     summary = run_train(toy, tmp_path / "run", "export.dtype=float32", steps=4, ctx=dist_ctx)
-    cfg = load_config("tiny", overrides(toy["target"], tmp_path / "run", f"train.cache_dir={toy['cache']}", steps=4))
+    cfg = load_config("tiny", overrides(toy["target"], tmp_path / "run", f"train.cache_dir={toy['cache']}",
+                                        *toy.get("extra", ()), steps=4))
     got = evaluate_head(cfg, str(tmp_path / "run" / "head"))
     assert got["eval_records"] > 0
     for key, value in summary["eval"].items():
@@ -476,3 +565,49 @@ def test_on_policy_corpus_cache_holds_the_targets_greedy_continuations(shared_di
         greedy = model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=[1, 2], pad_token_id=0)[0, n:]
         cont = rec["input_ids"][n:].tolist()
         assert cont == greedy[: len(cont)].tolist() and rec["loss_mask"][n:].all()
+
+
+def test_eagle3_loss_scores_step_j_at_index_t_against_t_plus_j_minus_1():
+    """The per-step soft CE over the draft vocabulary, position by position: step j >= 2 only at `rows`, masked when
+    t + j - 1 runs off the sequence or is no loss position; a hit needs the mapped draft token = the full argmax."""
+    from transformers import LlamaConfig
+
+    from eagle.head import Eagle3Head, head_config_from_target
+    from train.loss import eagle3_loss
+
+    torch.manual_seed(0)
+    tc = LlamaConfig(num_hidden_layers=4, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=32)
+    head = Eagle3Head(head_config_from_target(tc, kind="eagle3", aux_layers=[1, 2, 3], draft_vocab_size=8))
+    head.set_vocab(torch.tensor([3, 3, 5, 5, 9, 9, 9, 20]))  # target ids 3, 4, 7, 8, 13, 14, 15, 27
+    B, T, H, Vd = 2, 9, 16, 8
+    rows = torch.tensor([0, 3, 6, 8])
+    hiddens = [torch.randn(B, T, H), torch.randn(B, 4, H), torch.randn(B, 4, H)]
+    probs = torch.randn(B, T, Vd).softmax(-1)
+    draft_top = torch.stack([head.draft_logits(h).argmax(-1) for h in hiddens[:1]])[0]  # [B, T]
+    top = head.map_to_target(draft_top)  # step 1's argmax is right everywhere...
+    top[0, 2] = 0  # ...but at one position, where the target's argmax is outside the draft vocabulary
+    weights = torch.ones(B, T, dtype=torch.long)
+    weights[1, 5] = 0
+    w = [1.0, 0.5, 0.25]
+    out = eagle3_loss(head, hiddens, probs, top, weights, w, rows)
+    expect, counts, hits = 0.0, [], []
+    for j, h in enumerate(hiddens, start=1):
+        idx = list(range(T)) if j == 1 else rows.tolist()
+        terms, hit = [], 0
+        for b in range(B):
+            for r, t in enumerate(idx):
+                u = t + j - 1
+                if u >= T or not weights[b, u]:
+                    continue
+                logp = head.draft_logits(h[b, r]).float().log_softmax(-1)
+                terms.append(-(probs[b, u] * logp).sum())
+                hit += int(head.map_to_target(logp.argmax()) == top[b, u])
+        expect += w[j - 1] * torch.stack(terms).mean()
+        counts.append(len(terms))
+        hits.append(hit)
+    assert out.step_counts == counts == [17, 6, 5]
+    assert out.step_hits == hits and out.step_hits[0] == 16  # the out-of-vocabulary argmax is a miss
+    assert out.topk_correct[0] == 16 and out.positions == 17
+    assert torch.allclose(out.loss, expect, atol=1e-5)
+    out.loss.backward()
+    assert head.lm_head.weight.grad is not None and head.fc.weight.grad is None  # fc is not in these hiddens' graph

@@ -40,16 +40,21 @@ def save_target(path: Path, lm_head_scale: float = 8.0, **kw) -> Path:
 
 @torch.no_grad()
 def write_cache(cache: Path, target: Path, n: int = 96, seed: int = 0, nan_ids: tuple[str, ...] = (),
-                meta_override: dict | None = None, dtype: str = "float32") -> Path:
-    """Feature cache of the target's last hidden states on toy sequences (loss on every token but the first 2)."""
+                meta_override: dict | None = None, dtype: str = "float32", layers: list[int] | None = None) -> Path:
+    """Feature cache of the target's last hidden states on toy sequences (loss on every token but the first 2);
+    `layers` (EAGLE-3: aux ids + L): those hidden states concatenated, as data_prep writes them."""
     from transformers import AutoModelForCausalLM
+
+    from data_prep.feature_layers import target_features
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     meta = {"target": str(target), "config_hash": target_config_hash(model.config),
             "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size, **(meta_override or {})}
+    if layers is not None:
+        meta["feature_layers"] = list(layers)
     w = FeatureCacheWriter(cache, meta, dtype=dtype)
     for i, ids in enumerate(toy_sequences(n, seed)):
-        hidden = model.model(ids[None]).last_hidden_state[0]  # [T, H]
+        hidden = target_features(model.model, ids[None], None, layers)[0]  # [T, W]
         rid = f"r{i:04d}"
         if rid in nan_ids:
             hidden = torch.full_like(hidden, float("nan"))

@@ -8,6 +8,8 @@ float32 noise (a tree forward and a one-token forward differ in the last bits).
 Heads: `random_head` (fresh init: proposals mostly rejected) and `fit_good_head` (a real `EagleHead`
 briefly fitted on the target's own greedy continuations of the given prompts, with a self-fed unroll
 so deep draft steps are right too: long accepted paths, so KV-cache compaction is exercised).
+`kind="eagle3"` gives the same for an `Eagle3Head` (fitted with its training-time-test `unroll`); EAGLE-3
+needs 3 distinct aux layers, so its family setups use `EAGLE3_LAYERS`-layer targets with `EAGLE3_AUX` ids.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from eagle.head import EagleHead, head_config_from_target
+from eagle.head import Eagle3Head, EagleHead, head_config_from_target
 
 FAMILIES = ("llama", "qwen2", "mistral")
 # the other families Target supports (eagle.target.SUPPORTED_FAMILIES): through the HF decoder layers, not fused
@@ -44,6 +46,9 @@ HF_LAYER_FAMILIES = ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe")
 # a family outside SUPPORTED_FAMILIES: Target runs it through the model's own forward
 MODEL_FORWARD_FAMILIES = ("gemma",)
 TINY_VOCAB = 256
+KINDS = ("eagle2", "eagle3")
+EAGLE3_LAYERS = 4  # tiny targets for EAGLE-3 heads: ids 1, 2, 3 (the default (2, L//2, L-3) needs L >= 7)
+EAGLE3_AUX = (1, 2, 3)
 
 
 def tiny_target(
@@ -130,9 +135,13 @@ def tiny_mistral(sliding_window: int | None = 4096, **kw):
     return tiny_target("mistral", sliding_window=sliding_window, **kw)
 
 
-def random_head(target, seed: int = 0, bias: bool = True) -> EagleHead:
-    """A freshly initialised head for `target` (its embedding copied from the target)."""
+def random_head(target, seed: int = 0, bias: bool = True, kind: str = "eagle2", aux_layers=EAGLE3_AUX,
+                draft_vocab_size: int | None = None) -> "EagleHead | Eagle3Head":
+    """A freshly initialised head for `target` (its embedding copied from the target). kind="eagle3": an
+    `Eagle3Head` on `aux_layers` whose draft vocabulary is the first `draft_vocab_size` ids (None = all)."""
     torch.manual_seed(seed)
+    if kind == "eagle3":
+        return Eagle3Head.from_target(target, aux_layers=list(aux_layers), draft_vocab_size=draft_vocab_size).eval()
     head = EagleHead(head_config_from_target(target.config, bias=bias))
     head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.detach())
     return head.eval()
@@ -183,8 +192,9 @@ def first_divergence_report(target, expected: torch.Tensor, got: torch.Tensor) -
 
 
 @torch.no_grad()
-def _greedy_batch(target, prompts, new_tokens: int, sequences=None):
-    """Right-padded batch of prompt + greedy continuation, its features, the target's argmax and a mask."""
+def _greedy_batch(target, prompts, new_tokens: int, sequences=None, aux_layers=None):
+    """Right-padded batch of prompt + greedy continuation, its features (final hidden states, or with aux_layers
+    those HF hidden_states concatenated: [B, T, 3H]), the target's argmax and a mask."""
     seqs = [s[0] for s in sequences] if sequences is not None else [hf_greedy(target, p, new_tokens)[0] for p in prompts]
     T = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -193,15 +203,19 @@ def _greedy_batch(target, prompts, new_tokens: int, sequences=None):
         ids[i, : len(s)] = s
         mask[i, : len(s)] = 1
     out = target(ids, attention_mask=mask, output_hidden_states=True)
-    return ids, mask, out.hidden_states[-1], out.logits.argmax(-1)  # [B,T], [B,T], [B,T,H], [B,T]
+    feats = out.hidden_states[-1] if aux_layers is None else torch.cat([out.hidden_states[i] for i in aux_layers], -1)
+    return ids, mask, feats, out.logits.argmax(-1)  # [B,T], [B,T], [B,T,H | 3H], [B,T]
 
 
 # (steps, unrolled depth, peak lr): depth 1 first (cheap, teacher-forced), then deeper self-fed unrolls.
 GOOD_HEAD_CURRICULUM = ((80, 1, 1e-2), (25, 2, 5e-3), (25, 3, 5e-3), (25, 4, 5e-3), (20, 5, 3e-3))
+# EAGLE-3's unroll trains every step at once: fewer stages reach the same acceptance (tau 6.2 of 6.2 at 60/5/10)
+EAGLE3_CURRICULUM = ((60, 1, 1e-2), (30, 3, 5e-3), (30, 5, 3e-3))
 
 
-def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, curriculum=GOOD_HEAD_CURRICULUM,
-                  feat_weight: float = 1.0, seed: int = 0) -> EagleHead:
+def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, curriculum=None,
+                  feat_weight: float = 1.0, seed: int = 0, kind: str = "eagle2", aux_layers=EAGLE3_AUX,
+                  draft_vocab_size: int | None = None, d2t: torch.Tensor | None = None) -> "EagleHead | Eagle3Head":
     """An `EagleHead` fitted (memorised) on the target's greedy continuations of `prompts`.
 
     `sequences` (prompt + greedy continuation, [1, T] each) can be passed instead of generating them.
@@ -209,7 +223,13 @@ def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, cu
     greedy verification accepts) plus a SmoothL1 feature term, summed over a self-fed unroll (step d
     feeds the predictions of step d-1 as features, like a d-deep draft), deepened by a curriculum.
     ~3 s on one CPU thread; typically > 90% top-1 on those continuations at every depth 1..5.
+    kind="eagle3": an `Eagle3Head` (draft vocabulary `d2t`, default the first `draft_vocab_size` ids) fitted by CE
+    over its draft vocabulary on every step of `unroll` (targets outside the draft vocabulary are ignored).
     """
+    if kind == "eagle3":
+        return _fit_eagle3(target, prompts, new_tokens, sequences, curriculum or EAGLE3_CURRICULUM, seed, aux_layers,
+                           draft_vocab_size, d2t)
+    curriculum = curriculum or GOOD_HEAD_CURRICULUM
     ids, mask, feats, greedy = _greedy_batch(target, prompts, new_tokens, sequences)
     lm_head = target.get_output_embeddings()
     head = random_head(target, seed=seed).train()
@@ -228,6 +248,35 @@ def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, cu
                 loss = loss + F.cross_entropy(lm_head(pred)[valid], greedy[:, d + 1 :][valid])
                 loss = loss + feat_weight * F.smooth_l1_loss(pred[valid], feats[:, d + 1 :][valid])
                 f_in, tok, am = pred[:, :-1], ids[:, d + 2 :], mask[:, d + 2 :]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    head.requires_grad_(False)
+    return head.eval()
+
+
+def _fit_eagle3(target, prompts, new_tokens, sequences, curriculum, seed, aux_layers, draft_vocab_size, d2t):
+    ids, mask, aux, greedy = _greedy_batch(target, prompts, new_tokens, sequences, aux_layers=list(aux_layers))
+    head = random_head(target, seed=seed, kind="eagle3", aux_layers=aux_layers, draft_vocab_size=draft_vocab_size)
+    if d2t is not None:
+        head.set_vocab(d2t)
+    draft_of = torch.full((head.config.vocab_size,), -100, dtype=torch.long)  # target id -> draft id (-100: ignored)
+    draft_of[head.map_to_target(torch.arange(head.config.draft_vocab_size))] = torch.arange(head.config.draft_vocab_size)
+    head.train()
+    torch.manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    T = ids.shape[1]
+    for steps, depth, lr in curriculum:
+        opt = torch.optim.Adam(params, lr=lr)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=lr / 20)
+        for _ in range(steps):
+            # index t: aux of position t, token ids[t + 1]; step j's output there predicts greedy[t + j]
+            hs = head.unroll(aux[:, :-1], ids[:, 1:], mask[:, 1:], steps=depth)  # depth x [B, T - 1, H]
+            loss = 0.0
+            for j, h in enumerate(hs, start=1):
+                labels = draft_of[greedy[:, j:]].masked_fill(~mask[:, j:].bool(), -100)  # [B, T - j]
+                loss = loss + F.cross_entropy(head.draft_logits(h[:, : T - j]).flatten(0, 1), labels.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -274,21 +323,26 @@ MISTRAL_WINDOW = 16  # shorter than prompt + generation, so the sliding window r
 @dataclass
 class FamilySetup:
     family: str
+    kind: str
     target: object
     prompts: list  # N_PROMPTS x [1, T]
     references: list  # transformers greedy outputs, NEW_TOKENS new tokens each
-    random_head: EagleHead
-    good_head: EagleHead | None
+    random_head: "EagleHead | Eagle3Head"
+    good_head: "EagleHead | Eagle3Head | None"
 
 
 @functools.lru_cache(maxsize=None)
-def family_setup(family: str, good: bool = True) -> FamilySetup:
-    """Target, prompts, transformers' greedy references and both heads for one family (built once per process)."""
+def family_setup(family: str, good: bool = True, kind: str = "eagle2") -> FamilySetup:
+    """Target, prompts, transformers' greedy references and both heads of `kind` for one family (built once per
+    process). EAGLE-3 setups use an `EAGLE3_LAYERS`-layer target (same seed) and aux ids `EAGLE3_AUX`."""
     kw = {"sliding_window": MISTRAL_WINDOW} if family == "mistral" else {}
-    target = tiny_target(family, seed=FAMILIES.index(family), **kw)
-    prompts = random_prompts(N_PROMPTS, seed=10 + FAMILIES.index(family))
+    if kind == "eagle3":
+        kw["num_layers"] = EAGLE3_LAYERS
+    index = (FAMILIES + HF_LAYER_FAMILIES + MODEL_FORWARD_FAMILIES).index(family)
+    target = tiny_target(family, seed=index, **kw)
+    prompts = random_prompts(N_PROMPTS, seed=10 + index)
     refs = [hf_greedy(target, p, NEW_TOKENS) for p in prompts]
     good_head = None
     if good:
-        good_head = fit_good_head(target, sequences=refs)
-    return FamilySetup(family, target, prompts, refs, random_head(target, seed=1), good_head)
+        good_head = fit_good_head(target, sequences=refs, kind=kind)
+    return FamilySetup(family, kind, target, prompts, refs, random_head(target, seed=1, kind=kind), good_head)

@@ -6,7 +6,10 @@ Records are the blank-line separated paragraphs of the file (the first N with --
 unseen for evaluation prompts), tokenised with the target's tokenizer (its BOS added), truncated to
 data.max_length, loss on every token. Written with data_prep's FeatureCacheWriter to the trainer's cache
 directory ({output_dir}/data/features) with the same meta data_prep writes, so the trainer's target check
-applies. Resumable: paragraphs already in the cache are skipped.
+applies. Resumable: paragraphs already in the cache are skipped. With `head.kind: eagle3` the cache holds the
+three `head.aux_layers` states + the final state per token (data_prep/feature_layers.py), e.g.
+
+    python -m train.corpus_cache --recipe stories260k-eagle3 --text ../shared/data/corpora/tinystories_val_a.txt --first 3000 --continue-with-target 160
 
 On-policy variant (`--continue-with-target N`, the raw-text analogue of data_prep's regeneration): each
 record is the paragraph's opening sentence followed by the TARGET's own continuation (greedy, or sampled
@@ -81,7 +84,9 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     from tqdm.auto import tqdm
 
     from data_prep.chat_template import stop_token_ids
+    from data_prep.cache_features import check_disk
     from data_prep.feature_cache import FeatureCacheWriter
+    from data_prep.feature_layers import feature_layers, target_features
     from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
     from train.data import cache_dir
 
@@ -93,6 +98,9 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     meta = {"target": target_path, "config_hash": target_config_hash(model.config),
             "hidden_size": int(model.config.hidden_size), "vocab_size": int(model.config.vocab_size),
             "target_dtype": cfg.target.dtype, "source": f"text:{Path(text_file).name}" + (f"[:{first}]" if first else "")}
+    layers = feature_layers(cfg.head, model.config)  # None for eagle2 (final state only: the legacy meta)
+    if layers is not None:
+        meta["feature_layers"] = layers
     if continue_tokens:
         meta["source"] += f" openings + target continuations ({continue_tokens} tokens, T={temperature})"
         stop_ids = sorted(set(stop_token_ids(tokenizer, model.generation_config)) | {int(i) for i in cfg.data.extra_stop_ids})
@@ -105,6 +113,9 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     if len(rejected) == len(paragraphs):
         raise ValueError(f"{text_file}: no usable paragraph (need UTF-8 text, paragraphs separated by blank lines)")
     todo = [(f"p{i:06d}", p) for i, p in enumerate(paragraphs) if p is not None and f"p{i:06d}" not in writer]
+    rough = sum(min(len(tokenizer(opening_sentence(p) if continue_tokens else p)["input_ids"]) + continue_tokens,
+                    cfg.data.max_length) for _, p in todo)  # upper bound with continuations
+    check_disk(cache_dir(cfg), rough, meta["hidden_size"], cfg.data.cache_dtype, cfg.data.disk_headroom_gb, layers)
     start = time.perf_counter()
     for k in tqdm(range(0, len(todo), batch_size), desc="cache", disable=not progress):
         chunk = todo[k : k + batch_size]
@@ -120,7 +131,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
         for b, e in enumerate(encoded):
             ids[b, : len(e)] = torch.tensor(e)
             attn[b, : len(e)] = 1
-        hidden = decoder(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state  # [B, T, H]
+        hidden = target_features(decoder, ids.to(device), attn.to(device), layers)  # [B, T, W]
         for b, (rid, _) in enumerate(chunk):
             n = len(encoded[b])
             loss = torch.ones(n, dtype=torch.long)

@@ -128,16 +128,23 @@ def _max_pos(target_config) -> int:
 
 
 def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
-                      dtype: str | None = None) -> Path:
-    """Read an exported EAGLE-1/2 head folder, check it for drift against its target, write it in `fmt`.
+                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Read an exported head folder, check it for drift against its target, write it in `fmt`.
 
-    dtype: weights dtype of the output (default: the head's). Raises DriftError on an inconsistent head.
+    EAGLE-1/2 heads go through `engine_head` (drift-checked); EAGLE-3 heads (config kind eagle3, the released
+    layout) through `convert_eagle3_folder` (`verifier`: the target's path or hub id, named in vLLM's speculators
+    config). dtype: weights dtype of an EAGLE-1/2 output (default: the head's). Raises DriftError on an
+    inconsistent head.
     """
-    from eagle.head import EagleHead, _resolve_head_files
+    from eagle.head import EagleHead, _resolve_head_files, read_head_config
 
     config_file, weights_file = _resolve_head_files(str(head_dir), None)  # a local folder or a Hub id
     head_dir, out_dir = Path(config_file).parent, Path(out_dir)
-    config = HeadConfig.from_dict(json.loads(Path(config_file).read_text()))
+    config = read_head_config(config_file)
+    if config.kind == "eagle3":
+        archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
+        return convert_eagle3_folder(head_dir, out_dir, fmt, verifier=verifier, verifier_architectures=archs,
+                                     num_speculative_tokens=num_speculative_tokens)
     sd = _load_weights(weights_file)
     own = set(EagleHead(config).state_dict())
     # fc.bias against the `bias` flag is left to the drift check (its message is precise)

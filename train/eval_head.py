@@ -23,11 +23,11 @@ def evaluate_head(cfg, head_path: str) -> dict:
 
     from data_prep.feature_cache import FeatureCacheReader
     from data_prep.target import pick_device, resolve_target_path
-    from eagle.head import EagleHead
+    from eagle.head import load_head
     from train.data import Subset, cache_dir, split_train_eval
     from train.frozen_target import check_cache_matches_target, load_frozen_target
+    from train.head_kind import head_kind
     from train.main import COMPUTE_DTYPES
-    from train.metrics import evaluate
     from train.settings import validate_train_sections
 
     validate_train_sections(cfg)
@@ -35,19 +35,26 @@ def evaluate_head(cfg, head_path: str) -> dict:
     target_path = resolve_target_path(cfg.target)
     cdir = cache_dir(cfg)
     source = FeatureCacheReader(cdir, verify=t.verify_cache)
-    check_cache_matches_target(source.manifest, cdir, target_path, AutoConfig.from_pretrained(target_path))
+    target_config = AutoConfig.from_pretrained(target_path)
+    kind = head_kind(cfg, target_config)  # the recipe's head.kind decides the cache layout and the metrics
+    check_cache_matches_target(source.manifest, cdir, target_path, target_config, kind.layers)
     _, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
     if not eval_idx:
         raise ValueError(f"the eval split of {cdir} is empty (train.eval_fraction={t.eval_fraction})")
     device = pick_device(t.device)
     dtype = COMPUTE_DTYPES[t.precision]
-    frozen, _ = load_frozen_target("offline", cfg.target, target_path, device, dtype)
-    head = EagleHead.from_pretrained(head_path, dtype=dtype, device=device)
+    frozen, embedding = load_frozen_target("offline", cfg.target, target_path, device, dtype)
+    head = load_head(head_path, dtype=dtype, device=device)
+    if head.config.kind != kind.name:
+        raise ValueError(f"head {head_path} is an {head.config.kind} head; the recipe's head.kind is {kind.name}")
+    if kind.name == "eagle3":  # its embedding is the target's (not saved with the head)
+        with torch.no_grad():
+            head.embed_tokens.weight.copy_(embedding.to(head.embed_tokens.weight))
     if head.config.vocab_size != frozen.lm_head.shape[0] or head.config.hidden_size != frozen.lm_head.shape[1]:
         raise ValueError(f"head {head_path} (hidden {head.config.hidden_size}, vocab {head.config.vocab_size}) does not "
                          f"fit the target's lm_head {tuple(frozen.lm_head.shape)}")
     with torch.no_grad():
-        metrics = evaluate(head, Subset(source, eval_idx, cfg.data.max_length), frozen, t, device, dtype, cfg.seed)
+        metrics = kind.evaluate(head, Subset(source, eval_idx, cfg.data.max_length), frozen, device, dtype, 0, 1)
     return {"head": str(head_path), "cache": str(cdir), "eval_records": len(eval_idx), **metrics}
 
 

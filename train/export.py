@@ -1,5 +1,10 @@
 """Export the trained head in the official EAGLE format: config.json + model.safetensors (+ pytorch_model.bin),
-loadable by `EagleHead.from_pretrained`, `EaModel.from_pretrained(ea_model_path=...)` and the reference code.
+loadable by `eagle.head.load_head`, `EaModel.from_pretrained(ea_model_path=...)` and the reference code.
+EAGLE-1/2 heads: the released yuhuili/EAGLE-* layout (byte-identical to earlier exports: tests/test_export_pin.py).
+EAGLE-3 heads: the released yuhuili/EAGLE3-* / SpecForge layout (`Eagle3Head.save_pretrained`: config.json with
+architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids; weights
+midlayer.* / fc / norm / lm_head in the export dtype, d2t int64, t2d bool, no embed_tokens), which the EAGLE-3
+reference code, vLLM (method "eagle3") and SGLang (EAGLE3) load.
 The folder also carries `recipe.yaml` and `train_summary.json` (read by the model card)."""
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle.cli_errors import ArgumentParser, one_line_errors
-from eagle.head import EagleHead
+from eagle.head import Eagle3Head, EagleHead, head_class
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -25,21 +30,28 @@ def export_dir(cfg) -> Path:
     return Path(cfg.export.dir or Path(cfg.output_dir) / "head")
 
 
+def _cpu_copy(v: torch.Tensor) -> torch.Tensor:
+    """float32 for floating tensors; integer / bool buffers (EAGLE-3's d2t, t2d) keep their dtype."""
+    return (v.detach().float() if v.is_floating_point() else v.detach()).cpu().clone()
+
+
 def full_state_dict(module, zero_stage: int) -> dict[str, torch.Tensor]:
-    """CPU float32 copy of the module's weights; under ZeRO-3 the partitions are gathered (collective)."""
+    """CPU copy of the module's weights (floating ones in float32); under ZeRO-3 the partitions are gathered
+    (collective)."""
     if zero_stage == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+            return {k: _cpu_copy(v) for k, v in module.state_dict().items()}
+    return {k: _cpu_copy(v) for k, v in module.state_dict().items()}
 
 
-def standalone_head(module, zero_stage: int, device, dtype) -> EagleHead:
-    """A plain EagleHead with the engine's current weights (no ZeRO hooks): for evaluation and export."""
+def standalone_head(module, zero_stage: int, device, dtype) -> "EagleHead | Eagle3Head":
+    """A plain head (EagleHead / Eagle3Head) with the engine's current weights (no ZeRO hooks): for evaluation and
+    export."""
     if zero_stage < 3:
         return module  # full parameters live on every rank already
-    head = EagleHead(module.config)
+    head = head_class(module.config)(module.config)
     head.load_state_dict(full_state_dict(module, zero_stage), strict=True)
     return head.to(device=device, dtype=dtype).eval()
 
@@ -61,12 +73,10 @@ def check_exportable(state_dict: dict[str, torch.Tensor], dtype: str, out_dir: P
 
 def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtype: str, legacy_bin: bool,
                 recipe=None, summary: dict | None = None) -> Path:
-    """Write the head folder atomically (a temporary sibling renamed into place); a previous export is replaced
-    only by a complete, finite one."""
-    from train.divergence import DivergenceError
-
+    """Write the head folder atomically (a temporary sibling renamed into place); `config` decides the layout. A
+    previous export is replaced only by a complete, finite one."""
     check_exportable(state_dict, dtype, Path(out_dir))
-    head = EagleHead(config)
+    head = head_class(config)(config)
     head.load_state_dict(state_dict, strict=True)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--recipe", default=None, help="take the head (export.dir) and the target (target.path) from a recipe")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
-    p.add_argument("--head", default=None, help="exported EAGLE-1/2 head folder")
+    p.add_argument("--head", default=None, help="exported head folder (EAGLE-1/2, or EAGLE-3 in the released layout)")
     p.add_argument("--eagle3", default=None, help="a released-layout EAGLE-3 head folder to convert instead")
     p.add_argument("--base", default=None, help="target model folder or hub id (drift checks; vLLM EAGLE-3 verifier)")
     p.add_argument("--out", default=None, help="output folder (default: HEAD-FORMAT beside the head)")
@@ -145,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         convert_eagle3_folder(args.eagle3, out, args.format, verifier=base, verifier_architectures=archs,
                               num_speculative_tokens=args.num_speculative_tokens)
     else:
-        write_engine_head(head, out, args.format, target_config, dtype=args.dtype)
+        write_engine_head(head, out, args.format, target_config, dtype=args.dtype, verifier=base,
+                          num_speculative_tokens=args.num_speculative_tokens)
     print(f"wrote {out} ({args.format})")
     return 0
 

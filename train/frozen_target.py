@@ -20,8 +20,10 @@ def target_name(path: str) -> str:
     return Path(str(path).rstrip("/")).name
 
 
-def check_cache_matches_target(manifest: dict, cache_path: Path, target_path: str, target_config) -> None:
-    """Raise CacheMismatchError, naming both sides, unless the cache's meta fits the recipe's target."""
+def check_cache_matches_target(manifest: dict, cache_path: Path, target_path: str, target_config,
+                               layers: list[int] | None = None) -> None:
+    """Raise CacheMismatchError, naming both sides, unless the cache's meta fits the recipe's target and holds the
+    hidden states the head needs (`layers`: data_prep.feature_layers.feature_layers; None = final state only)."""
     from data_prep.target import target_config_hash
 
     text = text_config(target_config)
@@ -35,6 +37,9 @@ def check_cache_matches_target(manifest: dict, cache_path: Path, target_path: st
     expected_hash = target_config_hash(target_config)
     if manifest.get("config_hash") not in (None, expected_hash):
         problems.append(f"config_hash {manifest.get('config_hash')} (cache) != {expected_hash} (target config)")
+    if manifest.get("feature_layers") != layers:
+        problems.append(f"hidden-state layers {manifest.get('feature_layers') or 'final only (EAGLE-2)'} (cache) != "
+                        f"{layers or 'final only (EAGLE-2)'} (recipe head.kind / head.aux_layers)")
     if problems:
         raise CacheMismatchError(
             f"feature cache {cache_path} does not match the recipe's target:\n  " + "\n  ".join(problems)
@@ -50,27 +55,32 @@ class OfflineTarget:
         self.lm_head = lm_head
 
     def features(self, batch) -> torch.Tensor:
-        return batch.hidden  # [B, T, H]
+        return batch.hidden  # [B, T, W]
 
 
 class OnlineTarget:
-    """The frozen target runs in the loop: features = its last hidden state (after the final norm)."""
+    """The frozen target runs in the loop: features = its last hidden state (after the final norm), or for
+    EAGLE-3 the aux-layer states + that final state concatenated (`layers`), exactly what the cache would hold."""
 
-    def __init__(self, model, lm_head: torch.Tensor):
+    def __init__(self, model, lm_head: torch.Tensor, layers: list[int] | None = None):
         from data_prep.target import base_decoder
 
         self.model = model
         self.decoder = base_decoder(model)
         self.lm_head = lm_head
+        self.layers = layers
 
     @torch.no_grad()
     def features(self, batch) -> torch.Tensor:
-        out = self.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-        return out.last_hidden_state  # [B, T, H]
+        from data_prep.feature_layers import target_features
+
+        return target_features(self.decoder, batch.input_ids, batch.attention_mask, self.layers)  # [B, T, W]
 
 
-def load_frozen_target(mode: str, target_cfg, target_path: str, device: torch.device, dtype: torch.dtype):
-    """(frozen target, input embedding [V, H]) for `mode` ("offline" | "online").
+def load_frozen_target(mode: str, target_cfg, target_path: str, device: torch.device, dtype: torch.dtype,
+                       layers: list[int] | None = None):
+    """(frozen target, input embedding [V, H]) for `mode` ("offline" | "online"); online features are the hidden
+    states `layers` (None = the final state only).
 
     The lm_head is kept in the head's compute dtype `dtype` on `device`.
     """
@@ -82,4 +92,4 @@ def load_frozen_target(mode: str, target_cfg, target_path: str, device: torch.de
     model = load_target_model(target_cfg, device, path=target_path)
     embedding = model.get_input_embeddings().weight.detach()
     lm_head = model.get_output_embeddings().weight.detach().to(dtype)
-    return OnlineTarget(model, lm_head), embedding
+    return OnlineTarget(model, lm_head, layers), embedding

@@ -53,7 +53,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
         converted = staging.with_name(staging.name + f".{fmt}")
         if converted.exists():
             shutil.rmtree(converted)
-        head_dir = write_engine_head(head_dir, converted, fmt, target_config)
+        head_dir = write_engine_head(head_dir, converted, fmt, target_config, verifier=str(cfg.target.path) or None)
     for name in HEAD_FILES:
         if (head_dir / name).exists():
             shutil.copy2(head_dir / name, staging / name)
@@ -77,7 +77,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
     # the card describes the recipe the head was trained with (stored at export), not this command's
     trained = OmegaConf.load(head_dir / RECIPE_FILE) if (head_dir / RECIPE_FILE).exists() else cfg
     card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots,
-                      fmt=fmt)
+                      fmt=fmt, head_config=read_json(head_dir / "config.json"))
     (staging / "README.md").write_text(card)
     return sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
 

@@ -1,9 +1,17 @@
-"""The EAGLE training objective: w_feat * SmoothL1(predicted, true next feature) + w_tok * soft CE between the
-target's next-token distribution and the head's, both through the target's frozen lm_head, averaged over
-loss-masked positions; plus the input-feature noise augmentation."""
+"""The training objectives.
+
+EAGLE-2: w_feat * SmoothL1(predicted, true next feature) + w_tok * soft CE between the target's next-token
+distribution and the head's, both through the target's frozen lm_head, averaged over loss-masked positions; plus
+the input-feature noise augmentation.
+
+EAGLE-3 (`eagle3_loss`): no feature loss. For each unrolled step j (training-time test) the soft CE between the
+target's next-token distribution RESTRICTED to the draft vocabulary (renormalised there) and the head's own
+lm_head over the draft vocabulary, averaged over that step's loss positions, weighted by the step weights and
+summed over steps. Accuracy counts a hit only when the draft token (mapped to a target id) is the target's argmax
+over the FULL vocabulary, so tokens outside the draft vocabulary count as misses."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +56,9 @@ class LossOutput:
     token: torch.Tensor  # scalar, mean soft CE over positions (detached)
     positions: int  # loss positions in the batch
     topk_correct: list[int]  # [top1, top2, top3]: positions where the target's argmax is in the head's top-k
+    step_hits: list[int] = field(default_factory=list)  # EAGLE-3: top-1 hits of each unrolled step j = 1..k
+    step_counts: list[int] = field(default_factory=list)  # EAGLE-3: loss positions of each unrolled step
+    step_loss: list[float] = field(default_factory=list)  # EAGLE-3: mean soft CE of each unrolled step
 
 
 def eagle_loss(pred: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, lm_head: torch.Tensor,
@@ -126,3 +137,71 @@ class ChunkedSoftCE(torch.autograd.Function):
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
         return (grad * (grad_out.to(grad.dtype) / ctx.n)).to(ctx.p_dtype), None, None, None, None
+
+
+def shift_for_eagle3(features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     loss_mask: torch.Tensor, segments: int):
+    """Align an EAGLE-3 batch: features [B, T, S*H] = (aux layers ; final state), S = segments.
+
+    Returns aux [B, T-1, (S-1)*H], next_ids [B, T-1], head attention mask [B, T-1], final [B, T-1, H] and weights
+    [B, T-1]: index t reads (aux_t, x_{t+1}); final[t] = the target's state at t + 1, whose lm_head gives the
+    distribution of x_{t+2}, step 1's target; step j's target at index t is final[t + j - 1]. weights[t] =
+    loss_mask[t+1] (real), as in `shift_for_head`.
+    """
+    H = features.shape[-1] // segments
+    aux = features[:, :-1, : -H]  # [B, T-1, (S-1)*H]
+    final = features[:, 1:, -H:]  # [B, T-1, H]
+    return aux, input_ids[:, 1:], attention_mask[:, :-1], final, loss_mask[:, 1:] * attention_mask[:, 1:]
+
+
+@torch.no_grad()
+def eagle3_targets(final: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor):
+    """final [B, T, H], lm_head [V, H], draft_ids [Vd] (target id of each draft id) -> (target probabilities over the
+    draft vocabulary [B, T, Vd] float32 (renormalised), the target's argmax over the full vocabulary [B, T])."""
+    logits = F.linear(final.to(lm_head.dtype), lm_head).float()  # [B, T, V]
+    return logits[..., draft_ids].softmax(-1), greedy_ids(logits)
+
+
+def eagle3_loss(head, hiddens: list[torch.Tensor], probs: torch.Tensor, top: torch.Tensor, weights: torch.Tensor,
+                step_weights: list[float], rows: torch.Tensor | None = None) -> LossOutput:
+    """Training-time-test loss of an unrolled EAGLE-3 head.
+
+    hiddens: `head.unroll` output, step 1 [B, T, H], steps j >= 2 [B, R, H] at indices `rows` [R] (None = all T);
+    probs [B, T, Vd], top [B, T], weights [B, T] from `eagle3_targets` / `shift_for_eagle3`. Step j at index t is
+    scored against index t + j - 1 (masked when that runs off the sequence). Loss math in float32.
+    """
+    B, T = weights.shape
+    k = len(hiddens)
+    draft_ids = head.d2t.new_tensor(range(head.d2t.numel())) + head.d2t  # [Vd] target id of each draft id
+    pad = k - 1
+    probs_ext = F.pad(probs, (0, 0, 0, pad))  # [B, T + k - 1, Vd]
+    top_ext = F.pad(top, (0, pad), value=-1)  # [B, T + k - 1]
+    w_ext = F.pad(weights, (0, pad))  # [B, T + k - 1]
+    idx_all = torch.arange(T, device=weights.device)  # [T]
+    loss = hiddens[0].new_zeros((), dtype=torch.float32)
+    step_loss, hits, counts, topk = [], [], [], [0, 0, 0]
+    for j, h in enumerate(hiddens, start=1):
+        idx = idx_all if j == 1 or rows is None else rows.to(weights.device)  # [R]
+        sel = w_ext[:, idx + j - 1].bool()  # [B, R]
+        n = int(sel.sum())
+        if n == 0:
+            loss = loss + h.sum() * 0.0  # keep the graph: every rank runs its backward
+            step_loss.append(0.0)
+            hits.append(0)
+            counts.append(0)
+            continue
+        logits = head.draft_logits(h[sel]).float()  # [N, Vd]
+        p = probs_ext[:, idx + j - 1][sel]  # [N, Vd]
+        ce = -(p * logits.log_softmax(-1)).sum(-1).mean()
+        loss = loss + step_weights[j - 1] * ce
+        with torch.no_grad():
+            want = top_ext[:, idx + j - 1][sel]  # [N] target argmax (full vocabulary)
+            ranked = draft_ids[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]  # [N, 3] target ids
+            hit = ranked == want[:, None]  # [N, 3]
+        step_loss.append(float(ce.detach()))
+        hits.append(int(hit[:, 0].sum()))
+        counts.append(n)
+        if j == 1:
+            topk = [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)]
+    zero = torch.zeros(())
+    return LossOutput(loss, zero, torch.tensor(step_loss[0]), counts[0], topk, hits, counts, step_loss)

@@ -1,4 +1,4 @@
-"""Train an EAGLE-2 draft head on a frozen target with DeepSpeed. One explicit script: setup -> loop -> save -> cleanup.
+"""Train an EAGLE-2 or EAGLE-3 draft head (recipe `head.kind`) on a frozen target with DeepSpeed. One explicit script: setup -> loop -> save -> cleanup.
 
     python train/main.py --recipe tiny [key=value ...]                    # one CPU process
     torchrun --nproc_per_node 2 train/main.py --recipe tiny               # several processes (gloo on CPU)
@@ -94,7 +94,6 @@ def _train_locked(cfg, ctx) -> dict:
     from transformers import AutoConfig
 
     from data_prep.target import resolve_target_path
-    from eagle.head import EagleHead, head_config_from_target
     from train.batching import MicroBatchPlan
     from train.checkpoint import (CheckpointError, checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag,
                                   load_checkpoint, save_checkpoint)
@@ -105,8 +104,7 @@ def _train_locked(cfg, ctx) -> dict:
     from train.ds_config import deepspeed_config
     from train.export import export_dir, export_head, full_state_dict, standalone_head
     from train.frozen_target import check_cache_matches_target, load_frozen_target
-    from train.loss import add_input_noise, eagle_loss, shift_for_head
-    from train.metrics import evaluate
+    from train.head_kind import head_kind
     from train.plan import print_run_plan
     from train.tracking import Tracker
 
@@ -123,12 +121,13 @@ def _train_locked(cfg, ctx) -> dict:
     # -- target and data (mismatches fail here, before anything is trained)
     target_path = resolve_target_path(cfg.target)
     target_config = AutoConfig.from_pretrained(target_path, revision=cfg.target.revision)
+    kind = head_kind(cfg, target_config)  # what differs between EAGLE-2 and EAGLE-3 (train/head_kind.py)
     if t.mode == "offline":
         from data_prep.feature_cache import FeatureCacheReader
 
         cdir = cache_dir(cfg)
         source = FeatureCacheReader(cdir, verify=t.verify_cache)
-        check_cache_matches_target(source.manifest, cdir, target_path, target_config)
+        check_cache_matches_target(source.manifest, cdir, target_path, target_config, kind.layers)
     else:
         source = TokenizedRecords(tokenized_file(cfg), cfg.data.max_length)
     train_idx, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
@@ -146,15 +145,12 @@ def _train_locked(cfg, ctx) -> dict:
     print_run_plan(cfg, ctx, target_config)  # rank 0: memory / disk / time plan of this run (train/plan.py)
 
     # -- model: a fresh (or given) head + the target's frozen embedding and lm_head
-    frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype)
-    if cfg.head.init_from:
-        head = EagleHead.from_pretrained(cfg.head.init_from)
-        expect = head_config_from_target(target_config, bias=cfg.head.bias)
-        if (head.config.hidden_size, head.config.vocab_size) != (expect.hidden_size, expect.vocab_size):
-            raise ValueError(f"head.init_from={cfg.head.init_from}: hidden/vocab {head.config.hidden_size}/"
-                             f"{head.config.vocab_size} do not match the target's {expect.hidden_size}/{expect.vocab_size}")
-    else:
-        head = EagleHead(head_config_from_target(target_config, bias=cfg.head.bias))
+    frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype, kind.layers)
+    head = kind.new_head(target_config, source, train_set.indices, frozen.lm_head)  # eagle3: + the draft vocabulary of the train split
+    if kind.name == "eagle3":
+        say(f"EAGLE-3 head: aux layers {kind.layers[:-1]}, {kind.steps} unrolled steps (weights "
+            f"{', '.join(f'{w:.2f}' for w in kind.step_weights)}), row stride {kind.stride}; draft vocabulary "
+            + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in kind.vocab_info.items()))
     if tuple(embedding.shape) != tuple(head.embed_tokens.weight.shape):
         raise ValueError(f"target embedding {tuple(embedding.shape)} does not fit the head's {tuple(head.embed_tokens.weight.shape)}")
     head.embed_tokens.weight.data.copy_(embedding)
@@ -204,6 +200,8 @@ def _train_locked(cfg, ctx) -> dict:
     step, micro = state["step"], state["micro_step"]
     window = {"loss": 0.0, "feature": 0.0, "token": 0.0, "positions": 0, "top1": 0, "top2": 0, "top3": 0,
               "tokens": 0, "time": 0.0}
+    n_steps = getattr(kind, "steps", 0)  # EAGLE-3: per unrolled step hits / positions
+    window.update({f"step{j}_{x}": 0 for j in range(1, n_steps + 1) for x in ("hits", "n")})
     eval_metrics: dict = {}
     bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True,
                disable=not (ctx.is_main and cfg.logging.progress))
@@ -219,10 +217,8 @@ def _train_locked(cfg, ctx) -> dict:
             loader_epoch = epoch
         tic, cpu_tic = time.perf_counter(), time.process_time()
         batch = next(loader).to(ctx.device)
-        hidden = frozen.features(batch).to(dtype)  # [B, T, H]
-        feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
-        pred = engine(add_input_noise(feats, t.noise, t.noise_std), next_ids, attn)  # [B, T-1, H]
-        out = eagle_loss(pred, targets, weights, frozen.lm_head, t.feature_weight, t.token_weight, t.loss_chunk)
+        features = frozen.features(batch).to(dtype)  # [B, T, H] (EAGLE-3: [B, T, 4H], aux layers + final state)
+        out = kind.loss(engine, features, batch, frozen.lm_head, micro)
         micro += 1
         if not all_ranks_finite(out.loss, ctx.world_size):
             state["bad_in_row"] += 1
@@ -259,6 +255,9 @@ def _train_locked(cfg, ctx) -> dict:
         window["positions"] += n
         for k, c in zip(("top1", "top2", "top3"), out.topk_correct):
             window[k] += c
+        for j, (hits, cnt) in enumerate(zip(out.step_hits, out.step_counts), start=1):
+            window[f"step{j}_hits"] += hits
+            window[f"step{j}_n"] += cnt
         window["tokens"] += batch.num_tokens
         window["time"] += elapsed
         if not boundary:
@@ -274,6 +273,7 @@ def _train_locked(cfg, ctx) -> dict:
                     "train/top3": w["top3"] / pos, "train/lr": engine.get_lr()[0],
                     "train/tokens_per_s": w["tokens"] / max(w["time"] / ctx.world_size, 1e-9),
                     "train/epoch": micro / plan.per_epoch}
+            logs.update({f"train/step{j}_acc": w[f"step{j}_hits"] / max(w[f"step{j}_n"], 1) for j in range(1, n_steps + 1)})
             tracker.log(logs, step)
             bar.set_postfix(loss=f"{logs['train/loss']:.3f}", top1=f"{logs['train/top1']:.3f}",
                             tok_s=f"{logs['train/tokens_per_s']:.0f}")
@@ -284,7 +284,7 @@ def _train_locked(cfg, ctx) -> dict:
                               or (not t.eval_every and epochs_done > state["evaluated_epochs"])):
             state["evaluated_epochs"] = epochs_done
             eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
-            eval_metrics = evaluate(eval_head, eval_set, frozen, t, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
+            eval_metrics = kind.evaluate(eval_head, eval_set, frozen, ctx.device, dtype, ctx.rank, ctx.world_size)
             if live is not None:  # rank 0 only; the other ranks wait for it at the next collective
                 eval_metrics.update(live.measure(eval_head))
             tracker.log(eval_metrics, step)
@@ -318,13 +318,14 @@ def _train_locked(cfg, ctx) -> dict:
         "train_tokens_per_s": totals[0] / max(totals[1] / ctx.world_size, 1e-9),
         "train_cpu_s": totals[2],  # process CPU time of the training steps, summed over ranks (all threads)
         "stopped_early": stopped_early,
+        **kind.summary(),
     }
     if stopped_early:
         say(f"stopped after step {step} (train.stop_after={t.stop_after}); rerun the same command to resume")
     else:
         if len(eval_set) and last_eval_step != step:
             eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
-            eval_metrics = evaluate(eval_head, eval_set, frozen, t, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
+            eval_metrics = kind.evaluate(eval_head, eval_set, frozen, ctx.device, dtype, ctx.rank, ctx.world_size)
             if live is not None:
                 eval_metrics.update(live.measure(eval_head))
             tracker.log(eval_metrics, step)
@@ -355,7 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = ArgumentParser(
         prog="train/main.py",
-        description="Train an EAGLE-2 draft head (DeepSpeed) from a recipe. Overrides: key=value, e.g. "
+        description="Train an EAGLE-2 or EAGLE-3 draft head (DeepSpeed) from a recipe (head.kind). Overrides: key=value, e.g. "
                     "train.lr=1e-4 train.max_steps=100 target.path=/models/llama.",
         epilog=f"shipped recipes: {', '.join(list_recipes())}\n\nrecipe keys (default  # meaning):\n{describe_recipe_keys()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,

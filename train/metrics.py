@@ -148,3 +148,75 @@ def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int
     for j in range(k):
         metrics[f"eval/allfed_step{j + 1}_acc"] = sums[8 + k + j].item() / max(sums[8 + 2 * k + j].item(), 1.0)
     return metrics
+
+
+@torch.no_grad()
+def evaluate_eagle3(head, subset, target, settings, ttt_steps: int, step_weights: list[float], segments: int, device,
+                    dtype, seed: int, rank: int = 0, world_size: int = 1) -> dict:
+    """Metrics of an EAGLE-3 `head` on the eval `subset`, summed over ranks, named as `evaluate`'s.
+
+    The unroll IS the self-fed chain: step j at index s sees the true prefix 0..s (step 1) and its own chain's
+    steps 2..j only, as when decoding a chain (tokens fed = the data's). So step{j}_acc and sim_accept_len come
+    from one unroll of max(rollout_steps, ttt_steps) steps at every position, scored on the same chain starts as
+    EAGLE-2's rollouts (`rollout_starts`). Also eval/ttt_step{j}_acc (every loss position, j <= ttt_steps) and the
+    loss of the training objective; eval/feature_loss is 0 (no feature loss).
+    """
+    from train.loss import eagle3_loss, eagle3_targets, shift_for_eagle3
+
+    s = settings
+    k = s.rollout_steps
+    n_unroll = max(k, ttt_steps)
+    # positions, tok*n, top1, top2, top3, chains, accepted, chain step hits [k], ttt hits [ttt], ttt counts [ttt], loss*n
+    sums = torch.zeros(7 + k + 2 * ttt_steps + 1, dtype=torch.float64)
+    was_training = head.training
+    head.eval()
+    draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd]
+    for idx in eval_batches(subset.lengths, s.micro_batch_size, s.eval_max_records, rank, world_size):
+        records = [subset[i] for i in idx]
+        batch = collate(records).to(device)
+        features = target.features(batch).to(dtype)  # [B, T, 4H]
+        aux, next_ids, attn, final, weights = shift_for_eagle3(features, batch.input_ids, batch.attention_mask,
+                                                               batch.loss_mask, segments)
+        probs, top = eagle3_targets(final, target.lm_head, draft_ids)  # [B, T-1, Vd], [B, T-1]
+        hiddens = head.unroll(aux, next_ids, attn, steps=n_unroll)  # n_unroll x [B, T-1, H]
+        out = eagle3_loss(head, hiddens[:ttt_steps], probs, top, weights, step_weights)
+        sums[0] += out.positions
+        sums[1] += float(out.token) * out.positions
+        sums[2:5] += torch.tensor(out.topk_correct, dtype=torch.float64)
+        sums[7 + k : 7 + k + ttt_steps] += torch.tensor(out.step_hits, dtype=torch.float64)
+        sums[7 + k + ttt_steps : 7 + k + 2 * ttt_steps] += torch.tensor(out.step_counts, dtype=torch.float64)
+        sums[-1] += float(out.loss) * out.positions
+        # draft (as target ids) of step j at index s, compared with the target's argmax at s + j - 1 (shifted index)
+        drafts = torch.stack([draft_ids[head.draft_logits(h).argmax(-1)] for h in hiddens[:k]], dim=-1)  # [B, T-1, k]
+        T1 = top.shape[1]
+        top_ext = torch.nn.functional.pad(top, (0, k), value=-1)  # [B, T-1+k]
+        want = torch.stack([top_ext[:, j : j + T1] for j in range(k)], dim=-1)  # [B, T-1, k]
+        correct = drafts == want  # [B, T-1, k]
+        for b, rec in enumerate(records):
+            n = rec["input_ids"].shape[0]
+            starts = rollout_starts(n, weights[b], k, s.rollout_starts, seed, rec["id"])
+            if not starts:
+                continue
+            c = correct[b, starts].cpu()  # [n_starts, k]
+            sums[5] += c.shape[0]
+            sums[6] += float(c.long().cumprod(-1).sum())
+            sums[7 : 7 + k] += c.double().sum(0)
+    head.train(was_training)
+    sums = torch.tensor(all_reduce_sum(sums.tolist()), dtype=torch.float64)
+    n, chains = max(sums[0].item(), 1.0), max(sums[5].item(), 1.0)
+    metrics = {
+        "eval/positions": int(sums[0]),
+        "eval/feature_loss": 0.0,
+        "eval/token_loss": sums[1].item() / n,
+        "eval/top1": sums[2].item() / n,
+        "eval/top2": sums[3].item() / n,
+        "eval/top3": sums[4].item() / n,
+        "eval/chains": int(sums[5]),
+        "eval/sim_accept_len": 1.0 + sums[6].item() / chains,
+        "eval/loss": sums[-1].item() / n,
+    }
+    for j in range(k):
+        metrics[f"eval/step{j + 1}_acc"] = sums[7 + j].item() / chains
+    for j in range(ttt_steps):
+        metrics[f"eval/ttt_step{j + 1}_acc"] = sums[7 + k + j].item() / max(sums[7 + k + ttt_steps + j].item(), 1.0)
+    return metrics

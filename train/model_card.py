@@ -29,23 +29,62 @@ def evaluation_rows(report: dict) -> list[str]:
     return rows
 
 
+def eagle3_intro(head_config: dict, cfg) -> list[str]:
+    """The EAGLE-3 card's description: aux layers with their convention, draft vocabulary, layout, engines."""
+    eagle_config = head_config.get("eagle_config") or {}
+    aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") or head_config.get("eagle_aux_hidden_state_layer_ids")
+    return [
+        "A one-layer EAGLE-3 draft head (lossless speculative decoding; draft trees as in EAGLE-2), trained with the "
+        f"training-time test ({OmegaConf.select(cfg, 'head.ttt_steps', default='k')} unrolled steps).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| aux layers | `{aux}`: HF `output_hidden_states` indices (0 = the embeddings, j = the hidden state ENTERING "
+        "decoder layer j), the convention of the EAGLE-3 reference code and of vLLM's "
+        "`eagle_aux_hidden_state_layer_ids`; tools that name \"the layer whose output is taken\" write j - 1 |",
+        f"| draft vocabulary | {head_config.get('draft_vocab_size')} of the base model's {head_config.get('vocab_size')} "
+        "tokens (`d2t`: target id = draft id + d2t[draft id]; `t2d`: bool mask over the target vocabulary) |",
+        "| fusion | `fc` [H, 3H] (no bias) over the three aux states concatenated in that order |",
+        "",
+        "Released EAGLE-3 layout (yuhuili/EAGLE3-*, SpecForge): `config.json` (`LlamaForCausalLMEagle3`, "
+        "`draft_vocab_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`) + `model.safetensors` with `midlayer.*`, "
+        "`fc`, `norm`, `lm_head`, `d2t`, `t2d` and no `embed_tokens` (the base model's embedding is used).",
+    ]
+
+
 def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manifest: dict | None,
-               eval_report: dict | None, plots: list[str], fmt: str = "eagle") -> str:
+               eval_report: dict | None, plots: list[str], fmt: str = "eagle", head_config: dict | None = None) -> str:
     """README.md text. `cfg`: the recipe the head was TRAINED with; `plots`: repo-relative PNG paths to embed;
-    `fmt`: the folder format uploaded (eagle | vllm | sglang), which the serving commands load."""
+    `fmt`: the folder format uploaded (eagle | vllm | sglang), which the serving commands load; `head_config`: the
+    exported config.json (decides the head kind: an EAGLE-3 card states its aux layers and draft vocabulary)."""
     t = cfg.train
+    eagle3 = (head_config or {}).get("draft_vocab_size") is not None
     target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
+    tags = ["eagle", "eagle-3" if eagle3 else "eagle-2", "speculative-decoding", "draft-model"]
     card_meta = {"base_model": target if "/" in target and not Path(target).exists() else None,
                  "library_name": "eagle2-train", "license": license,
-                 "tags": ["eagle", "eagle-2", "speculative-decoding", "draft-model"], "pipeline_tag": "text-generation"}
+                 "tags": tags, "pipeline_tag": "text-generation"}
     front = "---\n" + OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in card_meta.items() if v})) + "---\n"
+    if eagle3:
+        intro = [f"# EAGLE-3 draft head for `{target}`", "", *eagle3_intro(head_config, cfg)]
+        weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
+        loss = (f"| loss | soft CE over the draft vocabulary at each of {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
+                f"unrolled steps, step weights {list(weights) if weights else '0.8^(j-1)'}; no feature loss |")
+        cite = "EAGLE (ICML 2024), EAGLE-2 (EMNLP 2024) and EAGLE-3 (NeurIPS 2025), Li et al."
+    else:
+        intro = [
+            f"# EAGLE-2 draft head for `{target}`",
+            "",
+            "A one-layer EAGLE-1/2 feature extrapolator (lossless speculative decoding; draft trees as in EAGLE-2). "
+            "Official EAGLE checkpoint format: `config.json` + `model.safetensors`; token logits come from the base "
+            "model's own frozen `lm_head`, the token embedding is the base model's (included, frozen).",
+        ]
+        loss = (f"| loss | {t.feature_weight} x SmoothL1(feature) + {t.token_weight} x soft CE(token); {t.noise} input "
+                f"noise {t.noise_std} |")
+        cite = "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al."
     lines = [
         front,
-        f"# EAGLE-2 draft head for `{target}`",
-        "",
-        "A one-layer EAGLE-1/2 feature extrapolator (lossless speculative decoding; draft trees as in EAGLE-2). "
-        "Official EAGLE checkpoint format: `config.json` + `model.safetensors`; token logits come from the base "
-        "model's own frozen `lm_head`, the token embedding is the base model's (included, frozen).",
+        *intro,
         "",
         "## Usage",
         "",
@@ -62,7 +101,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         f"This folder is in the {fmt} engine format (`python -m train.export --format {fmt}`); the official EAGLE "
         "folder is what the code above loads.",
         "",
-        *serving_section(cfg, target, repo_id, fmt),
+        *serving_section(cfg, target, repo_id, fmt, "eagle3" if eagle3 else "eagle2"),
         "## Training",
         "",
         "| setting | value |",
@@ -75,7 +114,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         f"| optimiser | AdamW lr {t.lr}, betas {list(t.betas)}, weight decay {t.weight_decay}, "
         f"{t.schedule} decay after {t.warmup_steps} warmup steps, clip {t.grad_clip} |",
         f"| batch | {t.micro_batch_size} sequences x {t.grad_accum} accumulation x {(summary or {}).get('world_size', 1)} ranks |",
-        f"| loss | {t.feature_weight} x SmoothL1(feature) + {t.token_weight} x soft CE(token); {t.noise} input noise {t.noise_std} |",
+        loss,
         f"| precision | {t.precision}, ZeRO-{t.zero_stage} |",
     ]
     if summary:
@@ -106,16 +145,16 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         lines.append("Full report: [eval/report.md](eval/report.md).")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
-    lines += ["", "## Citation", "", "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al.", ""]
+    lines += ["", "## Citation", "", cite, ""]
     return "\n".join(lines)
 
 
-def serving_section(cfg, target: str, repo_id: str, fmt: str) -> list[str]:
+def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: str = "eagle2") -> list[str]:
     """Markdown lines: copy-paste vLLM and SGLang commands for this head (train/engine_formats.serving_commands)."""
     from train.engine_formats import ENGINE_VERSIONS, serving_commands
 
     d = cfg.decoding
-    cmds = serving_commands(target, repo_id, fmt, num_speculative_tokens=int(d.chain_length),
+    cmds = serving_commands(target, repo_id, fmt, kind, num_speculative_tokens=int(d.chain_length),
                             total_token=int(d.total_token), depth=int(d.depth), top_k=int(d.top_k))
     lines = ["## Serving", ""]
     for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
