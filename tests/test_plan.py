@@ -11,7 +11,8 @@ from test_train_helpers import REPO, subprocess_env
 from train.main import load_config
 from train.plan import GB, Hardware, build_plan, memory_items, model_states, plan_shape
 
-SEVEN_B = ("llama3-8b", "llama2-chat-7b", "vicuna-7b", "qwen2-7b")
+SEVEN_B = ("llama3-8b", "llama2-chat-7b", "vicuna-7b", "qwen2-7b",
+           "llama3-8b-eagle3", "llama2-chat-7b-eagle3", "vicuna-7b-eagle3", "qwen2-7b-eagle3")
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +90,19 @@ def test_disk_is_bytes_per_token_times_tokens(llama_shape):
 
 
 def test_eagle3_is_planned_from_its_keys(llama_shape):
-    from omegaconf import OmegaConf
-
-    cfg = load_config("llama3-8b", [])
-    if "kind" not in cfg.head:  # before the EAGLE-3 keys exist in the schema: add them to this config only
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped copy
-        cfg.head.kind, cfg.head.draft_vocab_size, cfg.head.ttt_steps = "eagle3", 32000, 7
-    else:
-        cfg = load_config("llama3-8b", ["head.kind=eagle3", "head.draft_vocab_size=32000", "head.ttt_steps=7"])
+    cfg = load_config("llama3-8b", ["head.kind=eagle3", "head.draft_vocab_size=32000", "head.ttt_steps=7",
+                                    "head.ttt_row_stride=4"])
     s = plan_shape(cfg)
     H = 4096
     assert s.kind == "eagle3" and s.cache_row == 4 and s.ttt_steps == 7
     assert s.head_trainable - llama_shape.head_trainable == H * H + (32 + 16) * 128 * H + 32000 * H + 2 * H
     plan = build_plan(cfg, Hardware(), s, tokens=1000)
     assert plan.disk[0].bytes == (4 * H * 2 + 5) * 1000
+    # the EAGLE-3 loss is not chunked: full-vocabulary target logits + the draft logits of every unrolled step
+    n = cfg.train.micro_batch_size * cfg.data.max_length
+    rows = n + 6 * (n // 4)  # steps >= 2 at every 4th position
+    loss = {i.name: i.bytes for i in memory_items(cfg, Hardware(), s)}["token-loss logits"]
+    assert loss == n * 128256 * 4 + n * 32000 * 4 + rows * 32000 * (2 + 8)
 
 
 def test_cli_table_help_and_one_line_errors(capsys):

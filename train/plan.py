@@ -120,6 +120,7 @@ class Shape:
     kind: str = "eagle2"
     draft_vocab: int = 0  # eagle3: its own lm_head rows
     ttt_steps: int = 1  # eagle3: unrolled training-time-test steps (each a full head pass)
+    ttt_row_stride: int = 1  # eagle3: steps >= 2 run at every n-th position only (head.ttt_row_stride)
     cache_row: int = 1  # hidden states cached per token (eagle2 1 = last layer; eagle3 4 = 3 aux + last)
 
 
@@ -212,6 +213,7 @@ def plan_shape(cfg, config=None) -> Shape:
         shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
         shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
         shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(cfg.head.get("ttt_steps", 7)), 4
+        shape.ttt_row_stride = int(cfg.head.get("ttt_row_stride", 1))
     return shape
 
 
@@ -285,6 +287,18 @@ def loss_bytes(s: Shape, rows: int, n_positions: int, cb: int, chunk: int) -> fl
     return rows * per_row + (n_positions * s.hidden * 4 if chunk else 0)
 
 
+def unrolled_rows(s: Shape, n_tok: int) -> list[int]:
+    """Rows each unrolled step computes: step 1 every token, steps >= 2 every ttt_row_stride-th (EAGLE-2: [n_tok])."""
+    return [n_tok] + [math.ceil(n_tok / s.ttt_row_stride)] * (s.ttt_steps - 1)
+
+
+def eagle3_loss_bytes(s: Shape, n_tok: int, cb: int) -> float:
+    """EAGLE-3 token-loss peak (train/loss.py eagle3_targets + eagle3_loss, not chunked): the target's full-vocabulary
+    logits [n_tok, V] fp32 (transient, no grad) and its draft-vocabulary distribution [n_tok, Vd] fp32, plus per
+    unrolled step the draft logits kept for the backward ([R, Vd] in cb and fp32, and their log-softmax)."""
+    return n_tok * s.vocab * 4 + n_tok * s.draft_vocab * 4 + sum(r * s.draft_vocab * (cb + 8) for r in unrolled_rows(s, n_tok))
+
+
 def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
     """Per-rank (or, host mode, per-process) memory breakdown of recipe `cfg` (bytes; no allocator reserve)."""
     t = cfg.train
@@ -319,14 +333,19 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
         mem.append(Item("target forward (no grad)", n_tok * (2 * s.hidden + 2 * s.intermediate) * tdt, "one layer live"))
     mem.append(Item("micro-batch features", n_tok * s.hidden * s.cache_row * (4 + cb),
                     f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length"))
-    act = activation_bytes_per_token(s, cb) * n_tok * s.ttt_steps
-    mem.append(Item("head activations", act, f"{B} x {T} tokens" + (f" x {s.ttt_steps} TTT steps" if s.ttt_steps > 1 else ""),
-                    "train.micro_batch_size / data.max_length"))
-    chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
-    rows = chunk or n_tok
-    mem.append(Item("token-loss logits", loss_bytes(s, rows, n_tok, cb, chunk),
-                    f"{rows} rows x {s.draft_vocab or s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
-                    "train.loss_chunk"))
+    act = activation_bytes_per_token(s, cb) * sum(unrolled_rows(s, n_tok))
+    steps = "" if s.ttt_steps == 1 else f" x {s.ttt_steps} TTT steps (steps >= 2 at 1/{s.ttt_row_stride} of the rows)"
+    mem.append(Item("head activations", act, f"{B} x {T} tokens{steps}", "train.micro_batch_size / data.max_length"))
+    if s.kind == "eagle3":  # its loss is not chunked: full-vocabulary target logits, draft-vocabulary logits per step
+        mem.append(Item("token-loss logits", eagle3_loss_bytes(s, n_tok, cb),
+                        f"{n_tok} x {s.vocab} target logits + {s.ttt_steps} steps x {s.draft_vocab} draft vocab",
+                        "train.micro_batch_size / data.max_length / head.ttt_row_stride"))
+    else:
+        chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
+        rows = chunk or n_tok
+        mem.append(Item("token-loss logits", loss_bytes(s, rows, n_tok, cb, chunk),
+                        f"{rows} rows x {s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
+                        "train.loss_chunk"))
     # DeepSpeed buffers (ZeRO-1/2: contiguous-gradient reduce bucket(s), all-gather bucket; ZeRO-3: prefetch)
     if t.zero_stage in (1, 2):
         red_dtype = 4 if (t.zero_stage == 1 or precision == "fp32") else cb
