@@ -421,8 +421,10 @@ class FeatureCacheReader:
         lengths = (offsets[1:] - offsets[:-1]).tolist() if offsets.numel() else []
         if offsets.numel() != n + 1 or lengths != shard["lengths"]:
             bad(f"per-record lengths {lengths[:5]}... in the file, {shard['lengths'][:5]}... in the manifest")
-        hidden = int(self.manifest.get("hidden_size", shapes["hidden"][-1]))
-        if shapes["hidden"] != (t, hidden) or any(shapes[k] != (t,) for k in need - {"hidden", "offsets"}):
+        segments = segments_of(self.manifest)  # hidden states per token: 1 (EAGLE-2) or 4 (EAGLE-3)
+        hidden = int(self.manifest.get("hidden_size", shapes["hidden"][-1] // segments)) * segments
+        per_token = {"scales": (t,) if segments == 1 else (t, segments)}  # int8: one fp16 scale per state
+        if shapes["hidden"] != (t, hidden) or any(shapes[k] != per_token.get(k, (t,)) for k in need - {"hidden", "offsets"}):
             bad(f"tensor shapes {shapes} for {t} tokens of width {hidden}")
         if stored_ids is not None and json.loads(stored_ids) != shard["ids"]:
             bad("record ids differ from the ones stored in the shard")

@@ -154,11 +154,13 @@ def build_setup(cfg) -> Setup:
                              "(positions beyond it were never trained); use eval.max_length=0 for the target's limit")
     if cfg.target.dtype not in DTYPES:
         raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected one of {sorted(DTYPES)}")
+    base_decoding = DecodingConfig.from_section(cfg.decoding)
+    parse_methods(list(cfg.eval.methods), base_decoding, local_head_dir(head_path),  # bad methods fail before loading
+                  bool(cfg.eval.compare_head))
     model = EaModel.from_pretrained(base_model_path=target_path, ea_model_path=head_path,
                                     torch_dtype=DTYPES[cfg.target.dtype],
                                     attn_implementation=cfg.target.attn_implementation,
                                     revision=cfg.target.revision)
-    base_decoding = DecodingConfig.from_section(cfg.decoding)
     models = {"A": model}
     if cfg.eval.compare_head:
         head_b = load_head(str(cfg.eval.compare_head), dtype=model.base_model.dtype,  # EAGLE-2 or EAGLE-3

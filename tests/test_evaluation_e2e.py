@@ -282,7 +282,7 @@ def test_cli_sampling_bench_and_chi2_command(saved, tmp_path):
     assert (out / "chi2" / "chi2.md").read_text().count("PASS") == 2
 
 
-def test_cli_eagle2_and_eagle3_heads_in_one_interleaved_run(tmp_path):
+def test_cli_eagle2_and_eagle3_heads_in_one_interleaved_run(tmp_path, capsys):
     """Head A (EAGLE-2) and head B (EAGLE-3) on one 4-layer target: methods name the head with @B, each setting runs
     once per head, every pair is compared on the same prompts (tau ratio with a CI), outputs stay lossless."""
     from tiny_models import EAGLE3_AUX, EAGLE3_LAYERS
@@ -311,6 +311,8 @@ def test_cli_eagle2_and_eagle3_heads_in_one_interleaved_run(tmp_path):
     assert ratio["ci_low"] <= ratio["value"] <= ratio["ci_high"]
     assert data["losslessness"]["lossless"]
     assert "| tau(a) / tau(b) |" in (tmp_path / "eval" / "report.md").read_text()
-    with pytest.raises(ValueError, match="use head B, but eval.compare_head"):  # not a silent head A
-        main(["--base", str(tmp_path / "target"), "--head", str(tmp_path / "head2"), "--questions",
-              str(tmp_path / "q.jsonl"), "eval.methods=[eagle2@B]"])
+    capsys.readouterr()
+    assert main(["--base", str(tmp_path / "target"), "--head", str(tmp_path / "head2"), "--questions",
+                 str(tmp_path / "q.jsonl"), "eval.methods=[eagle2@B]"]) == 2  # not a silent head A
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use head B, but eval.compare_head" in err[0]

@@ -61,6 +61,8 @@ def check_exportable(state_dict: dict[str, torch.Tensor], dtype: str, out_dir: P
     from train.divergence import DivergenceError
 
     for name, w in state_dict.items():
+        if not w.is_floating_point():  # integer/bool buffers (EAGLE-3 d2t, t2d) are not weights
+            continue
         cast = w.to(EXPORT_DTYPES[dtype])
         if not bool(torch.isfinite(cast).all()):
             raise DivergenceError(f"not exporting to {out_dir}: {name} holds NaN/inf in {dtype} "
@@ -75,6 +77,8 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
                 recipe=None, summary: dict | None = None) -> Path:
     """Write the head folder atomically (a temporary sibling renamed into place); `config` decides the layout. A
     previous export is replaced only by a complete, finite one."""
+    from train.divergence import DivergenceError
+
     check_exportable(state_dict, dtype, Path(out_dir))
     head = head_class(config)(config)
     head.load_state_dict(state_dict, strict=True)

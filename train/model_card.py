@@ -153,9 +153,12 @@ def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: str = "eagle
     """Markdown lines: copy-paste vLLM and SGLang commands for this head (train/engine_formats.serving_commands)."""
     from train.engine_formats import ENGINE_VERSIONS, serving_commands
 
-    d = cfg.decoding
-    cmds = serving_commands(target, repo_id, fmt, kind, num_speculative_tokens=int(d.chain_length),
-                            total_token=int(d.total_token), depth=int(d.depth), top_k=int(d.top_k))
+    from eagle.decoding_config import DecodingConfig
+
+    d = DecodingConfig()  # a recipe without a decoding section (e.g. an older recipe.yaml) gets the defaults
+    get = lambda key: int(OmegaConf.select(cfg, f"decoding.{key}", default=getattr(d, key)))  # noqa: E731
+    cmds = serving_commands(target, repo_id, fmt, kind, num_speculative_tokens=get("chain_length"),
+                            total_token=get("total_token"), depth=get("depth"), top_k=get("top_k"))
     lines = ["## Serving", ""]
     for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
         lines += [f"{label} (format checked against {ENGINE_VERSIONS[engine]}):", "", "```bash", cmds[engine], "```", ""]
