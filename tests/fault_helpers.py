@@ -25,7 +25,7 @@ def reattach_log_streams() -> None:
     for logger in [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]:
         for h in getattr(logger, "handlers", []):
             if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
-                h.stream = sys.stdout  # not setStream: it flushes the old (closed) stream first
+                h.stream = sys.stdout  # not setStream: it flushes the closed stream first
 
 
 def run_cli(main, argv: list[str], capsys) -> tuple[int, str, str]:
