@@ -297,6 +297,19 @@ def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torc
     return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
 
 
+def init_head_weights(head: nn.Module, std: float = 0.02) -> None:
+    """Fresh-head init of both kinds: norms 1, biases 0, the rest N(0, std); the target's embedding is left alone."""
+    for name, p in head.named_parameters():
+        if name.startswith("embed_tokens"):
+            continue
+        if name.endswith("norm.weight"):  # input_layernorm, hidden_norm, post_attention_layernorm, the final norm
+            nn.init.ones_(p)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(p)
+        else:
+            nn.init.normal_(p, std=std)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -458,15 +471,7 @@ class EagleHead(nn.Module):
         self._init_weights()
 
     def _init_weights(self, std: float = 0.02) -> None:
-        for name, p in self.named_parameters():
-            if name.startswith("embed_tokens"):
-                continue
-            if name.endswith("layernorm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.normal_(p, std=std)
+        init_head_weights(self, std)
 
     # -- construction -----------------------------------------------------------------
     @classmethod
@@ -638,15 +643,7 @@ class Eagle3Head(nn.Module):
         self._init_weights()
 
     def _init_weights(self, std: float = 0.02) -> None:
-        for name, p in self.named_parameters():
-            if name.startswith("embed_tokens"):
-                continue
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.normal_(p, std=std)
+        init_head_weights(self, std)
 
     # -- construction -----------------------------------------------------------------
     @classmethod

@@ -154,11 +154,7 @@ class HeadDecoder:
         draft-tree level); mask [n, length + n] bool (True = attend) or additive float, None = causal over the
         new rows. Appends their K/V; returns the predicted features [n, H]."""
         n = next_ids.shape[0]
-        end = self.length + n
-        if end > self.capacity:
-            raise RuntimeError(f"draft KV cache overflow: {end} positions > capacity {self.capacity}")
-        if mask is None and n > 1:
-            mask = torch.ones(n, end, dtype=torch.bool, device=features.device).tril(diagonal=self.length)  # [n, L + n]
+        end, mask = self._append_bounds(n, mask, features.device)
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
         features = features.to(self._kv.dtype)
         if self.fast:
@@ -189,6 +185,15 @@ class HeadDecoder:
             normed = rms_norm(x, self.ln, self.eps)
             gate, up = torch.mm(normed, self.gate_t), torch.mm(normed, self.up_t)
         return torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]
+
+    def _append_bounds(self, n: int, mask: torch.Tensor | None, device) -> tuple[int, torch.Tensor | None]:
+        """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1)."""
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(f"draft KV cache overflow: {end} positions > capacity {self.capacity}")
+        if mask is None and n > 1:
+            mask = torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=self.length)  # [n, L + n]
+        return end, mask
 
     def _rotary(self, positions: "torch.Tensor | range | int") -> tuple[torch.Tensor, torch.Tensor]:
         self._reserve(positions_end(positions))
@@ -269,11 +274,7 @@ class Eagle3HeadDecoder(HeadDecoder):
         """As `HeadDecoder.forward`: features [n, H] (fused aux states or the head's own output hiddens), next_ids [n],
         positions, mask [n, length + n] (None = causal over the new rows). Returns the output hiddens [n, H]."""
         n = next_ids.shape[0]
-        end = self.length + n
-        if end > self.capacity:
-            raise RuntimeError(f"draft KV cache overflow: {end} positions > capacity {self.capacity}")
-        if mask is None and n > 1:
-            mask = torch.ones(n, end, dtype=torch.bool, device=features.device).tril(diagonal=self.length)  # [n, L + n]
+        end, mask = self._append_bounds(n, mask, features.device)
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
         features = features.to(self._kv.dtype)
         if self.fast:
