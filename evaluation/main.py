@@ -129,8 +129,9 @@ def load_all_questions(cfg) -> list:
         raise QuestionError(f"{source}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def build_setup(cfg) -> Setup:
-    """Load the target, head(s) and tokenizer once; every command shares them."""
+def build_setup(cfg, check_methods: bool = True) -> Setup:
+    """Load the target, head(s) and tokenizer once; every command shares them. check_methods: parse eval.methods
+    before loading anything (bench, chi2; autotune writes the tree that the `tuned` method reads)."""
     from eagle.ea_model import EaModel
     from eagle.head import load_head
 
@@ -155,8 +156,8 @@ def build_setup(cfg) -> Setup:
     if cfg.target.dtype not in DTYPES:
         raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected one of {sorted(DTYPES)}")
     base_decoding = DecodingConfig.from_section(cfg.decoding)
-    parse_methods(list(cfg.eval.methods), base_decoding, local_head_dir(head_path),  # bad methods fail before loading
-                  bool(cfg.eval.compare_head))
+    if check_methods:  # bad methods fail before anything loads
+        parse_methods(list(cfg.eval.methods), base_decoding, local_head_dir(head_path), bool(cfg.eval.compare_head))
     model = EaModel.from_pretrained(base_model_path=target_path, ea_model_path=head_path,
                                     torch_dtype=DTYPES[cfg.target.dtype],
                                     attn_implementation=cfg.target.attn_implementation,
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     command, args = parse_args(argv)
     cfg = load_config(args)
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
-    setup = build_setup(cfg)
+    setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv
     if command == "serve-check":
         from evaluation.serve_check import ServeCheckError, serve_check
