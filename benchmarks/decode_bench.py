@@ -78,6 +78,9 @@ def load_stories(shared: Path, head_arg: str | None, fused: bool | None = None):
 
     path = shared / "models" / "stories260K"
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    # the 480-token context sweep decodes a few dozen steps past the 512 trained positions: raised explicitly (the
+    # decoder refuses it otherwise); step time does not depend on what the model learned there
+    base.config.max_position_embeddings = max(base.config.max_position_embeddings, 1024)
     tok = AutoTokenizer.from_pretrained(path)
     candidates = [Path(head_arg)] if head_arg else [REPO.parent / "heads" / "stories260K-head"]
     head_dir = next((c for c in candidates if (c / "config.json").exists()), None)
