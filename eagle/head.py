@@ -457,7 +457,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class EagleHead(nn.Module):
+class HeadModule(nn.Module):
+    """What both head kinds share as modules: dtype and device are those of `fc` (never the frozen embedding)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+
+class EagleHead(HeadModule):
     """The draft head. See module docstring for the equation; keys follow the released checkpoints."""
 
     def __init__(self, config: HeadConfig):
@@ -481,14 +493,6 @@ class EagleHead(nn.Module):
         emb = target_model.get_input_embeddings().weight
         head.embed_tokens.weight.data.copy_(emb.detach().to(head.embed_tokens.weight.dtype))
         return head
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
 
     def decoder(self, capacity: int, fast: bool | None = None):
         """A `HeadDecoder` (eagle/head_decoder.py): the decoding forward with its own KV cache of `capacity`."""
@@ -621,7 +625,7 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(HeadModule):
     """The EAGLE-3 draft head (see module docstring). Keys follow the released EAGLE-3 checkpoints; `embed_tokens`
     is a frozen copy of the target's, never saved (`bind_target` / `EaModel.from_pretrained` fill it)."""
 
@@ -699,14 +703,6 @@ class Eagle3Head(nn.Module):
                 raise HeadConfigError("t2d does not mark exactly the target ids that d2t maps to")
         self.d2t.copy_(d2t.to(self.d2t.device))
         self.t2d.copy_(derived.to(self.t2d.device))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
 
     def decoder(self, capacity: int, fast: bool | None = None):
         """An `Eagle3HeadDecoder` (eagle/head_decoder.py): the decoding forward with its own KV cache."""
