@@ -1,11 +1,14 @@
 """Load the recipe's target (tokenizer with a chat template, frozen model) for data preparation."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 
 import torch
+
+from eagle.cli_errors import UserError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config keys that do not change the features (versions, paths, compute dtype recorded separately)
@@ -27,6 +30,26 @@ def resolve_target_path(target_cfg) -> str:
     return str(ensure_default_target())
 
 
+@contextlib.contextmanager
+def naming_target(path, what: str = "target"):
+    """Errors transformers raises while loading the target (a config.json that is not JSON, an unknown model_type,
+    missing weight or tokenizer files) become one UserError naming the folder or hub id."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UserError(f"{what} {path}: {type(e).__name__}: {' '.join(str(e).split())[:600]}") from e
+
+
+def load_target_config(path, revision=None):
+    """AutoConfig of the target, load errors naming it."""
+    from transformers import AutoConfig
+
+    with naming_target(path, "target config of"):
+        return AutoConfig.from_pretrained(str(path), revision=revision)
+
+
 def target_config_hash(config) -> str:
     """Stable hash of a target's architecture config (the feature cache records it; the trainer can compare)."""
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -42,7 +65,8 @@ def load_target_tokenizer(target_cfg, path: str | None = None, need_template: bo
     from data_prep.chat_template import setup_chat_template
 
     path = path or resolve_target_path(target_cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=target_cfg.revision)
+    with naming_target(path, "tokenizer of"):
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=target_cfg.revision)
     if need_template or target_cfg.chat_template:
         setup_chat_template(tokenizer, target_cfg.chat_template, where=f"tokenizer of {path}")
     return tokenizer
@@ -63,10 +87,11 @@ def load_target_model(target_cfg, device: torch.device, path: str | None = None)
     if target_cfg.dtype not in TORCH_DTYPES:
         raise ValueError(f"target.dtype must be one of {sorted(TORCH_DTYPES)}, got {target_cfg.dtype!r}")
     path = path or resolve_target_path(target_cfg)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=TORCH_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation,
-        revision=target_cfg.revision,
-    )
+    with naming_target(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=TORCH_DTYPES[target_cfg.dtype], attn_implementation=target_cfg.attn_implementation,
+            revision=target_cfg.revision,
+        )
     model.requires_grad_(False)
     return model.eval().to(device)
 

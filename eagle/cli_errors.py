@@ -68,13 +68,44 @@ def is_expected(exc: BaseException) -> bool:
 
 
 def one_line(exc: BaseException) -> str:
-    """The error as one line: its message with newlines folded; OSErrors name their file and say what to do."""
+    """The error as one line: its message with newlines folded; OSErrors name their file and say what to do.
+
+    A ValueError (or other expected type) that a library raised rather than this project says where it came from:
+    ValueError is how this project reports bad values, but also what a library raises for a bug in our use of it,
+    so the line keeps the exception type and the raising module, and points at --debug for the traceback."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) and not str(exc).startswith("disk"):
         where = f" writing {exc.filename}" if exc.filename else ""
         msg = f"disk full{where} ({os.strerror(exc.errno)}): free space (or point output_dir elsewhere) and rerun"
     else:
         msg = str(exc) or type(exc).__name__
+        origin = None if isinstance(exc, (UserError, OSError)) else library_origin(exc)
+        if origin is not None:
+            msg += f" [{type(exc).__name__} raised in {origin}; {DEBUG_FLAG} shows the traceback]"
     return " ".join(msg.split())
+
+
+_REPO = Path(__file__).resolve().parent.parent
+_OWN_PACKAGES = {"eagle", "train", "data_prep", "evaluation", "quickstart", "recipes", "benchmarks", "tests"}
+
+
+def library_origin(exc: BaseException) -> str | None:
+    """The file (relative to site-packages) of the innermost Python frame that raised `exc`, if it is not ours."""
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return None
+    path = Path(last.tb_frame.f_code.co_filename)
+    try:
+        if path.resolve().relative_to(_REPO).parts[0] in _OWN_PACKAGES:
+            return None
+    except (ValueError, IndexError, OSError):
+        pass
+    parts = path.parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return "/".join(parts[parts.index(marker) + 1:])
+    return path.name
 
 
 def file_error(path: str | Path, exc: BaseException, what: str = "") -> FileFormatError:

@@ -144,11 +144,10 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
 
         check_head_files(head_path)
     if cfg.eval.max_length:  # a length the target was never trained for fails before the target loads
-        from transformers import AutoConfig
-
+        from data_prep.target import load_target_config
         from eagle.head import text_config
 
-        limit = getattr(text_config(AutoConfig.from_pretrained(target_path, revision=cfg.target.revision)),
+        limit = getattr(text_config(load_target_config(target_path, cfg.target.revision)),
                         "max_position_embeddings", None)
         if limit and int(cfg.eval.max_length) > int(limit):
             raise ValueError(f"eval.max_length={cfg.eval.max_length} exceeds the target's max_position_embeddings={limit} "

@@ -108,13 +108,12 @@ def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeo
 def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_format: str, work: Path,
                           ) -> tuple[str, str, int | None]:
     """(target folder, draft folder, padded head_dim or None) that the engine will load."""
-    from transformers import AutoConfig
-
+    from data_prep.target import load_target_config
     from eagle.head import EagleHead
     from evaluation.head_dim_pad import pad_head, pad_target_folder
     from train.engine_formats import write_engine_head
 
-    tcfg = AutoConfig.from_pretrained(target_path)
+    tcfg = load_target_config(target_path)
     text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
     D = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     padded = None
@@ -125,7 +124,7 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
         target_path = str(pad_target_folder(target_path, work / "target_padded", padded))
         head = pad_head(EagleHead.from_pretrained(head_path, dtype=torch.float32), padded)
         head_path = str(head.save_pretrained(work / "head_padded", dtype=torch.float32))
-        tcfg = AutoConfig.from_pretrained(target_path)
+        tcfg = load_target_config(target_path)
     if engine_format == "eagle":
         return target_path, head_path, padded  # the official folder, unchanged
     draft = write_engine_head(head_path, work / f"head_{engine}", engine, tcfg)

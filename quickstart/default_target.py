@@ -116,7 +116,7 @@ def ensure_default_target(cache_dir: str | Path | None = None, *, size: str = "d
         if not rebuild and _matches(target, fingerprint):  # another process built it while we waited
             return target
         if target.exists():
-            print(f"[quickstart] {target} was built with other settings or is incomplete: rebuilding", file=sys.stderr)
+            print(f"[quickstart] {target} was built with other settings or is incomplete: rebuilding", file=sys.stdout)
         _remove_stale_tmp_dirs(target)
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -212,7 +212,7 @@ def build_default_target(out_dir: str | Path, preset: TargetSize, *, seed: int =
     (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=1, ensure_ascii=False))
     print(f"[quickstart] default target: {info['parameters'] / 1e6:.2f}M params, train loss "
           f"{info['train_loss_last']:.3f}, held-out loss {eval_loss:.3f}, built in {info['build_seconds']}s",
-          file=sys.stderr)
+          file=sys.stdout)
     return out_dir
 
 
@@ -309,7 +309,7 @@ def train_model(model, rows: torch.Tensor, preset: TargetSize, *, seed: int, pro
                             lr=preset.lr, betas=(0.9, 0.95))
     model.train()
     losses = []
-    bar = tqdm(range(preset.steps), desc="default target: training", disable=not progress, file=sys.stderr)
+    bar = tqdm(range(preset.steps), desc="default target: training", disable=not progress, file=sys.stdout)
     for step in bar:
         idx = torch.randint(0, rows.shape[0], (preset.batch_size,), generator=gen)
         batch = rows[idx]  # [B, block+1]

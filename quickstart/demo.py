@@ -4,6 +4,10 @@
 
 Every stage runs as its own documented command in a subprocess (the same command a user would type,
 printed before it runs), so the demo exercises exactly the real CLIs and never reimplements them.
+Output: progress (this script's `[quickstart]` lines and every stage's own output, progress bars included) goes
+to stdout; stderr carries only the outcome of a failure, as ONE line (`error: stage train: <the stage's own
+error line>; ...`), so `2>err.txt` captures exactly what to fix. Exit code: the failing stage's (2 for an
+expected error), 0 on success.
 Rerunnable: `{out}/quickstart_state.json` records each finished stage with a fingerprint of the recipe
 sections it reads; a finished stage with the same fingerprint is skipped, an interrupted one is rerun
 (data prep and training resume from their own partial outputs), and a stage whose settings changed is
@@ -12,6 +16,7 @@ redone from scratch together with everything downstream of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -81,7 +86,13 @@ def cpu_seconds() -> float:
 
 
 def say(msg: str) -> None:
-    print(f"[quickstart] {msg}", file=sys.stderr, flush=True)
+    """A progress line (stdout: stderr is reserved for the one line of a failure)."""
+    print(f"[quickstart] {msg}", file=sys.stdout, flush=True)
+
+
+def fail(msg: str, err) -> None:
+    """The one stderr line of a failed run."""
+    print(f"error: {' '.join(msg.split())}", file=err, flush=True)
 
 
 def resolve_inputs(target: str | None, out_dir: Path, size: str = "default") -> tuple[str, dict[str, str], dict]:
@@ -142,15 +153,40 @@ def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> Non
         out = dict(o.split("=", 1) for o in overrides if "=" in o)["output_dir"]
         cmd.append(f"eval.output_dir={Path(out) / TUNE_DIR}")
     say("$ " + " ".join(shlex.quote(c) for c in cmd))
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise StageFailed(stage, proc.returncode)
+    sys.stdout.flush()
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    tail = relay(proc.stderr, sys.stdout)
+    code = proc.wait()
+    if code != 0:
+        raise StageFailed(stage, code, last_line(tail))
+
+
+def relay(src, dst, keep: int = 8192) -> str:
+    """Copy a stage's stderr (progress bars, warnings, its error line) to `dst` as it arrives; returns its tail."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    tail = ""
+    while chunk := os.read(src.fileno(), 65536):
+        text = decoder.decode(chunk)
+        dst.write(text)
+        dst.flush()
+        tail = (tail + text)[-keep:]
+    return tail
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a stream (progress bars redraw with carriage returns): a CLI's `error: ...` line or the last
+    line of a traceback."""
+    lines = [ln.strip() for ln in text.replace("\r", "\n").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
 
 
 class StageFailed(RuntimeError):
-    def __init__(self, stage: Stage, code: int):
-        super().__init__(f"stage {stage.name} failed with exit code {code}")
-        self.stage, self.code = stage, code
+    def __init__(self, stage: Stage, code: int, detail: str = ""):
+        detail = detail.removeprefix("error:").strip()
+        super().__init__(f"stage {stage.name} failed with exit code {code}" + (f": {detail}" if detail else ""))
+        self.stage, self.code, self.detail = stage, code, detail
 
 
 def summarize_report(eval_dir: Path) -> list[str]:
@@ -219,13 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         lock.acquire(timeout=0)
     except Timeout:
         raise SystemExit(f"another `python -m quickstart` is running on {out_dir}; wait for it or use --out") from None
+    err = sys.stderr
     try:
-        return run_pipeline(args, user, out_dir, env, started)
+        # the default target is built in this process: what libraries print on stderr (transformers' shard-writing
+        # bar, warnings) is progress too; only the failure line below goes to the real stderr
+        with contextlib.redirect_stderr(sys.stdout):
+            return run_pipeline(args, user, out_dir, env, started, err)
     finally:
         lock.release()
 
 
-def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float) -> int:
+def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float, err) -> int:
     from recipes import load_recipe
 
     if args.fresh:
@@ -274,9 +314,12 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
             if stage.name == "eval" and e.code == 1 and eval_report.exists():  # the report lists the mismatches
                 for line in summarize_report(eval_report.parent):
                     say("  " + line)
-                say(f"evaluation found outputs that differ from vanilla: see {eval_report.parent / 'report.md'}")
-            else:
-                say(f"{e}; fix the cause and rerun the same command (finished stages are reused)")
+                fail(f"evaluation found outputs that differ from vanilla: see {eval_report.parent / 'report.md'}", err)
+            elif e.code == 2:  # the stage's own one-line error names what to fix
+                fail(f"stage {stage.name}: {e.detail or 'failed (exit code 2)'}; fix it and rerun the same command "
+                     "(finished stages are reused)", err)
+            else:  # a crash: its traceback is in the output above
+                fail(f"{e} (its traceback is above, on stdout); rerun the same command to resume", err)
             return e.code
         timings[stage.name] = round(time.time() - t, 1)
         cpu[stage.name] = round(cpu_seconds() - c, 1)

@@ -348,3 +348,34 @@ def test_hub_push_faults_are_one_line(toy, tmp_path, capsys, name, setup, needle
                                   *extra, "--head", head], capsys)
     assert_one_line_error(code, err, *needles)
     assert_unchanged(before, head)
+
+
+@pytest.mark.parametrize("name,damage,needles", [
+    ("invalid json", lambda p: p.write_text('{"model_type": "llama",'), ["not a valid JSON file"]),
+    ("unknown model_type", lambda p: p.write_text('{"model_type": "no-such-arch"}'), ["no-such-arch"]),
+])
+def test_damaged_target_config_is_named(toy, tmp_path, capsys, name, damage, needles):
+    """A target folder whose config.json is broken: training, data prep and evaluation each name the folder in one
+    line (transformers' own error is kept in it), before any work and without touching the run folder."""
+    from data_prep.main import main as data_main
+    from evaluation.main import main as eval_main
+
+    target = copy(toy["target"], tmp_path / "target")
+    damage(target / "config.json")
+    run = copy(toy["run"], tmp_path / "run")
+    before = snapshot(run)
+    common = ["--recipe", "tiny", f"target.path={target}", f"output_dir={run}"]
+    code, _, err = train_cli({**toy, "target": target}, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, f"target config of {target}", *needles)
+    from data_prep.tokenized import write_tokenized
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    prep = tmp_path / "prep"  # data prep's cache stage, its tokenized input present
+    write_tokenized(prep / "data" / "tokenized.jsonl", [{"id": "r0", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    for main, argv in ((data_main, ["--recipe", "tiny", f"target.path={target}", f"output_dir={prep}", "cache"]),
+                       (eval_main, [*common, "--head", str(toy["head"]), "eval.max_length=64",
+                                    f"eval.questions={prompts}"])):
+        code, _, err = run_cli(main, argv, capsys)
+        assert_one_line_error(code, err, str(target), *needles)
+    assert_unchanged(before, run)

@@ -66,10 +66,11 @@ def test_runs_every_stage_in_order_with_the_target_and_prompts(monkeypatch, tmp_
     first_question = json.loads(Path(overrides["eval.questions"]).read_text().splitlines()[0])
     assert {"question_id", "category", "turns"} <= set(first_question)
     assert all(c[1] == fake.calls[0][1] for c in fake.calls)  # every stage sees the same recipe
-    err = capsys.readouterr().err
-    assert "eagle2: tau 2.50" in err and "0 mismatches" in err and "report.md" in err
+    out, err = capsys.readouterr()
+    assert err == ""  # stderr is reserved for the one line of a failure
+    assert "eagle2: tau 2.50" in out and "0 mismatches" in out and "report.md" in out
     # the last two lines: where the report is, then the headline (best method, tau, speed-up with CI, mismatches)
-    last = err.strip().splitlines()[-2:]
+    last = out.strip().splitlines()[-2:]
     assert last[0].endswith("report: " + str((tmp_path / "run" / "eval" / "report.md").resolve()))
     assert last[1] == ("[quickstart] fastest: eagle2 (dynamic total_token=60 depth=5 top_k=10): tau 2.50, speedup "
                        "1.50x [1.20, 1.80] over vanilla, 0 mismatches with vanilla greedy over 4 outputs")
@@ -99,7 +100,8 @@ def test_rerun_reuses_finished_stages_and_redoes_changed_ones(monkeypatch, tmp_p
 def test_interrupted_stage_resumes_without_wiping_its_partial_output(monkeypatch, tmp_path, small_target, capsys):
     out = tmp_path / "run"
     assert run(monkeypatch, FakeStages(fail="train"), out, small_target) == 3
-    assert "stage train failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: stage train failed with exit code 3") and err.count("\n") == 1
     state = json.loads((out / demo.STATE_FILE).read_text())
     assert state["data"]["done"] and not state["train"]["done"] and "eval" not in state
     resumed = FakeStages()
@@ -115,6 +117,47 @@ def test_fresh_redoes_everything(monkeypatch, tmp_path, small_target):
     assert run(monkeypatch, fresh, out, small_target, "--fresh") == 0
     assert fresh.names == ["data", "train", "tune", "eval"]
     assert sorted(p.name for p in (out / "data").iterdir()) == ["fresh-1"]
+
+
+STAGE_SCRIPT = """
+import sys
+print("stage progress on stdout")
+print("loading 50%\\rloading 100%", file=sys.stderr)
+if "--crash" in sys.argv:
+    raise RuntimeError("a bug in the stage")
+print("error: data.source /no/such.json: no such file", file=sys.stderr)
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_a_failing_stage_is_one_stderr_line(tmp_path, capfd, crash):
+    """A stage's own output (stdout and stderr) is relayed to stdout; its last stderr line names the failure."""
+    import os
+    import sys
+
+    (tmp_path / "fake_stage.py").write_text(STAGE_SCRIPT)
+    stage = demo.Stage("data", "fake_stage", (), (), "a fake stage", ("--crash",) if crash else ())
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    with pytest.raises(demo.StageFailed) as e:
+        demo.run_stage(stage, "tiny", ["output_dir=x"], env)
+    out, err = capfd.readouterr()
+    assert err == "" and "stage progress on stdout" in out and "loading 100%" in out
+    if crash:
+        assert e.value.code == 1 and e.value.detail == "RuntimeError: a bug in the stage" and "Traceback" in out
+    else:
+        assert e.value.code == 2 and e.value.detail == "data.source /no/such.json: no such file"
+
+
+def test_a_stage_error_ends_the_demo_with_its_line_and_code(monkeypatch, tmp_path, small_target, capsys):
+    def failing(stage, recipe, overrides, env):
+        raise demo.StageFailed(stage, 2, "error: data.source /no/such.json: no such file")
+    monkeypatch.setattr(demo, "run_stage", failing)
+    assert demo.main(["--target", str(small_target), "--out", str(tmp_path / "run")]) == 2
+    out, err = capsys.readouterr()
+    assert "[quickstart] 2/5 data prep" in out
+    assert err.splitlines() == ["error: stage data: data.source /no/such.json: no such file; fix it and rerun the same "
+                                "command (finished stages are reused)"]
 
 
 def test_bad_override_fails_before_any_stage(monkeypatch, tmp_path, small_target, capsys):
@@ -169,12 +212,13 @@ def test_whole_pipeline_end_to_end_and_rerun(tmp_path):
     assert report["headline"]["mismatches"] == 0
     assert list((out / "eval").glob("calibration_*.png"))
     assert "## Headline" in (out / "eval" / "report.md").read_text()
-    lines = proc.stderr.strip().splitlines()
+    assert proc.stderr == ""  # progress (stages' bars included) goes to stdout; stderr only carries a failure
+    lines = proc.stdout.strip().splitlines()
     assert lines[-2] == f"[quickstart] report: {out / 'eval' / 'report.md'}"
     assert re.fullmatch(r"\[quickstart\] fastest: \S+ \(.+\): tau \d+\.\d\d, speedup \d+\.\d\dx \[\d+\.\d\d, "
                         r"\d+\.\d\d\] over vanilla, 0 mismatches with vanilla greedy over \d+ outputs", lines[-1])
     for bar in PROGRESS_BARS:
-        assert re.search(re.escape(bar) + r".*\[\d\d:\d\d<\d\d:\d\d", proc.stderr), f"no progress bar with ETA: {bar}"
+        assert re.search(re.escape(bar) + r".*\[\d\d:\d\d<\d\d:\d\d", proc.stdout), f"no progress bar with ETA: {bar}"
     # nothing outside the run folder and the cache folder: not in HOME, TMPDIR, the working directory or the repo
     assert _files(home) == set() and _files(tmp) == set() and _files(cwd) == set()
     assert (eagle_home / "default-target-test" / "config.json").exists()
@@ -183,8 +227,8 @@ def test_whole_pipeline_end_to_end_and_rerun(tmp_path):
     # a rerun reuses every finished stage
     again = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("already done") == 4 and "$ " not in again.stderr
-    assert again.stderr.strip().splitlines()[-1] == lines[-1]
+    assert again.stdout.count("already done") == 4 and "$ " not in again.stdout
+    assert again.stdout.strip().splitlines()[-1] == lines[-1]
 
 
 def test_a_second_run_on_the_same_folder_is_refused(monkeypatch, tmp_path, small_target, capsys):

@@ -19,10 +19,9 @@ from eagle.cli_errors import ArgumentParser, one_line_errors
 
 def evaluate_head(cfg, head_path: str) -> dict:
     """Eval metrics of the head at `head_path` on the eval split of `cfg`'s feature cache (offline)."""
-    from transformers import AutoConfig
 
     from data_prep.feature_cache import FeatureCacheReader
-    from data_prep.target import pick_device, resolve_target_path
+    from data_prep.target import load_target_config, pick_device, resolve_target_path
     from eagle.head import load_head
     from train.data import Subset, cache_dir, split_train_eval
     from train.frozen_target import check_cache_matches_target, load_frozen_target
@@ -35,7 +34,7 @@ def evaluate_head(cfg, head_path: str) -> dict:
     target_path = resolve_target_path(cfg.target)
     cdir = cache_dir(cfg)
     source = FeatureCacheReader(cdir, verify=t.verify_cache)
-    target_config = AutoConfig.from_pretrained(target_path)
+    target_config = load_target_config(target_path)
     kind = head_kind(cfg, target_config)  # the recipe's head.kind decides the cache layout and the metrics
     check_cache_matches_target(source.manifest, cdir, target_path, target_config, kind.layers)
     _, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)

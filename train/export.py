@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"{str(source).rstrip('/')}-{args.format}")
     target_config = None
     if base:
-        from transformers import AutoConfig
+        from data_prep.target import load_target_config
 
-        target_config = AutoConfig.from_pretrained(base)
+        target_config = load_target_config(base)
     if args.eagle3:
         archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
         convert_eagle3_folder(args.eagle3, out, args.format, verifier=base, verifier_architectures=archs,

@@ -47,9 +47,9 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
 
         target_config = None
         if cfg.target.path:
-            from transformers import AutoConfig
+            from data_prep.target import load_target_config
 
-            target_config = AutoConfig.from_pretrained(str(cfg.target.path))
+            target_config = load_target_config(cfg.target.path)
         converted = staging.with_name(staging.name + f".{fmt}")
         if converted.exists():
             shutil.rmtree(converted)

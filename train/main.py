@@ -91,9 +91,8 @@ def train(cfg, ctx=None) -> dict:
 def _train_locked(cfg, ctx) -> dict:
     import deepspeed
     from tqdm.auto import tqdm
-    from transformers import AutoConfig
 
-    from data_prep.target import resolve_target_path
+    from data_prep.target import load_target_config, resolve_target_path
     from train.batching import MicroBatchPlan
     from train.checkpoint import (CheckpointError, checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag,
                                   load_checkpoint, save_checkpoint)
@@ -120,7 +119,7 @@ def _train_locked(cfg, ctx) -> dict:
 
     # -- target and data (mismatches fail here, before anything is trained)
     target_path = resolve_target_path(cfg.target)
-    target_config = AutoConfig.from_pretrained(target_path, revision=cfg.target.revision)
+    target_config = load_target_config(target_path, cfg.target.revision)
     kind = head_kind(cfg, target_config)  # what differs between EAGLE-2 and EAGLE-3 (train/head_kind.py)
     if t.mode == "offline":
         from data_prep.feature_cache import FeatureCacheReader

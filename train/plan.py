@@ -157,7 +157,9 @@ def target_config(cfg):
 
     path = resolve_target_path(cfg.target) if cfg.target.path else ""
     if path and Path(path).is_dir():
-        return AutoConfig.from_pretrained(path)
+        from data_prep.target import load_target_config
+
+        return load_target_config(path)
     if path in KNOWN_TARGETS:
         known = dict(KNOWN_TARGETS[path])
         return AutoConfig.for_model(known.pop("model_type"), **known)
