@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/work/notes/plan/real_shape", help="target folder, data and outputs")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--reuse-prep", action="store_true", help="keep an existing cache (no data-prep measurement)")
+    p.add_argument("--phases", action="store_true",
+                   help="also record the peak RSS of every phase of every micro-batch (benchmarks/rss_phases.py)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="extra recipe overrides for both stages")
     args = p.parse_args(argv)
 
@@ -172,7 +174,12 @@ def main(argv=None) -> int:
     print(format_plan(cfg, host))
     if not args.skip_train:
         shutil.rmtree(out_dir / "train", ignore_errors=True)
-        tr = run_measured([sys.executable, "train/main.py", "--recipe", args.recipe, *train_over], env, work / "train.log")
+        probe = [str(REPO / "benchmarks" / "rss_phases.py"), str(work / "phases.jsonl")] if args.phases else []
+        tr = run_measured([sys.executable, *probe, "train/main.py", "--recipe", args.recipe, *train_over], env,
+                          work / "train.log")
+        if args.phases:  # the probe resets VmHWM at every phase boundary: the run's peak is the largest phase peak
+            tr["phases"] = [json.loads(line) for line in (work / "phases.jsonl").read_text().splitlines()]
+            tr["peak_rss"] = max([tr["peak_rss"]] + [ph["peak"] for ph in tr["phases"]])
         result["train"] = tr
         result["ratio_measured_over_predicted"] = tr["peak_rss"] / host.total
     (work / f"real_shape_{args.recipe}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -185,6 +192,8 @@ def main(argv=None) -> int:
         tr = result["train"]
         print(f"  training ({args.steps} steps): peak RSS measured {tr['peak_rss'] / GB:.2f} GB, plan (host) "
               f"{host.total / GB:.2f} GB, measured/predicted {tr['peak_rss'] / host.total:.3f}; {tr['wall_s']:.0f} s")
+        for ph in tr.get("phases", []):
+            print(f"    micro-batch {ph['micro']} {ph['phase']:<9} peak {ph['peak'] / GB:6.2f} GB, at its end {ph['rss'] / GB:6.2f} GB")
     print(f"  the same recipe on one 24 GB GPU per the plan: {gpu.verdict}")
     return 0
 

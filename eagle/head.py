@@ -768,6 +768,9 @@ class Eagle3Head(HeadModule):
         ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
         pos_r = pos[:, idx]  # [B|1, R]
         prev = hidden if rows is None else hidden[:, idx]  # [B, R, H]
+        # k1/v1 are transposed views of the projections ([B, T, kv, D] underneath): with B > 1 every prefix slice
+        # below would be copied by matmul (per chunk and per step, and kept for backward); one copy serves them all
+        k1, v1 = k1.contiguous(), v1.contiguous()  # [B, kv, T, D]
         diag_k, diag_v = [], []  # per step >= 2: [B, kv, R, D]
         for j in range(2, steps + 1):
             tok_emb = self.embed_tokens(ids_ext[:, idx + j - 1]).to(dt)  # [B, R, H]

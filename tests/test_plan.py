@@ -37,7 +37,10 @@ def test_zero2_mixed_precision_states_are_deepspeeds_estimate():
     _, gpu = estimate_zero2_model_states_mem_needs(P, 8, 1, cpu_offload=False)
     assert sum(i.bytes for i in items) == pytest.approx(gpu)
     fp32 = model_states(P, P, 2, "fp32", 1, 1, 1, offload=False, host=True)  # what one CPU process holds
-    assert sum(i.bytes for i in fp32) == 4 * P + 4 * P + 4 * P + 8 * P  # params, grad partition, master, AdamW
+    held = sum(i.bytes for i in fp32 if not i.phases)
+    assert held == 4 * P + 4 * P + 8 * P  # params, master, AdamW: held all run
+    # the gradient partition and torch AdamW's temporaries (sqrt(v), the flat fp32 grad copy) exist in the step
+    assert sum(i.bytes for i in fp32 if i.phases == ("step",)) == 4 * P + 8 * P
 
 
 @pytest.mark.parametrize("recipe", SEVEN_B)
@@ -136,3 +139,64 @@ def test_training_prints_the_plan_first(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "plan for recipe tiny: 1 CPU process (host mode" in proc.stdout and "head activations" in proc.stdout
     assert proc.stdout.index("plan for recipe tiny") < proc.stdout.index("summary:")
+
+
+def _saved_bytes(module, call) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for backward while `call()` runs."""
+    import torch
+
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return sum(v for k, v in seen.items() if k not in params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_activation_bytes_are_what_autograd_keeps(dtype):
+    """The plan's per-row activation bytes (train/plan.py activation_bytes_per_token, without the backward
+    transient) against the tensors autograd really saves in the heads' training forwards, at Llama-3's ratios
+    (I = 3.5 H, 4 query heads per kv head) scaled down: EAGLE-2, EAGLE-3 step 1, EAGLE-3 with 7 unrolled steps."""
+    import torch
+    from transformers import AutoConfig
+
+    from eagle.head import UNROLL_ROW_CHUNKS, Eagle3Head, EagleHead, head_config_from_target
+    from train.plan import COMPUTE_BYTES, Shape, activation_bytes_per_token
+
+    dt = getattr(torch, dtype)
+    cb = COMPUTE_BYTES["bf16" if dtype == "bfloat16" else "fp32"]
+    H, I, h, kv, V, B, T = 128, 448, 8, 2, 300, 2, 128
+    config = AutoConfig.for_model("llama", hidden_size=H, intermediate_size=I, num_attention_heads=h,
+                                  num_key_value_heads=kv, vocab_size=V, num_hidden_layers=4)
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, V, (B, T)), torch.ones(B, T, dtype=torch.long)
+
+    def shape(kind):
+        return Shape(hidden=H, intermediate=I, heads=h, kv_heads=kv, head_dim=H // h, vocab=V, layers=4,
+                     max_positions=2048, target_params=0, target_active_params=0, head_trainable=0, head_largest=0,
+                     kind=kind)
+
+    def planned(kind, step=1, keys=0.0):
+        return activation_bytes_per_token(shape(kind), cb, step, keys) - 2 * I * cb  # without the backward transient
+
+    e2 = EagleHead(head_config_from_target(config)).to(dt)
+    e2.embed_tokens.weight.requires_grad_(False)
+    got = _saved_bytes(e2, lambda: e2(torch.randn(B, T, H, dtype=dt), ids, mask))
+    assert got == pytest.approx(B * T * planned("eagle2"), rel=0.03)
+
+    e3 = Eagle3Head(head_config_from_target(config, kind="eagle3", aux_layers=[1, 2, 3], draft_vocab_size=100)).to(dt)
+    e3.embed_tokens.weight.requires_grad_(False)
+    aux = torch.randn(B, T, 3 * H, dtype=dt)
+    one = _saved_bytes(e3, lambda: e3(aux, ids, mask, steps=1))
+    assert one == pytest.approx(B * T * planned("eagle3"), rel=0.03)
+    rows = torch.arange(0, T, 8)
+    seven = _saved_bytes(e3, lambda: e3(aux, ids, mask, steps=7, rows=rows))
+    keys = T * (1 + 1 / UNROLL_ROW_CHUNKS) / 2
+    later = sum(B * rows.numel() * planned("eagle3", j, keys) for j in range(2, 8))
+    later += B * T * 2 * kv * (H // h) * cb  # the unroll's contiguous copy of the step-1 keys and values
+    assert seven - one == pytest.approx(later, rel=0.05)

@@ -130,6 +130,24 @@ class Item:
     bytes: float
     note: str = ""
     knob: str = ""  # what reduces it
+    phases: tuple[str, ...] = ()  # the PHASES of a step it is live in; () = held all run
+
+
+PHASES = ("forward", "backward", "step")  # forward (+ loss), backward, optimizer step
+FWD, BWD, FWD_BWD, STEP = ("forward",), ("backward",), ("forward", "backward"), ("step",)
+
+
+def peak_bytes(items: list[Item]) -> tuple[float, str]:
+    """(peak, phase): what is held all run + what is live in the fullest phase of a training step.
+
+    The loss's vocabulary-wide logits exist only in the forward, the gradients of the SwiGLU only in the backward,
+    activations in both, and what the optimizer step allocates is gone before the next forward: summing all of
+    them over-predicts. Measured at Llama-3-8B shape on CPU (benchmarks/real_shape.py --phases): the peak is the
+    optimizer step at micro-batch 1-2 and the backward at 4."""
+    held = sum(i.bytes for i in items if not i.phases)
+    per = {ph: sum(i.bytes for i in items if ph in i.phases) for ph in PHASES}
+    phase = max(PHASES, key=lambda ph: per[ph])
+    return held + per[phase], phase
 
 
 @dataclass
@@ -145,7 +163,12 @@ class Plan:
 
     @property
     def total(self) -> float:
-        return sum(i.bytes for i in self.memory)
+        """Peak bytes (the allocator reserve, once appended, is held all run)."""
+        return peak_bytes(self.memory)[0]
+
+    @property
+    def peak_phase(self) -> str:
+        return peak_bytes(self.memory)[1]
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -264,21 +287,44 @@ def model_states(P: int, largest: int, stage: int, precision: str, world: int, g
     items = [Item("head params" + (" (16-bit)" if mixed else " (fp32)"), params, "" if stage < 3 else "ZeRO-3 live layer")]
     if grads16:
         items.append(Item("head grads (16-bit)", grads16, f"/{n}" if stage >= 2 else "full", "zero_stage"))
-    items.append(Item("head grads (fp32 partition)", 4 * P / (n if stage >= 2 else 1), "", "zero_stage"))
+    # host: DeepSpeed fills the gradient partition at the end of backward and frees it after the step
+    items.append(Item("head grads (fp32 partition)", 4 * P / (n if stage >= 2 else 1), "", "zero_stage",
+                      STEP if host else ()))
     if mixed or stage >= 1:
         items.append(Item("fp32 master params", 4 * P / part, f"/{part}", "zero_stage"))
     if offload:
         items.append(Item("AdamW moments", 0, "offloaded to CPU", ""))
     else:
         items.append(Item("AdamW moments (fp32)", 8 * P / part, f"/{part}", "zero_stage / offload_optimizer"))
+        if host:  # torch's AdamW (DeepSpeed's torch_adam on CPU): sqrt(v) of its foreach path, and ZeRO-1/2's flat
+            copies = 2 if stage in (1, 2) else 1  # fp32 gradient partition handed to it
+            items.append(Item("optimizer step temporaries", copies * 4 * P / part,
+                              "AdamW sqrt(v)" + (" + flat fp32 grad copy" if copies == 2 else ""), "zero_stage", STEP))
     return items
 
 
-def activation_bytes_per_token(s: Shape, cb: int) -> float:
-    """Head-layer tensors autograd keeps for backward, per token (see module docstring), + one [I] transient."""
-    H, I, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
-    kept = (9 * H + 2 * kv + 4 * I) * cb + 4 * H * 4
-    return kept + 2 * I * cb  # backward transients: the gradients of gate/up [T, I]
+def activation_bytes_per_token(s: Shape, cb: int, step: int = 1, keys: float = 0.0) -> float:
+    """Bytes autograd keeps for backward per row of one head forward (eagle/head.py; counted with
+    torch.autograd.graph.saved_tensors_hooks, tests/test_plan.py pins it), + the [I] gradients of gate/up.
+
+    EAGLE-2: fc input [2H], attention input, rotated q, SDPA output + its o_proj copy, MLP input (H each), k and
+    v (2 kv), SwiGLU 4 x [I], in the compute dtype; the post-attention RMSNorm's float32 input (H); SDPA's
+    log-sum-exp (h floats). EAGLE-3 step 1: fc input [3H], attention input [2H], and two float32 norms
+    (input_layernorm's and hidden_norm's). EAGLE-3 step >= 2 (training-time test) also keeps its score matrix over
+    the `keys` step-1 keys it reads (float32 softmax + its compute-dtype copy, h per key)."""
+    H, I, kv, h = s.hidden, s.intermediate, s.kv_heads * s.head_dim, s.heads
+    if s.kind != "eagle3":
+        kept = (7 * H + 2 * kv + 4 * I) * cb + H * 4 + h * 4
+    elif step == 1:
+        kept = (11 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * 4
+    else:
+        kept = (9.5 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * keys * (4 + (cb if cb < 4 else 0))
+    return kept + backward_transient_bytes_per_token(s, cb)
+
+
+def backward_transient_bytes_per_token(s: Shape, cb: int) -> float:
+    """What the backward allocates per row beyond the kept activations: the gradients of gate/up [T, I]."""
+    return 2 * s.intermediate * cb
 
 
 def loss_bytes(s: Shape, rows: int, n_positions: int, cb: int, chunk: int) -> float:
@@ -334,20 +380,34 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
             mem.append(Item("frozen lm_head (compute dtype copy)", VH * cb, ""))
         mem.append(Item("target forward (no grad)", n_tok * (2 * s.hidden + 2 * s.intermediate) * tdt, "one layer live"))
     mem.append(Item("micro-batch features", n_tok * s.hidden * s.cache_row * (4 + cb),
-                    f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length"))
-    act = activation_bytes_per_token(s, cb) * sum(unrolled_rows(s, n_tok))
+                    f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length", FWD_BWD))
+    rows = unrolled_rows(s, n_tok)
+    from eagle.head import UNROLL_ROW_CHUNKS  # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys
+
+    keys = T * (1 + 1 / UNROLL_ROW_CHUNKS) / 2
+    act = activation_bytes_per_token(s, cb) * rows[0] + sum(
+        activation_bytes_per_token(s, cb, step=j, keys=keys) * r for j, r in enumerate(rows[1:], start=2))
+    if len(rows) > 1:  # the unroll's contiguous copy of the step-1 keys and values, read by every later step
+        act += rows[0] * 2 * s.kv_heads * s.head_dim * cb
+    transient = backward_transient_bytes_per_token(s, cb) * sum(rows)
     steps = "" if s.ttt_steps == 1 else f" x {s.ttt_steps} TTT steps (steps >= 2 at 1/{s.ttt_row_stride} of the rows)"
-    mem.append(Item("head activations", act, f"{B} x {T} tokens{steps}", "train.micro_batch_size / data.max_length"))
+    mem.append(Item("head activations", act - transient, f"{B} x {T} tokens{steps}",
+                    "train.micro_batch_size / data.max_length", FWD_BWD))
+    mem.append(Item("backward transients", transient, "SwiGLU gate/up gradients",
+                    "train.micro_batch_size / data.max_length", BWD))
     if s.kind == "eagle3":  # its loss is not chunked: full-vocabulary target logits, draft-vocabulary logits per step
         mem.append(Item("token-loss logits", eagle3_loss_bytes(s, n_tok, cb),
                         f"{n_tok} x {s.vocab} target logits + {s.ttt_steps} steps x {s.draft_vocab} draft vocab",
-                        "train.micro_batch_size / data.max_length / head.ttt_row_stride"))
+                        "train.micro_batch_size / data.max_length / head.ttt_row_stride", FWD_BWD))
     else:
         chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
         rows = chunk or n_tok
-        mem.append(Item("token-loss logits", loss_bytes(s, rows, n_tok, cb, chunk),
+        mem.append(Item("token-loss logits", loss_bytes(s, rows, n_tok, cb, 0),
                         f"{rows} rows x {s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
-                        "train.loss_chunk"))
+                        "train.loss_chunk", FWD if chunk else FWD_BWD))  # chunked: only the [N, H] gradient is kept
+        if chunk:
+            mem.append(Item("token-loss gradient", n_tok * s.hidden * 4, f"[{n_tok}, {s.hidden}] float32 (kept for "
+                            "backward by ChunkedSoftCE)", "", FWD_BWD))
     # DeepSpeed buffers (ZeRO-1/2: contiguous-gradient reduce bucket(s), all-gather bucket; ZeRO-3: prefetch)
     if t.zero_stage in (1, 2):
         red_dtype = 4 if (t.zero_stage == 1 or precision == "fp32") else cb
@@ -355,9 +415,10 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
         n_buf = 2 if zero["overlap_comm"] else 1
         touched = min(bucket, P) if hw.host else bucket
         if zero["contiguous_gradients"]:
+            # a GPU buffer is allocated whole; a CPU process commits the pages backward writes (until the step ends)
             mem.append(Item("DeepSpeed reduce bucket", n_buf * touched * red_dtype,
                             f"{n_buf} x reduce_bucket_size {bucket:.0e}" + (" (touched part)" if hw.host else ""),
-                            "train.deepspeed.zero_optimization.reduce_bucket_size"))
+                            "train.deepspeed.zero_optimization.reduce_bucket_size", (*BWD, *STEP) if hw.host else ()))
         if world > 1:
             mem.append(Item("DeepSpeed all-gather bucket", min(int(zero["allgather_bucket_size"]), P) * cb,
                             f"allgather_bucket_size {zero['allgather_bucket_size']:.0e}",
@@ -458,7 +519,7 @@ def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
     out = []
     for overrides in tries:
         c2 = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-        need = sum(i.bytes for i in memory_items(c2, hw, shape))
+        need = peak_bytes(memory_items(c2, hw, shape))[0]
         if need <= budget:
             out.append(" ".join(overrides) + f" ({need / GB:.1f} GB)")
             if len(out) == 3:
@@ -486,9 +547,11 @@ def format_plan(cfg, plan: Plan) -> str:
              f"{t.micro_batch_size} x {cfg.data.max_length} tokens, loss_chunk {t.loss_chunk}",
              f"  {'memory per ' + ('process' if hw.host else 'GPU'):<36} {'GB':>7}  note"]
     for i in plan.memory:
-        lines.append(f"  {i.name:<36} {i.bytes / GB:7.2f}  {i.note}")
-    need = sum(i.bytes for i in plan.memory if i.name != "allocator reserve")
-    lines.append(f"  {'total (without the reserve)':<36} {need / GB:7.2f}  -> {plan.verdict}")
+        when = " + ".join(i.phases) + " only" if i.phases else ""
+        note = "; ".join(x for x in (i.note, when) if x)
+        lines.append(f"  {i.name:<36} {i.bytes / GB:7.2f}  {note}")
+    need, phase = peak_bytes([i for i in plan.memory if i.name != "allocator reserve"])
+    lines.append(f"  {'peak (without the reserve)':<36} {need / GB:7.2f}  in the {phase} -> {plan.verdict}")
     lines.append(f"  {'disk':<36} {'GB':>7}")
     for i in plan.disk:
         lines.append(f"  {i.name:<36} {i.bytes / GB:7.1f}  {i.note}")
