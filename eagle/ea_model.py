@@ -15,7 +15,8 @@ from torch import nn
 
 from eagle.decoding_config import DecodingConfig
 from eagle.draft import Drafter
-from eagle.head import Eagle3Head, EagleHead, load_head, text_config
+from eagle.head import (Eagle3Head, EagleHead, _resolve_head_files, check_head_fits_target, load_head,
+                        read_head_config, text_config)
 from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
@@ -100,8 +101,12 @@ class EaModel(nn.Module):
         Tree settings: explicit arguments > `tree_config.json` saved next to the head by the
         auto-tuner > DecodingConfig defaults (60 / 5 / 10).
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        # a head that cannot fit the target fails before the target's weights load (one line, no loading output)
+        head_config = read_head_config(_resolve_head_files(str(ea_model_path), None)[0])
+        config_kw = {k: model_kwargs[k] for k in ("revision", "trust_remote_code") if k in model_kwargs}
+        check_head_fits_target(head_config, AutoConfig.from_pretrained(base_model_path, **config_kw))
         base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch_dtype, device_map=device_map,
                                                     attn_implementation=attn_implementation, **model_kwargs)
         head = load_head(ea_model_path, dtype=base.dtype, device=base.get_output_embeddings().weight.device)

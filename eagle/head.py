@@ -239,6 +239,33 @@ def text_config(target_config):
     return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
 
 
+def check_head_fits_target(config: "HeadConfig", target_config) -> None:
+    """Config-level fit of a head to a target, before any weights load (one-line errors): hidden size and vocabulary
+    (both kinds), and an EAGLE-3 head's aux layer ids against the target's layer count (`bind_target` and
+    `EaModel._check_compatible` check the same on the loaded modules)."""
+    t = text_config(target_config)
+    eagle3 = config.kind == "eagle3"
+    if config.hidden_size != t.hidden_size:
+        if eagle3:
+            raise HeadConfigError(f"EAGLE-3 head hidden_size={config.hidden_size} (fc reads 3 x {config.hidden_size}) "
+                                  f"does not fit the target's hidden_size={t.hidden_size}")
+        raise HeadConfigError(f"head hidden_size={config.hidden_size} does not match the target's hidden_size={t.hidden_size}")
+    vocab = getattr(t, "vocab_size", None)
+    if vocab is not None and config.vocab_size != vocab:
+        raise HeadConfigError(f"{'EAGLE-3 ' if eagle3 else ''}head vocab_size={config.vocab_size} does not match the "
+                              f"target's vocabulary ({vocab})")
+    if not eagle3:
+        return
+    if config.aux_layers is None:
+        try:
+            check_aux_layers(default_aux_layers(t.num_hidden_layers), t.num_hidden_layers)
+        except HeadConfigError as e:
+            raise HeadConfigError(f"the head names no aux layers and the default does not fit a "
+                                  f"{t.num_hidden_layers}-layer target: {e}") from None
+    else:
+        check_aux_layers(config.aux_layers, t.num_hidden_layers)
+
+
 def head_config_from_target(target_config, bias: bool = True, kind: str = "eagle2", aux_layers=None,
                             draft_vocab_size: int | None = None) -> HeadConfig:
     """Derive the head's shape from a target's HF config (Llama, Mistral, Mixtral, Qwen2 families).
@@ -897,7 +924,8 @@ def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str,
 
 def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) -> HeadConfig:
     """Cheap pre-flight check of a head folder before a target is loaded: config.json parses, the weights file
-    opens (safetensors header / weights-only unpickling) and holds the tensors its config implies."""
+    opens (safetensors header / weights-only unpickling) and holds the tensors its config implies (EAGLE-1/2 or
+    EAGLE-3 layout, by the config's kind)."""
     from eagle.cli_errors import FileFormatError
 
     config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
@@ -914,8 +942,14 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
             raise file_error(weights_file, e, "head weights") from None
     else:
         shapes = {k: tuple(v.shape) for k, v in _load_weights(weights_file).items()}
+    cls = head_class(config)
     with torch.device("meta"):
-        expect = {k: tuple(v.shape) for k, v in EagleHead(config).state_dict().items()}
+        expect = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+    if cls is Eagle3Head:  # as Eagle3Head.from_state_dict: the target's embedding and t2d may be absent (d2t too
+        optional = {"embed_tokens.weight", "t2d"}  # for a full draft vocabulary)
+        if config.draft_vocab_size == config.vocab_size:
+            optional.add("d2t")
+        expect = {k: v for k, v in expect.items() if k in shapes or k not in optional}
     if shapes != expect:
         diff = sorted(k for k in set(shapes) | set(expect) if shapes.get(k) != expect.get(k))
         raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {diff[:4]} "

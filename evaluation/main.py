@@ -143,6 +143,15 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
         from eagle.head import check_head_files
 
         check_head_files(head_path)
+    if cfg.eval.compare_head:  # so does a bad or ill-fitting second head
+        from transformers import AutoConfig
+
+        from eagle.head import check_head_files, check_head_fits_target
+
+        if Path(str(cfg.eval.compare_head)).exists():
+            check_head_files(str(cfg.eval.compare_head))
+        check_head_fits_target(read_head_config_of(str(cfg.eval.compare_head)),
+                               AutoConfig.from_pretrained(target_path, revision=cfg.target.revision))
     if cfg.eval.max_length:  # a length the target was never trained for fails before the target loads
         from data_prep.target import load_target_config
         from eagle.head import text_config
@@ -186,6 +195,13 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
                          top_k=int(cfg.eval.top_k), eos_token_id=[int(e) for e in eos])
     out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / "eval")
     return Setup(cfg, models, fmt, gen, base_decoding, target_path, head_path, out_dir)
+
+
+def read_head_config_of(head: str):
+    """The HeadConfig of a head folder or hub id (config.json only)."""
+    from eagle.head import _resolve_head_files, read_head_config
+
+    return read_head_config(_resolve_head_files(head, None)[0])
 
 
 def with_head_kinds(methods: list[Method], models: dict) -> list[Method]:

@@ -343,6 +343,44 @@ def test_bad_released_folders_are_one_line_errors(tmp_path, case, match):
     assert "\n" not in str(e.value)
 
 
+CLI_FAULTS = [
+    ("hidden_size", "hidden_size=64 (fc reads 3 x 64) does not fit the target's hidden_size=32"),
+    ("too_few_target_layers", "aux layer id(s) [3] out of range for a 3-layer target"),
+    ("d2t_length", "['d2t'] (file [(39,)], config [(40,)])"),
+    ("aux_out_of_range", "aux layer id(s) [9] out of range for a 4-layer target"),
+]
+
+
+@pytest.mark.parametrize("as_compare_head", [False, True], ids=["head", "compare-head"])
+@pytest.mark.parametrize("case,needle", CLI_FAULTS, ids=[c for c, _ in CLI_FAULTS])
+def test_evaluation_cli_names_an_eagle3_head_that_does_not_fit(tmp_path, capsys, case, needle, as_compare_head):
+    """evaluation/main.py with an EAGLE-3 head (--head, or --compare-head beside a good EAGLE-2 head) that cannot fit
+    the target: exit code 2 and ONE stderr line naming the mismatch, before the target's weights load (no loading
+    output) and before any report is written."""
+    from eagle.head import EagleHead
+    from evaluation.main import main
+    from fault_helpers import assert_one_line_error, run_cli
+
+    target = tiny_target("llama", num_layers=4, seed=4)
+    head_target = target
+    if case == "too_few_target_layers":
+        target = tiny_target("llama", num_layers=3, seed=4)
+    elif case == "hidden_size":
+        target = tiny_target("llama", num_layers=4, hidden_size=32, seed=4)
+    target.save_pretrained(tmp_path / "target")
+    kw = {"d2t_length": dict(d2t_len=39, with_t2d=False), "aux_out_of_range": dict(aux=[1, 2, 9])}.get(case, {})
+    write_released_folder(tmp_path / "e3", head_target, **kw)
+    args = ["--base", tmp_path / "target", "--head", tmp_path / "e3"]
+    if as_compare_head:
+        EagleHead(head_config_from_target(target.config)).save_pretrained(tmp_path / "e2")
+        args = ["--base", tmp_path / "target", "--head", tmp_path / "e2", "--compare-head", tmp_path / "e3"]
+    (tmp_path / "q.txt").write_text("1 2 3\n")
+    code, _, err = run_cli(main, [*args, "--questions", tmp_path / "q.txt", "--out", tmp_path / "eval",
+                                  "eval.max_new_tokens=4", "target.dtype=float32"], capsys)
+    assert_one_line_error(code, err, needle)
+    assert not (tmp_path / "eval").exists()
+
+
 # ----------------------------------------------------------------------------- decode path
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("family,kwargs", [("llama", {}), ("llama", {"num_heads": 8, "num_kv_heads": 4})])

@@ -1,4 +1,5 @@
-"""The trainer under 2-process launchers on CPU (gloo): torchrun (default suite) and the deepspeed launcher (slow)."""
+"""The trainer under 2-process launchers on CPU (gloo): torchrun (default suite) and the deepspeed launcher (slow),
+for both head kinds (EAGLE-2 on the 2-layer toy, EAGLE-3 on a 4-layer toy with an aux-layer cache)."""
 from __future__ import annotations
 
 import json
@@ -6,11 +7,16 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from test_train_helpers import REPO, overrides, save_target, subprocess_env, write_cache
+
+EAGLE3 = ("head.kind=eagle3", "head.aux_layers=[1,2,3]", "head.draft_vocab_size=100", "head.ttt_steps=3",
+          "head.ttt_row_stride=2")  # as tests/test_train.py: steps 2-3 at every other position
 
 pytestmark = pytest.mark.multiproc
 
@@ -22,15 +28,30 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
+def toy2(tmp_path_factory):
     root = tmp_path_factory.mktemp("toy2")
     target = save_target(root / "target")
-    return {"target": target, "cache": write_cache(root / "cache", target)}
+    return {"kind": "eagle2", "target": target, "cache": write_cache(root / "cache", target, n=48)}
+
+
+@pytest.fixture(scope="module")
+def toy3(tmp_path_factory):
+    """A 4-layer toy target + an EAGLE-3 cache (aux layers 1, 2, 3 + the final state)."""
+    root = tmp_path_factory.mktemp("toy3")
+    target = save_target(root / "target", num_layers=4)
+    return {"kind": "eagle3", "target": target, "cache": write_cache(root / "cache", target, n=48, layers=[1, 2, 3, 4]),
+            "extra": EAGLE3}
+
+
+@pytest.fixture(params=["eagle2", "eagle3"])
+def toy(request):
+    """The EAGLE-2 toy or the EAGLE-3 toy (module-scoped, built on first use)."""
+    return request.getfixturevalue("toy2" if request.param == "eagle2" else "toy3")
 
 
 def launch(launcher: list[str], toy, out, *extra, steps=4, timeout=300):
     cmd = [*launcher, str(REPO / "train" / "main.py"), "--recipe", "tiny",
-           *overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", *extra, steps=steps)]
+           *overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", *toy.get("extra", ()), *extra, steps=steps)]
     return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=out.parent)
 
 
@@ -41,6 +62,8 @@ def test_two_ranks_with_torchrun_zero2_bf16(toy, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "train" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
+    if toy["kind"] == "eagle3":
+        assert summary["head_kind"] == "eagle3" and summary["aux_layers"] == [1, 2, 3]
     assert summary["eval"]["eval/positions"] > 0
     # both ranks saved their RNG state; the optimizer state is partitioned over the 2 ranks (ZeRO-2)
     ckpt = out / "train" / "checkpoints" / "step-00000004"
@@ -49,21 +72,41 @@ def test_two_ranks_with_torchrun_zero2_bf16(toy, tmp_path):
     assert load_file(out / "head" / "model.safetensors")["fc.weight"].abs().sum() > 0
 
 
+def deepspeed_launcher() -> str | None:
+    """The `deepspeed` launcher script: on PATH, or next to this interpreter (a venv not activated)."""
+    for cand in (shutil.which("deepspeed"), Path(sys.executable).parent / "deepspeed", REPO.parent / "venv" / "bin" / "deepspeed"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    return None
+
+
 @pytest.mark.slow
-def test_two_ranks_with_deepspeed_launcher_and_exact_resume(toy, tmp_path):
-    """`deepspeed --num_gpus 2` on a CPU-only machine starts 2 gloo ranks; 2N straight == N + resume + N."""
-    if shutil.which("deepspeed") is None and not (REPO.parent / "venv" / "bin" / "deepspeed").exists():
-        pytest.skip("deepspeed launcher not on PATH")
-    ds = shutil.which("deepspeed") or str(REPO.parent / "venv" / "bin" / "deepspeed")
+@pytest.mark.parametrize("kind,stage", [("eagle2", 1), ("eagle3", 3)])
+def test_two_ranks_with_deepspeed_launcher_and_exact_resume(request, kind, stage, tmp_path):
+    """`deepspeed --num_gpus 2` on a CPU-only machine starts 2 gloo ranks; 2N straight == N + resume + N: EAGLE-2 under
+    ZeRO-1, EAGLE-3 under ZeRO-3 (parameters partitioned over the ranks: its loss reads the head's lm_head and norm
+    outside the engine's forward)."""
+    toy = request.getfixturevalue("toy2" if kind == "eagle2" else "toy3")
+    ds = deepspeed_launcher()
+    if ds is None:
+        pytest.skip("deepspeed launcher not found")
 
     def run(out, *extra):
-        proc = launch([ds, "--num_gpus", "2", "--master_port", str(free_port())], toy, out, "train.zero_stage=1", *extra,
-                      steps=6)
+        proc = launch([ds, "--num_gpus", "2", "--master_port", str(free_port())], toy, out, f"train.zero_stage={stage}",
+                      "train.checkpoint_every=3", *extra, steps=6)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "train" / "summary.json").read_text())
 
-    run(tmp_path / "straight")
+    straight = run(tmp_path / "straight")
     run(tmp_path / "resumed", "train.stop_after=3")
-    run(tmp_path / "resumed")
+    resumed = run(tmp_path / "resumed")
+    assert straight["world_size"] == resumed["world_size"] == 2 and resumed["steps"] == 6
     a = load_file(tmp_path / "straight" / "head" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "head" / "model.safetensors")
-    assert all((a[k] == b[k]).all() for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert straight["eval"] == resumed["eval"]
+    if kind == "eagle3":  # trained, also the parts only the loss calls (outside the engine's forward) under ZeRO-3
+        target_lm_head = load_file(toy["target"] / "model.safetensors")["lm_head.weight"]
+        draft_ids = torch.arange(a["d2t"].numel()) + a["d2t"]
+        assert not torch.equal(a["lm_head.weight"], target_lm_head[draft_ids])  # warm start: the target's rows
+        assert not torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
