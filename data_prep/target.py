@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -17,9 +18,14 @@ _HASH_IGNORED_KEYS = {"transformers_version", "_name_or_path", "name_or_path", "
 
 
 def resolve_target_path(target_cfg) -> str:
-    """`target.path`, or the embedded default target when it is ""."""
+    """`target.path`, or the embedded default target when it is "". A local-looking path that does not exist is
+    an error naming it (transformers would report it as a malformed hub id)."""
     if target_cfg.path:
-        return str(target_cfg.path)
+        path = str(target_cfg.path)
+        if looks_local(path) and not Path(path).expanduser().exists():
+            raise UserError(f"target.path {path} does not exist (relative paths are read from the current directory, "
+                            f"{Path.cwd()}); give a local folder or a hub id like owner/name")
+        return path
     try:
         from quickstart.default_target import ensure_default_target
     except ImportError as e:
@@ -48,6 +54,11 @@ def load_target_config(path, revision=None):
 
     with naming_target(path, "target config of"):
         return AutoConfig.from_pretrained(str(path), revision=revision)
+
+
+def looks_local(path: str) -> bool:
+    """A filesystem path rather than a hub id (`owner/name` or `name`)."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
 
 
 def target_config_hash(config) -> str:

@@ -379,3 +379,16 @@ def test_damaged_target_config_is_named(toy, tmp_path, capsys, name, damage, nee
         code, _, err = run_cli(main, argv, capsys)
         assert_one_line_error(code, err, str(target), *needles)
     assert_unchanged(before, run)
+
+
+@pytest.mark.parametrize("path", ["../no_such_target", "./models/none", "/no/such/target/folder"])
+def test_missing_local_target_is_named_not_a_hub_error(toy, tmp_path, capsys, monkeypatch, path):
+    """A relative target path read from another directory: the path and the directory it was read from, not
+    transformers' "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    from train.main import main
+
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(main, ["--recipe", "tiny", f"target.path={path}", f"output_dir={tmp_path / 'run'}",
+                                  f"train.cache_dir={toy['cache']}"], capsys)
+    line = assert_one_line_error(code, err, f"target.path {path} does not exist", str(tmp_path))
+    assert "Repo id" not in line
