@@ -317,6 +317,22 @@ def test_released_layout_without_t2d_derives_it(tmp_path):
     assert int(head.t2d.sum()) == 40 and torch.equal(head.d2t, sd["d2t"])
 
 
+def misfit_target_and_head(tmp_path, case, head_dir):
+    """A 4-layer tiny target's released-layout EAGLE-3 folder at head_dir, broken as `case` says, and the target it
+    must not fit saved at tmp_path/target (3 layers or hidden 32 for the target-side cases). Returns that target."""
+    target = tiny_target("llama", num_layers=4, seed=4)
+    head_target = target
+    if case == "too_few_target_layers":
+        target = tiny_target("llama", num_layers=3, seed=4)
+    elif case == "hidden_size":
+        target = tiny_target("llama", num_layers=4, hidden_size=32, seed=4)
+    target.save_pretrained(tmp_path / "target")
+    kw = {"d2t_length": dict(d2t_len=39, with_t2d=False), "aux_out_of_range": dict(aux=[1, 2, 9]),
+          "fc_shape": dict(fc_in=128), "default_aux_collapses": dict(where="absent")}.get(case, {})
+    write_released_folder(head_dir, head_target, **kw)
+    return target
+
+
 @pytest.mark.parametrize("case,match", [
     ("too_few_target_layers", r"aux layer id\(s\) \[3\] out of range for a 3-layer target"),
     ("hidden_size", r"hidden_size=64 .* target's hidden_size=32"),
@@ -328,16 +344,7 @@ def test_released_layout_without_t2d_derives_it(tmp_path):
 def test_bad_released_folders_are_one_line_errors(tmp_path, case, match):
     from eagle import EaModel
 
-    target = tiny_target("llama", num_layers=4, seed=4)
-    head_target = target
-    if case == "too_few_target_layers":
-        target = tiny_target("llama", num_layers=3, seed=4)
-    elif case == "hidden_size":
-        target = tiny_target("llama", num_layers=4, hidden_size=32, seed=4)
-    target.save_pretrained(tmp_path / "target")
-    kw = {"d2t_length": dict(d2t_len=39, with_t2d=False), "aux_out_of_range": dict(aux=[1, 2, 9]),
-          "fc_shape": dict(fc_in=128), "default_aux_collapses": dict(where="absent")}.get(case, {})
-    write_released_folder(tmp_path / "head", head_target, **kw)
+    misfit_target_and_head(tmp_path, case, tmp_path / "head")
     with pytest.raises(HeadConfigError, match=match) as e:
         EaModel.from_pretrained(str(tmp_path / "target"), str(tmp_path / "head"), torch_dtype=torch.float32)
     assert "\n" not in str(e.value)
@@ -361,15 +368,7 @@ def test_evaluation_cli_names_an_eagle3_head_that_does_not_fit(tmp_path, capsys,
     from evaluation.main import main
     from fault_helpers import assert_one_line_error, run_cli
 
-    target = tiny_target("llama", num_layers=4, seed=4)
-    head_target = target
-    if case == "too_few_target_layers":
-        target = tiny_target("llama", num_layers=3, seed=4)
-    elif case == "hidden_size":
-        target = tiny_target("llama", num_layers=4, hidden_size=32, seed=4)
-    target.save_pretrained(tmp_path / "target")
-    kw = {"d2t_length": dict(d2t_len=39, with_t2d=False), "aux_out_of_range": dict(aux=[1, 2, 9])}.get(case, {})
-    write_released_folder(tmp_path / "e3", head_target, **kw)
+    target = misfit_target_and_head(tmp_path, case, tmp_path / "e3")
     args = ["--base", tmp_path / "target", "--head", tmp_path / "e3"]
     if as_compare_head:
         EagleHead(head_config_from_target(target.config)).save_pretrained(tmp_path / "e2")
