@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from train.main import load_config
-    from train.plan import Hardware, build_plan, format_plan, plan_shape
+    from train.plan import Hardware, build_plan, format_plan, phase_bytes, plan_shape
 
     work = Path(args.work) / args.recipe
     target = work / "target"
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     bpt_pred = bytes_per_token(shape.hidden, manifest["dtype"])
     result["plan_host"] = {i.name: i.bytes for i in host.memory}
     result["plan_host_total"] = host.total
+    result["plan_host_phases"] = phase_bytes(host.memory)
     result["plan_gpu_total"] = gpu.total
     result["bytes_per_token_predicted"] = bpt_pred
     print(format_plan(cfg, host))
@@ -192,8 +193,11 @@ def main(argv=None) -> int:
         tr = result["train"]
         print(f"  training ({args.steps} steps): peak RSS measured {tr['peak_rss'] / GB:.2f} GB, plan (host) "
               f"{host.total / GB:.2f} GB, measured/predicted {tr['peak_rss'] / host.total:.3f}; {tr['wall_s']:.0f} s")
+        planned = result["plan_host_phases"]
         for ph in tr.get("phases", []):
-            print(f"    micro-batch {ph['micro']} {ph['phase']:<9} peak {ph['peak'] / GB:6.2f} GB, at its end {ph['rss'] / GB:6.2f} GB")
+            plan_ph = f", plan {planned[ph['phase']] / GB:5.2f} GB" if ph["phase"] in planned else ""
+            print(f"    micro-batch {ph['micro']} {ph['phase']:<9} peak {ph['peak'] / GB:6.2f} GB{plan_ph}, "
+                  f"at its end {ph['rss'] / GB:6.2f} GB")
     print(f"  the same recipe on one 24 GB GPU per the plan: {gpu.verdict}")
     return 0
 

@@ -144,10 +144,15 @@ def peak_bytes(items: list[Item]) -> tuple[float, str]:
     activations in both, and what the optimizer step allocates is gone before the next forward: summing all of
     them over-predicts. Measured at Llama-3-8B shape on CPU (benchmarks/real_shape.py --phases): the peak is the
     optimizer step at micro-batch 1-2 and the backward at 4."""
-    held = sum(i.bytes for i in items if not i.phases)
-    per = {ph: sum(i.bytes for i in items if ph in i.phases) for ph in PHASES}
+    per = phase_bytes(items)
     phase = max(PHASES, key=lambda ph: per[ph])
-    return held + per[phase], phase
+    return per[phase], phase
+
+
+def phase_bytes(items: list[Item]) -> dict[str, float]:
+    """{phase: bytes live during it}: what is held all run + the items of that phase."""
+    held = sum(i.bytes for i in items if not i.phases)
+    return {ph: held + sum(i.bytes for i in items if ph in i.phases) for ph in PHASES}
 
 
 @dataclass
