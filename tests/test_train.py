@@ -47,9 +47,7 @@ def any_toy(request, toy, toy3):
 @pytest.fixture(scope="module")
 def dist_ctx():
     """One in-process gloo world of size 1 for the in-process trainings; the environment is restored after."""
-    import torch.distributed as dist
-
-    from train.distributed import init_distributed
+    from train.distributed import destroy_process_groups, init_distributed
 
     saved = {k: os.environ.get(k) for k in DIST_ENV}
     for k in DIST_ENV:
@@ -59,8 +57,7 @@ def dist_ctx():
     ctx = init_distributed("cpu")
     yield ctx
     torch.set_num_threads(threads)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_process_groups()  # DeepSpeed's cached groups too, so a later module's world starts clean
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -110,3 +110,19 @@ def test_two_ranks_with_deepspeed_launcher_and_exact_resume(request, kind, stage
         draft_ids = torch.arange(a["d2t"].numel()) + a["d2t"]
         assert not torch.equal(a["lm_head.weight"], target_lm_head[draft_ids])  # warm start: the target's rows
         assert not torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_process_flushes_and_keeps_the_code(code, tmp_path):
+    """A rank that joined a process group leaves through `exit_process`: on success without interpreter teardown
+    (os._exit), so output still buffered in a pipe must be flushed first; a failure code exits normally."""
+    script = ("from train.distributed import exit_process, init_distributed, shutdown_distributed\n"
+              "init_distributed('cpu')\n"
+              "print('trained', flush=False)\n"
+              "shutdown_distributed()\n"
+              f"exit_process({code})\n")
+    env = {k: v for k, v in subprocess_env().items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as in a pipe
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "trained"

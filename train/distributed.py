@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import torch
 
 
+_GROUP_USED = False  # set once this process has joined a process group (see exit_process)
+
+
 @dataclass
 class DistContext:
     rank: int
@@ -55,16 +58,50 @@ def init_distributed(device: str = "auto") -> DistContext:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl")
+    global _GROUP_USED
+    _GROUP_USED = True
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
+def destroy_process_groups() -> None:
+    """Destroy every process group and DeepSpeed's cached references to them. torch's `destroy_process_group`
+    alone leaves `deepspeed.utils.groups` pointing at the destroyed groups, and a world created later in the same
+    process (tests) then fails inside DeepSpeed with "Group ... is not registered"."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    from deepspeed import comm as ds_comm
+
+    if ds_comm.is_initialized():
+        ds_comm.destroy_process_group()  # also drops DeepSpeed's references to its groups
+    else:
+        dist.destroy_process_group()
+
+
 def shutdown_distributed() -> None:
-    """Barrier then destroy the process group (exiting without it aborts some gloo ranks)."""
+    """Barrier then destroy every process group (exiting with one alive aborts some gloo ranks)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        destroy_process_groups()
+
+
+def exit_process(code: int) -> None:
+    """End a trainer process with `code`. After a successful run that used a process group, skip the interpreter's
+    teardown (`os._exit`): DeepSpeed leaves references to its gloo groups (from hooks on the parameters) that
+    `destroy_process_group` cannot drop, so the groups and their threads are still alive at exit, and tearing them
+    down then aborts a rank now and then ("terminate called without an active exception", SIGABRT after the run
+    finished). Everything the run writes is closed by then; only the standard streams need a flush. A failed run
+    exits normally, so whatever it still holds open is flushed by the usual teardown."""
+    import sys
+
+    if code == 0 and _GROUP_USED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    sys.exit(code)
 
 
 def barrier() -> None:

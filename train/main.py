@@ -346,6 +346,7 @@ def _train_locked(cfg, ctx) -> dict:
 
     # ================================================================== cleanup
     tracker.close()
+    engine.destroy()  # DeepSpeed's own release of its hooks and buffers (a test process may train again)
     del engine
     return summary
 
@@ -368,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from train.distributed import init_distributed, shutdown_distributed
+    from train.distributed import destroy_process_groups, init_distributed, shutdown_distributed
 
     args = parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
@@ -376,15 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, ctx)
     except BaseException:
-        # no barrier on failure: other ranks may never reach it (the launcher stops them)
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()  # no barrier on failure: other ranks may never reach it (the launcher stops them)
         raise
     shutdown_distributed()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.distributed import exit_process
+
+    exit_process(main())
