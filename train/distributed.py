@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -95,8 +96,6 @@ def exit_process(code: int) -> None:
     down then aborts a rank now and then ("terminate called without an active exception", SIGABRT after the run
     finished). Everything the run writes is closed by then; only the standard streams need a flush. A failed run
     exits normally, so whatever it still holds open is flushed by the usual teardown."""
-    import sys
-
     if code == 0 and _GROUP_USED:
         sys.stdout.flush()
         sys.stderr.flush()
