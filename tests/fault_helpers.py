@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def reattach_log_streams() -> None:
@@ -104,28 +103,15 @@ def proves_code_execution(path: Path, marker: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def world():
-    """One in-process gloo world for the train CLI calls of a module: the CLI's own teardown is disabled and the
-    group is never destroyed (DeepSpeed cannot use a re-created one in the same process); env restored after."""
+    """One in-process gloo world for the train CLI calls of a module, with the CLI's own teardown disabled so every
+    call of the module runs in it (gloo_world destroys it at the end)."""
     import train.distributed as td
-    from train.distributed import init_distributed
+    from test_train_helpers import gloo_world
 
-    saved = {k: os.environ.get(k) for k in DIST_ENV}
-    for k in DIST_ENV:
-        os.environ.pop(k, None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mp = pytest.MonkeyPatch()
-    ctx = init_distributed("cpu")
-    mp.setattr(td, "shutdown_distributed", lambda: None)
-    mp.setattr(td, "destroy_process_groups", lambda: None)
-    yield ctx
-    mp.undo()  # the group stays: DeepSpeed cannot re-register a new one in this process (later modules reuse it)
-    torch.set_num_threads(threads)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with gloo_world() as ctx, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(td, "shutdown_distributed", lambda: None)
+        mp.setattr(td, "destroy_process_groups", lambda: None)
+        yield ctx
 
 
 __all__ = ["run_cli", "assert_one_line_error", "snapshot", "assert_unchanged", "Evil", "write_malicious",

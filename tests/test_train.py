@@ -3,7 +3,6 @@ mismatch and non-finite errors, online mode, export in the official format, batc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_train_helpers import DIST_ENV, REPO, overrides, save_target, subprocess_env, write_cache
+from test_train_helpers import REPO, gloo_world, overrides, save_target, subprocess_env, write_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -46,23 +45,9 @@ def any_toy(request, toy, toy3):
 
 @pytest.fixture(scope="module")
 def dist_ctx():
-    """One in-process gloo world of size 1 for the in-process trainings; the environment is restored after."""
-    from train.distributed import destroy_process_groups, init_distributed
-
-    saved = {k: os.environ.get(k) for k in DIST_ENV}
-    for k in DIST_ENV:
-        os.environ.pop(k, None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention
-    ctx = init_distributed("cpu")
-    yield ctx
-    torch.set_num_threads(threads)
-    destroy_process_groups()  # DeepSpeed's cached groups too, so a later module's world starts clean
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """One in-process gloo world of size 1 for the in-process trainings."""
+    with gloo_world() as ctx:
+        yield ctx
 
 
 def run_train(toy, out, *extra, steps=6, ctx=None):

@@ -3,6 +3,7 @@ cache written from its forward with FeatureCacheWriter, and the recipe overrides
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -14,6 +15,27 @@ from tiny_models import tiny_llama
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 256
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def gloo_world():
+    """An in-process gloo world of size 1 at one thread, with any launcher's rank variables hidden; on exit every
+    group (DeepSpeed's cached ones too) is destroyed and the environment and thread count are restored."""
+    from train.distributed import destroy_process_groups, init_distributed
+
+    saved = {k: os.environ.pop(k, None) for k in DIST_ENV}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention
+    try:
+        yield init_distributed("cpu")
+    finally:
+        destroy_process_groups()
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def toy_sequences(n: int, seed: int = 0, min_len: int = 8, max_len: int = 40) -> list[torch.Tensor]:
