@@ -10,9 +10,6 @@ from dataclasses import dataclass
 import torch
 
 
-_GROUP_USED = False  # set once this process has joined a process group (see exit_process)
-
-
 @dataclass
 class DistContext:
     rank: int
@@ -59,8 +56,6 @@ def init_distributed(device: str = "auto") -> DistContext:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl")
-    global _GROUP_USED
-    _GROUP_USED = True
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
@@ -90,13 +85,14 @@ def shutdown_distributed() -> None:
 
 
 def exit_process(code: int) -> None:
-    """End a trainer process with `code`. After a successful run that used a process group, skip the interpreter's
-    teardown (`os._exit`): DeepSpeed leaves references to its gloo groups (from hooks on the parameters) that
-    `destroy_process_group` cannot drop, so the groups and their threads are still alive at exit, and tearing them
-    down then aborts a rank now and then ("terminate called without an active exception", SIGABRT after the run
-    finished). Everything the run writes is closed by then; only the standard streams need a flush. A failed run
-    exits normally, so whatever it still holds open is flushed by the usual teardown."""
-    if code == 0 and _GROUP_USED:
+    """End a trainer process with `code`. A successful run (code 0 comes only after training, so the process has
+    joined a process group) skips the interpreter's teardown (`os._exit`): DeepSpeed leaves references to its gloo
+    groups (from hooks on the parameters) that `destroy_process_group` cannot drop, so the groups and their threads
+    are still alive at exit, and tearing them down then aborts a rank now and then ("terminate called without an
+    active exception", SIGABRT after the run finished). Everything the run writes is closed by then; only the
+    standard streams need a flush. A failed run exits normally, so whatever it still holds open is flushed by the
+    usual teardown."""
+    if code == 0:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
