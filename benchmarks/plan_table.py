@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem-gb", type=float, default=24.0)
     args = p.parse_args(argv)
-    from train.main import load_config
+    from recipes import load_config
     from train.plan import GB, Hardware, build_plan
 
     print("| recipe | head params | " + " | ".join(COLUMNS) + " | peak GB (phase) | fits? | cache GB (bf16) | prep h | "

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="extra recipe overrides for both stages")
     args = p.parse_args(argv)
 
-    from train.main import load_config
+    from recipes import load_config
     from train.plan import Hardware, build_plan, format_plan, phase_bytes, plan_shape
 
     work = Path(args.work) / args.recipe

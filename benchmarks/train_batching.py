@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from train.distributed import init_distributed, shutdown_distributed
-    from train.main import load_config, train
+    from recipes import load_config
+    from train.main import train
 
     from train.data import cache_dir
 

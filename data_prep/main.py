@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import load_recipe
+    from recipes import load_config
 
     args = build_parser().parse_args(argv)
     overrides = [a for a in args.rest if "=" in a]
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(stages) > 1 or (stages and stages[0] not in STAGES):
         raise SystemExit(f"expected at most one stage out of {STAGES} besides key=value overrides, got {stages}")
     stage = stages[0] if stages else "all"
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = load_config(args.recipe, overrides)
 
     distributed = False
     if args.shard is not None:

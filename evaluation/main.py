@@ -11,7 +11,7 @@ bench: every method of `eval.methods` (vanilla, chain, eagle1, eagle2, tuned; an
 "eagle2:total_token=30,depth=4,top_k=8") runs on every prompt, interleaved, after a warm-up; the
 report (report.json, report.md, PNGs, answers.jsonl) goes to eval.output_dir (default
 {output_dir}/eval). At T = 0 every output is compared with vanilla's token by token; the exit code
-is 1 on a mismatch (eval.fail_on_mismatch). Keys: `eval.*` (evaluation/settings.py), `decoding.*`
+is 1 on a mismatch (eval.fail_on_mismatch). Keys: `eval.*` (recipes/eval.py), `decoding.*`
 (the base tree of every method), `target.*`.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from evaluation.chat_format import ChatFormat  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.questions import QuestionError, load_questions  # noqa: E402
 from evaluation.runner import GenerationArgs  # noqa: E402
+from recipes import load_config  # noqa: E402
 
 COMMANDS = ("bench", "autotune", "chi2", "serve-check")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,21 +82,15 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     return command, p.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
 
-def load_config(args: argparse.Namespace):
-    from omegaconf.errors import ValidationError
-
-    from recipes import RecipeError, load_recipe
-
+def config_from_args(args: argparse.Namespace):
+    """The recipe with the command-line flags applied as overrides (--base = target.path, --head = eval.head_path...)."""
     overrides = list(args.overrides)
     for flag, key in (("base", "target.path"), ("head", "eval.head_path"), ("compare_head", "eval.compare_head"),
                       ("questions", "eval.questions"), ("out", "eval.output_dir")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
-    try:
-        return load_recipe(args.recipe, overrides)
-    except ValidationError as e:  # a value of the wrong type: name the key
-        raise RecipeError(f"recipe {args.recipe}: {e.msg} (key {e.full_key})") from None
+    return load_config(args.recipe, overrides)
 
 
 def target_folder(cfg) -> str:
@@ -180,7 +175,7 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
         raise ValueError(f"{target_path} has no tokenizer: evaluation needs one to encode prompts")
     template = None
     if cfg.target.chat_template:
-        from data_prep.chat_template import read_template
+        from recipes.chat_templates import read_template
 
         template = read_template(str(cfg.target.chat_template))
     fmt = ChatFormat(tokenizer, template, str(cfg.eval.turn_separator))
@@ -369,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     command, args = parse_args(argv)
-    cfg = load_config(args)
+    cfg = config_from_args(args)
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv

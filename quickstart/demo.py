@@ -216,7 +216,7 @@ def headline_line(eval_dir: Path) -> str | None:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import load_recipe
+    from recipes import load_config
 
     args = build_parser().parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     user = list(args.overrides)
     if args.out is not None:
         user.append(f"output_dir={args.out}")
-    cfg = load_recipe(args.recipe, user)  # fails fast on unknown keys, before the target is built
+    cfg = load_config(args.recipe, user)  # fails fast on unknown keys, before the target is built
     out_dir = Path(cfg.output_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(out_dir / ".quickstart.lock"))
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float, err) -> int:
-    from recipes import load_recipe
+    from recipes import load_config
 
     if args.fresh:
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
@@ -280,7 +280,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     overrides = [f"target.path={target}", f"output_dir={out_dir}"]
     overrides += [f"{k}={v}" for k, v in inputs.items() if k not in given]  # the user's choice wins
     overrides += [o for o in user if not o.startswith("output_dir=")]
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = load_config(args.recipe, overrides)
 
     state = read_state(out_dir)
     upstream = ""

@@ -26,7 +26,7 @@ def build_tokenizer(chat_template: str | None = "chatml"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from data_prep.chat_template import read_template
+    from recipes.chat_templates import read_template
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -298,13 +298,13 @@ def test_serving_commands():
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_hub_stages_an_engine_format_with_serving_commands(tmp_path, fmt):
-    from recipes import load_recipe
+    from recipes import load_config
     from train.hub import push_to_hub
 
     head, target = perturbed_head("llama", True)
     target.save_pretrained(tmp_path / "target")
     head.save_pretrained(tmp_path / "run" / "head")
-    cfg = load_recipe("tiny", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
+    cfg = load_config("tiny", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
                                "export.repo_id=someone/head-x"])
     result = push_to_hub(cfg, dry_run=True, fmt=fmt)
     assert result["files"] == ["README.md", "config.json", "model.safetensors"]

@@ -97,7 +97,7 @@ def test_long_records_policy():
 
 def test_long_records_key_is_validated():
     from recipes import RecipeError
-    from train.main import load_config
+    from recipes import load_config
 
     with pytest.raises(RecipeError, match="train.long_records"):
         load_config("tiny", ["train.long_records=wrap"])

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes import RecipeError, list_recipes, recipe_path
+from recipes import RecipeError, list_recipes, load_config, recipe_path
 from train.ds_config import deepspeed_config
-from train.main import load_config
 
 PUBLISHED = {  # recipe -> (target, fc bias of the released heads)
     "llama3-8b": ("meta-llama/Meta-Llama-3-8B-Instruct", False),
@@ -37,7 +36,7 @@ def test_every_recipe_names_its_head_kind(name):
 def test_published_eagle3_settings(name):
     """SpecForge's / the reference EAGLE-3 settings: lr 1e-4, 10 epochs, batch 1, 2048 tokens, cosine after warm-up,
     clip 0.5, ttt 7 steps weighted 0.8^j, token loss only, 32k draft vocabulary for the 128k/152k-vocabulary targets."""
-    from train.settings import ttt_weights
+    from recipes.head import ttt_weights
 
     cfg = load_config(f"{name}-eagle3", [])
     h, t = cfg.head, cfg.train
@@ -50,7 +49,7 @@ def test_published_eagle3_settings(name):
 
 @pytest.mark.parametrize("name", list_recipes())
 def test_recipe_validates_against_the_code(name):
-    from data_prep.chat_template import shipped_templates
+    from recipes.chat_templates import shipped_templates
     from eagle.decoding_config import DecodingConfig
     from omegaconf import OmegaConf
 

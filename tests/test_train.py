@@ -51,7 +51,8 @@ def dist_ctx():
 
 
 def run_train(toy, out, *extra, steps=6, ctx=None):
-    from train.main import load_config, train
+    from recipes import load_config
+    from train.main import train
 
     cfg = load_config("tiny", overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", *toy.get("extra", ()),
                                         *extra, steps=steps))
@@ -185,12 +186,12 @@ def test_eagle3_online_mode_computes_the_aux_layers_in_the_loop(toy3, tmp_path, 
     from data_prep.tokenized import write_tokenized
     from train.data import collate
     from train.frozen_target import load_frozen_target
-    from recipes import load_recipe
+    from recipes import load_config
 
     reader = FeatureCacheReader(toy3["cache"])
     recs = [{"id": r["id"], "input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in reader]
     write_tokenized(tmp_path / "tok.jsonl", recs)
-    cfg = load_recipe("tiny", [f"target.path={toy3['target']}", "target.dtype=float32"])
+    cfg = load_config("tiny", [f"target.path={toy3['target']}", "target.dtype=float32"])
     frozen, _ = load_frozen_target("online", cfg.target, str(toy3["target"]), torch.device("cpu"), torch.float32,
                                    [1, 2, 3, 4])
     batch = collate([reader[0], reader[1]])
@@ -317,7 +318,7 @@ def test_live_tau_prompts_are_the_turns_before_the_trained_tokens():
 
 def test_eval_head_reproduces_the_trainers_final_eval(any_toy, tmp_path, dist_ctx):
     from train.eval_head import evaluate_head
-    from train.main import load_config
+    from recipes import load_config
 
     toy = any_toy
     summary = run_train(toy, tmp_path / "run", "export.dtype=float32", steps=4, ctx=dist_ctx)
@@ -449,14 +450,14 @@ def test_noise_kinds():
 
 # ----------------------------------------------------------------------------- tracking
 def test_wandb_without_mode_or_credentials_logs_offline(tmp_path, monkeypatch):
-    from recipes import load_recipe
+    from recipes import load_config
     from train.tracking import Tracker
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
-    cfg = load_recipe("tiny", ["logging.backend=wandb,tensorboard"])
+    cfg = load_config("tiny", ["logging.backend=wandb,tensorboard"])
     tracker = Tracker(cfg, tmp_path / "logs", enabled=True)
     assert tracker._wandb is not None and tracker._wandb.settings.mode == "offline"
     tracker.log({"train/loss": 1.5, "bad": float("nan")}, step=3)
@@ -471,7 +472,7 @@ def test_push_dry_run_stages_exactly_the_upload(toy, tmp_path, dist_ctx, monkeyp
     import huggingface_hub.constants
 
     from train.hub import HubPushError, main as hub_main, push_to_hub
-    from train.main import load_config
+    from recipes import load_config
 
     out = tmp_path / "run"
     run_train(toy, out, "train.lr=3e-3", steps=3, ctx=dist_ctx)
@@ -509,7 +510,8 @@ def test_push_dry_run_stages_exactly_the_upload(toy, tmp_path, dist_ctx, monkeyp
 def test_stories260k_recipe_on_a_corpus_cache(shared_dir, tmp_path, dist_ctx):
     """train.corpus_cache + the stories260k recipe on a few TinyStories paragraphs with the real stories260K."""
     from train.corpus_cache import build_corpus_cache
-    from train.main import load_config, train
+    from recipes import load_config
+    from train.main import train
 
     target = shared_dir / "models" / "stories260K"
     cfg = load_config("stories260k", [f"target.path={target}", f"output_dir={tmp_path}", "train.max_steps=4",
@@ -529,7 +531,7 @@ def test_on_policy_corpus_cache_holds_the_targets_greedy_continuations(shared_di
 
     from data_prep.feature_cache import FeatureCacheReader
     from train.corpus_cache import build_corpus_cache, opening_sentence, read_paragraphs
-    from train.main import load_config
+    from recipes import load_config
 
     target = shared_dir / "models" / "stories260K"
     text = shared_dir / "data" / "corpora" / "tinystories_val_a.txt"

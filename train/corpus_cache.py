@@ -146,7 +146,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from train.main import load_config
+    from recipes import load_config
 
     p = ArgumentParser(prog="python -m train.corpus_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -27,9 +27,6 @@ def evaluate_head(cfg, head_path: str) -> dict:
     from train.frozen_target import check_cache_matches_target, load_frozen_target
     from train.head_kind import head_kind
     from train.main import COMPUTE_DTYPES
-    from train.settings import validate_train_sections
-
-    validate_train_sections(cfg)
     t = cfg.train
     target_path = resolve_target_path(cfg.target)
     cdir = cache_dir(cfg)
@@ -59,7 +56,7 @@ def evaluate_head(cfg, head_path: str) -> dict:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from train.main import load_config
+    from recipes import load_config
 
     p = ArgumentParser(prog="python -m train.eval_head", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

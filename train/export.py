@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     head, base = args.head, args.base
     if args.recipe:
-        from train.main import load_config
+        from recipes import load_config
 
         cfg = load_config(args.recipe, args.overrides)
         head = head or str(export_dir(cfg))

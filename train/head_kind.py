@@ -62,7 +62,7 @@ class Eagle3Kind(Eagle2Kind):
     name = "eagle3"
 
     def __init__(self, cfg, target_config):
-        from train.settings import ttt_weights
+        from recipes.head import ttt_weights
 
         super().__init__(cfg, target_config)
         self.layers = feature_layers(cfg.head, target_config)  # [a, b, c, L]: aux + final

@@ -118,7 +118,7 @@ def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False, 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from train.main import load_config
+    from recipes import load_config
 
     p = ArgumentParser(prog="python -m train.hub", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,27 +24,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
-from train.settings import describe_recipe_keys, validate_train_sections  # noqa: E402
+from recipes import list_recipes, load_config  # noqa: E402
+from recipes.schema import describe_recipe_keys  # noqa: E402
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class NonFiniteLossError(UserError, RuntimeError):
     """Too many non-finite losses in a row: the run diverged or the data holds NaN/inf features."""
-
-
-def load_config(recipe: str, overrides: list[str]):
-    """The recipe with overrides applied and the train-owned sections validated (RecipeError on bad input)."""
-    from omegaconf.errors import ValidationError
-
-    from recipes import RecipeError, load_recipe
-
-    try:
-        cfg = load_recipe(recipe, overrides)
-    except ValidationError as e:  # a value of the wrong type: name the key
-        raise RecipeError(f"recipe {recipe}: {e.msg} (key {e.full_key})") from None
-    validate_train_sections(cfg)
-    return cfg
 
 
 def seed_everything(seed: int) -> None:
@@ -82,7 +69,6 @@ def train(cfg, ctx=None) -> dict:
     from eagle.run_lock import run_lock
     from train.distributed import init_distributed
 
-    validate_train_sections(cfg)
     ctx = ctx or init_distributed(cfg.train.device)
     with run_lock(Path(cfg.output_dir) / "train", f"rank{ctx.rank}", "training"):
         return _train_locked(cfg, ctx)
@@ -108,7 +94,6 @@ def _train_locked(cfg, ctx) -> dict:
     from train.tracking import Tracker
 
     # ================================================================== setup
-    validate_train_sections(cfg)
     t = cfg.train
     say = (lambda msg: print(f"[train] {msg}", flush=True)) if ctx.is_main else (lambda msg: None)
     dtype = COMPUTE_DTYPES[t.precision]
@@ -352,8 +337,6 @@ def _train_locked(cfg, ctx) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from recipes import list_recipes
-
     p = ArgumentParser(
         prog="train/main.py",
         description="Train an EAGLE-2 or EAGLE-3 draft head (DeepSpeed) from a recipe (head.kind). Overrides: key=value, e.g. "

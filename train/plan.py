@@ -634,7 +634,7 @@ def main(argv=None) -> int:
                 raise PlanError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
         if not 0 <= args.reserve < 1:
             raise PlanError(f"--reserve={args.reserve}: expected 0 <= reserve < 1")
-        from train.main import load_config
+        from recipes import load_config
 
         cfg = load_config(args.recipe, args.overrides)
         hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,

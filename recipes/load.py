@@ -1,0 +1,81 @@
+"""Load a recipe: schema defaults <- the YAML file <- `key=value` overrides, every value checked once, here.
+
+`load_config("tiny")` finds recipes/tiny.yaml (or takes a path). Unknown keys fail loudly, listing the valid ones;
+bad values raise RecipeError naming the key. Every command loads its recipe through this one function.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from recipes.check import RecipeError
+from recipes.schema import Recipe, valid_keys, validate_recipe
+
+RECIPE_DIR = Path(__file__).resolve().parent
+
+
+def list_recipes() -> list[str]:
+    """Names of the recipes shipped in recipes/."""
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """recipes/NAME.yaml for a bare name, else the given path."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    cand = RECIPE_DIR / (p.name if p.suffix in (".yaml", ".yml") else f"{name_or_path}.yaml")
+    if cand.exists():
+        return cand
+    raise FileNotFoundError(f"recipe {name_or_path!r} not found (as a path or in {RECIPE_DIR}); shipped: {list_recipes()}")
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The recipe `name_or_path` (None = the schema defaults) with `overrides` applied, every value checked
+    (RecipeError, one line naming the key)."""
+    schema = OmegaConf.structured(Recipe)
+    layers = [schema]
+    path = name_or_path
+    try:
+        if name_or_path is not None:
+            path = recipe_path(name_or_path)
+            layers.append(OmegaConf.load(path))
+        if len(layers) > 1 and not isinstance(layers[-1], DictConfig):
+            raise RecipeError(f"recipe {path}: expected a mapping of sections (target:, data:, train: ...), "
+                              f"got a {type(layers[-1]).__name__}")
+        if overrides:
+            for o in overrides:
+                if "=" not in o or not o.split("=", 1)[0].strip():
+                    raise RecipeError(f"override {o!r} is not of the form key=value")
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(*layers)
+    except (ConfigAttributeError, ConfigKeyError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        raise RecipeError(f"unknown recipe key {key!r} in {name_or_path}{_did_you_mean(str(key))}; "
+                          "`python train/main.py --help` lists every key") from None
+    except ValidationError as e:  # a value of the wrong type: name the key
+        raise RecipeError(f"recipe {name_or_path}: {' '.join(e.msg.split())} (key {e.full_key})") from None
+    except OmegaConfBaseException as e:  # a syntax error in an override, a bad interpolation...
+        raise RecipeError(f"recipe {name_or_path}: {' '.join(str(e).split())}") from None
+    except yaml.YAMLError as e:  # a malformed YAML file: name it and the line
+        raise RecipeError(f"recipe {path}: invalid YAML ({' '.join(str(e).split())})") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe {path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    OmegaConf.set_readonly(cfg, False)
+    validate_recipe(cfg)
+    return cfg
+
+
+def _did_you_mean(key: str) -> str:
+    valid = valid_keys(Recipe)
+    section = key.split(".")[0] + "."
+    leaves = {k.split(".")[-1]: k for k in valid if k.startswith(section)}
+    close = [leaves[m] for m in difflib.get_close_matches(key.split(".")[-1], list(leaves), n=3, cutoff=0.6)]
+    same_section = [k for k in valid if k.startswith(section)]
+    listing = f"valid keys of {section[:-1]}: {', '.join(same_section)}" if same_section else \
+        f"valid sections: {', '.join(sorted({k.split('.')[0] for k in valid}))}"
+    return (f": did you mean {' or '.join(close)}? " if close else ": ") + listing
