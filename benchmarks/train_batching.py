@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from recipes import load_config
     from train.main import train
 
-    from train.data import cache_dir
+    from recipes.layout import cache_dir
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     ctx = init_distributed("cpu")

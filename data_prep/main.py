@@ -27,8 +27,9 @@ if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
-from data_prep.tokenized import TOKENIZED_FILE, load_tokenized, write_tokenized  # noqa: E402
+from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from recipes import layout  # noqa: E402
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
 
@@ -39,7 +40,7 @@ class Run:
 
     def __init__(self, cfg, shard: int, num_shards: int, distributed: bool, progress: bool):
         self.cfg = cfg
-        self.data_dir = Path(cfg.output_dir) / "data"
+        self.data_dir = layout.data_dir(cfg)
         self.shard, self.num_shards = shard, num_shards
         self.distributed = distributed
         self.progress = progress
@@ -183,7 +184,7 @@ def stage_tokenize(run: Run, conversations: list[dict]) -> None:
         raise ValueError(f"data.on_length_limit must be 'keep' or 'drop', got {d.on_length_limit!r}")
     tokenized, stats = tokenize_records(records, run.tokenizer(), d.max_length, d.overlong,
                                         drop_length_limited=d.on_length_limit == "drop")
-    write_tokenized(run.data_dir / TOKENIZED_FILE, tokenized)
+    write_tokenized(run.data_dir / layout.TOKENIZED_FILE, tokenized)
     write_jsonl(run.data_dir / "tokenize_rejects.jsonl", stats.rejects)
     report = stats.report()
     report["length_limited_kept"] = sum(bool(r.get("length_limited")) for r in records) - stats.dropped_length_limited
@@ -199,7 +200,7 @@ def stage_inspect(run: Run, n: int) -> None:
     from data_prep.loss_mask import render_masked
 
     tok = run.tokenizer()
-    for k, rec in enumerate(load_tokenized(run.data_dir / TOKENIZED_FILE)):
+    for k, rec in enumerate(load_tokenized(run.data_dir / layout.TOKENIZED_FILE)):
         if k >= n:
             break
         trained = sum(rec["loss_mask"])
@@ -221,7 +222,7 @@ def stage_cache(run: Run) -> None:
     from data_prep.target import resolve_target_path, target_config_hash
 
     d = run.cfg.data
-    tok_path = run.data_dir / TOKENIZED_FILE
+    tok_path = run.data_dir / layout.TOKENIZED_FILE
     records = list(load_tokenized(tok_path))
     model = run.model()
     config = model.config
@@ -232,7 +233,7 @@ def stage_cache(run: Run) -> None:
     layers = feature_layers(run.cfg.head, config)  # None for eagle2: the legacy meta, byte for byte
     if layers is not None:
         meta["feature_layers"] = layers
-    out = run.data_dir / "features"
+    out = run.data_dir / layout.FEATURES_DIR
     writer = FeatureCacheWriter(out, meta, dtype=d.cache_dtype, part=f"shard{run.shard:05d}-of-{run.num_shards:05d}",
                                 max_shard_bytes=d.cache_shard_mb * 2**20)
     remaining = sum(len(r["input_ids"]) for r in records if r["id"] not in writer)

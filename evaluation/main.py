@@ -35,7 +35,7 @@ from evaluation.chat_format import ChatFormat  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.questions import QuestionError, load_questions  # noqa: E402
 from evaluation.runner import GenerationArgs  # noqa: E402
-from recipes import load_config  # noqa: E402
+from recipes import layout, load_config  # noqa: E402
 
 COMMANDS = ("bench", "autotune", "chi2", "serve-check")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -133,7 +133,7 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
     if cfg.eval.threads > 0:
         torch.set_num_threads(int(cfg.eval.threads))
     target_path = target_folder(cfg)
-    head_path = str(cfg.eval.head_path or Path(cfg.output_dir) / "head")
+    head_path = layout.eval_head(cfg)
     if Path(head_path).is_dir() or Path(head_path).exists():  # a bad head folder fails before the target loads
         from eagle.head import check_head_files
 
@@ -188,7 +188,7 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
     gen = GenerationArgs(max_new_tokens=int(cfg.eval.max_new_tokens), max_length=max_length,
                          temperature=float(cfg.eval.temperature), top_p=float(cfg.eval.top_p),
                          top_k=int(cfg.eval.top_k), eos_token_id=[int(e) for e in eos])
-    out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / "eval")
+    out_dir = layout.eval_dir(cfg)
     return Setup(cfg, models, fmt, gen, base_decoding, target_path, head_path, out_dir)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from eagle.cli_errors import ArgumentParser, one_line_errors
+from recipes import layout
 from quickstart.default_target import (
     CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir, ensure_default_target, read_build_info,
 )
@@ -50,16 +51,15 @@ class Stage:
 
 
 STAGES = (
-    Stage("data", "data_prep.main", ("seed", "target", "data"), ("data",),
+    Stage("data", "data_prep.main", ("seed", "target", "data"), (layout.DATA_DIR,),
           "data prep: regenerate answers with the target, loss masks, hidden-state cache"),
-    Stage("train", "train.main", ("head", "train", "export"), ("train", "head"),
+    Stage("train", "train.main", ("head", "train", "export"), (layout.TRAIN_DIR, layout.HEAD_DIR),
           "training the draft head (DeepSpeed) and exporting it"),
-    Stage("tune", "evaluation.main", ("decoding", "eval"), ("tune",),
+    Stage("tune", "evaluation.main", ("decoding", "eval"), (layout.TUNE_DIR,),
           "auto-tuning the EAGLE-2 tree for this machine (evaluation/main.py autotune)", ("autotune",)),
-    Stage("eval", "evaluation.main", ("decoding", "eval"), ("eval",),
+    Stage("eval", "evaluation.main", ("decoding", "eval"), (layout.EVAL_DIR,),
           "evaluation: vanilla / EAGLE-1 / EAGLE-2 (60/5/10 and tuned), calibration, losslessness"),
 )
-TUNE_DIR = "tune"  # the autotune stage's report folder under output_dir (it also writes head/tree_config.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +151,7 @@ def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> Non
     cmd = [sys.executable, "-m", stage.module, *stage.command, "--recipe", recipe, *overrides]
     if stage.name == "tune":  # its report goes to {output_dir}/tune, not into the evaluation's folder
         out = dict(o.split("=", 1) for o in overrides if "=" in o)["output_dir"]
-        cmd.append(f"eval.output_dir={Path(out) / TUNE_DIR}")
+        cmd.append(f"eval.output_dir={Path(out) / layout.TUNE_DIR}")
     say("$ " + " ".join(shlex.quote(c) for c in cmd))
     sys.stdout.flush()
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
@@ -310,7 +310,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         try:
             run_stage(stage, args.recipe, overrides, env)
         except StageFailed as e:
-            eval_report = Path(cfg.eval.output_dir or out_dir / "eval") / "report.json"
+            eval_report = layout.eval_dir(cfg) / "report.json"
             if stage.name == "eval" and e.code == 1 and eval_report.exists():  # the report lists the mismatches
                 for line in summarize_report(eval_report.parent):
                     say("  " + line)
@@ -326,7 +326,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         state[stage.name] = {"fingerprint": fp, "done": True, "seconds": timings[stage.name]}
         write_state(out_dir, state)
 
-    eval_dir = Path(cfg.eval.output_dir or out_dir / "eval")
+    eval_dir = layout.eval_dir(cfg)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     say(f"done in {time.time() - started:.0f}s wall, {sum(cpu.values()):.0f}s CPU (this run, seconds wall/CPU per stage: "
         + ", ".join(f"{k} {timings[k]}/{cpu[k]}" for k in timings) + f"; load average now {load})")

@@ -52,10 +52,6 @@ def weights_only_load(path, map_location=None):
                               "and rerun to resume from the previous checkpoint, or set train.resume=false") from None
 
 
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "train" / "checkpoints"
-
-
 def tag_for(step: int) -> str:
     return f"{TAG_PREFIX}{step:08d}"
 

@@ -12,20 +12,6 @@ from pathlib import Path
 
 import torch
 
-FEATURES_SUBDIR = "data/features"  # where data_prep writes the cache under output_dir
-TOKENIZED_SUBDIR = "data/tokenized.jsonl"  # where data_prep writes tokenised conversations under output_dir
-
-
-def cache_dir(cfg) -> Path:
-    """train.cache_dir, or the data_prep output {output_dir}/data/features."""
-    return Path(cfg.train.cache_dir or Path(cfg.output_dir) / FEATURES_SUBDIR)
-
-
-def tokenized_file(cfg) -> Path:
-    """train.tokenized, or the data_prep output {output_dir}/data/tokenized.jsonl."""
-    return Path(cfg.train.tokenized or Path(cfg.output_dir) / TOKENIZED_SUBDIR)
-
-
 class TokenizedRecords:
     """Online-mode records: tokenised conversations held in memory (features are computed in the loop)."""
 

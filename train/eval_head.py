@@ -23,13 +23,14 @@ def evaluate_head(cfg, head_path: str) -> dict:
     from data_prep.feature_cache import FeatureCacheReader
     from data_prep.target import load_target_config, pick_device, resolve_target_path
     from eagle.head import load_head
-    from train.data import Subset, cache_dir, split_train_eval
+    from recipes import layout
+    from train.data import Subset, split_train_eval
     from train.frozen_target import check_cache_matches_target, load_frozen_target
     from train.head_kind import head_kind
     from train.main import COMPUTE_DTYPES
     t = cfg.train
     target_path = resolve_target_path(cfg.target)
-    cdir = cache_dir(cfg)
+    cdir = layout.cache_dir(cfg)
     source = FeatureCacheReader(cdir, verify=t.verify_cache)
     target_config = load_target_config(target_path)
     kind = head_kind(cfg, target_config)  # the recipe's head.kind decides the cache layout and the metrics

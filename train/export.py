@@ -18,16 +18,12 @@ from omegaconf import OmegaConf
 
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from eagle.head import Eagle3Head, EagleHead, head_class
+from recipes import layout
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 RECIPE_FILE = "recipe.yaml"
 SUMMARY_FILE = "train_summary.json"
-
-
-def export_dir(cfg) -> Path:
-    """export.dir, or {output_dir}/head."""
-    return Path(cfg.export.dir or Path(cfg.output_dir) / "head")
 
 
 def _cpu_copy(v: torch.Tensor) -> torch.Tensor:
@@ -143,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         from recipes import load_config
 
         cfg = load_config(args.recipe, args.overrides)
-        head = head or str(export_dir(cfg))
+        head = head or str(layout.head_dir(cfg))
         base = base or (str(cfg.target.path) if cfg.target.path else None)
     source = args.eagle3 or head
     if not source:

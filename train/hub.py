@@ -18,7 +18,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
-from train.export import RECIPE_FILE, SUMMARY_FILE, export_dir
+from recipes import layout
+from train.export import RECIPE_FILE, SUMMARY_FILE
 from train.model_card import model_card, read_json
 
 HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE)
@@ -27,10 +28,6 @@ EVAL_FILES = ("report.md", "report.json")
 
 class HubPushError(UserError, RuntimeError):
     """The upload could not happen (no token, no network, no permission); the message says what to do."""
-
-
-def eval_dir(cfg) -> Path:
-    return Path(cfg.eval.output_dir or Path(cfg.output_dir) / "eval")
 
 
 def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "eagle") -> list[Path]:
@@ -59,7 +56,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
             shutil.copy2(head_dir / name, staging / name)
     plots: list[str] = []
     report = None
-    edir = eval_dir(cfg)
+    edir = layout.eval_dir(cfg)
     if edir.is_dir():
         (staging / "eval").mkdir()
         for name in EVAL_FILES:
@@ -69,9 +66,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
             shutil.copy2(png, staging / "eval" / png.name)
             plots.append(f"eval/{png.name}")
         report = read_json(edir / "report.json")
-    from train.data import cache_dir
-
-    manifest = read_json(cache_dir(cfg) / "manifest.json")
+    manifest = read_json(layout.cache_dir(cfg) / "manifest.json")
     if manifest:
         manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens", "source")}
     # the card describes the recipe the head was trained with (stored at export), not this command's
@@ -88,7 +83,7 @@ def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False, 
     repo_id = cfg.export.repo_id
     if not repo_id:
         raise HubPushError("export.repo_id is empty: set export.repo_id=USER/NAME")
-    head_dir = Path(head_dir) if head_dir else export_dir(cfg)
+    head_dir = Path(head_dir) if head_dir else layout.head_dir(cfg)
     staging = Path(cfg.output_dir) / "hub_upload"
     files = stage_upload(cfg, head_dir, staging, repo_id, fmt)
     result = {"repo_id": repo_id, "private": bool(cfg.export.private), "staging": str(staging),

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
-from recipes import list_recipes, load_config  # noqa: E402
+from recipes import layout, list_recipes, load_config  # noqa: E402
 from recipes.schema import describe_recipe_keys  # noqa: E402
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -70,7 +70,7 @@ def train(cfg, ctx=None) -> dict:
     from train.distributed import init_distributed
 
     ctx = ctx or init_distributed(cfg.train.device)
-    with run_lock(Path(cfg.output_dir) / "train", f"rank{ctx.rank}", "training"):
+    with run_lock(layout.train_dir(cfg), f"rank{ctx.rank}", "training"):
         return _train_locked(cfg, ctx)
 
 
@@ -80,14 +80,13 @@ def _train_locked(cfg, ctx) -> dict:
 
     from data_prep.target import load_target_config, resolve_target_path
     from train.batching import MicroBatchPlan
-    from train.checkpoint import (CheckpointError, checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag,
-                                  load_checkpoint, save_checkpoint)
-    from train.data import (Subset, TokenizedRecords, apply_long_records, cache_dir, head_positions, micro_batch_loader,
-                            split_train_eval, tokenized_file)
+    from train.checkpoint import (CheckpointError, commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint,
+                                  save_checkpoint)
+    from train.data import Subset, TokenizedRecords, apply_long_records, head_positions, micro_batch_loader, split_train_eval
     from train.distributed import all_reduce_sum
     from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
     from train.ds_config import deepspeed_config
-    from train.export import export_dir, export_head, full_state_dict, standalone_head
+    from train.export import export_head, full_state_dict, standalone_head
     from train.frozen_target import check_cache_matches_target, load_frozen_target
     from train.head_kind import head_kind
     from train.plan import print_run_plan
@@ -97,8 +96,7 @@ def _train_locked(cfg, ctx) -> dict:
     t = cfg.train
     say = (lambda msg: print(f"[train] {msg}", flush=True)) if ctx.is_main else (lambda msg: None)
     dtype = COMPUTE_DTYPES[t.precision]
-    out_dir = Path(cfg.output_dir)
-    train_dir = out_dir / "train"
+    train_dir = layout.train_dir(cfg)
     train_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
 
@@ -109,11 +107,11 @@ def _train_locked(cfg, ctx) -> dict:
     if t.mode == "offline":
         from data_prep.feature_cache import FeatureCacheReader
 
-        cdir = cache_dir(cfg)
+        cdir = layout.cache_dir(cfg)
         source = FeatureCacheReader(cdir, verify=t.verify_cache)
         check_cache_matches_target(source.manifest, cdir, target_path, target_config, kind.layers)
     else:
-        source = TokenizedRecords(tokenized_file(cfg), cfg.data.max_length)
+        source = TokenizedRecords(layout.tokenized_file(cfg), cfg.data.max_length)
     train_idx, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
     positions = head_positions(cfg, target_config)  # records beyond them: train.long_records
     train_idx, limit = apply_long_records(t.long_records, positions, source.lengths, train_idx, cfg.data.max_length)
@@ -151,7 +149,7 @@ def _train_locked(cfg, ctx) -> dict:
                    "batching": t.batching, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum}
     state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "train_cpu": 0.0, "bad_in_row": 0, "skipped": 0,
              "evaluated_epochs": 0, "data": fingerprint}
-    ckpt_root = checkpoint_root(out_dir)
+    ckpt_root = layout.checkpoint_dir(cfg)
     tag = latest_tag(ckpt_root) if t.resume else None
     if tag is not None:
         state = load_checkpoint(engine, ckpt_root, tag, ctx.rank)
@@ -316,7 +314,7 @@ def _train_locked(cfg, ctx) -> dict:
         summary["eval"] = eval_metrics
         weights = full_state_dict(engine.module, t.zero_stage)  # collective under ZeRO-3
         if ctx.is_main:
-            path = export_head(weights, engine.module.config, export_dir(cfg), cfg.export.dtype, cfg.export.legacy_bin,
+            path = export_head(weights, engine.module.config, layout.head_dir(cfg), cfg.export.dtype, cfg.export.legacy_bin,
                                recipe=cfg, summary=summary)
             summary["head_dir"] = str(path)
             say(f"exported head to {path}")

@@ -490,9 +490,9 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
 def data_size(cfg) -> tuple[int, int, str]:
     """(records, tokens per record, where from): a finished cache's manifest, else data.max_records, else the
     ShareGPT assumption."""
-    from train.data import cache_dir
+    from recipes import layout
 
-    manifest = cache_dir(cfg) / "manifest.json"
+    manifest = layout.cache_dir(cfg) / "manifest.json"
     if manifest.exists():
         m = json.loads(manifest.read_text())
         return int(m["num_records"]), max(1, int(m["num_tokens"]) // max(1, int(m["num_records"]))), f"cache {manifest}"
