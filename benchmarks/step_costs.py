@@ -144,7 +144,7 @@ def load_default_target(head_arg: str | None, context: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle import EaModel, EagleHead
-    from quickstart.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target
+    from data_prep.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target
 
     path = ensure_default_target()
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.default_target import ensure_default_target
 from eagle.cli_errors import UserError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,13 +27,6 @@ def resolve_target_path(target_cfg) -> str:
             raise UserError(f"target.path {path} does not exist (relative paths are read from the current directory, "
                             f"{Path.cwd()}); give a local folder or a hub id like owner/name")
         return path
-    try:
-        from quickstart.default_target import ensure_default_target
-    except ImportError as e:
-        raise RuntimeError(
-            "target.path is empty, which means the embedded default target, but quickstart.default_target is not "
-            f"available ({e}); set target.path=<HF id or local folder>"
-        ) from None
     return str(ensure_default_target())
 
 

@@ -29,6 +29,8 @@ if __package__ in (None, ""):  # `python evaluation/main.py`: import the evaluat
 
 import torch  # noqa: E402
 
+from data_prep.default_target import QUESTIONS_FILE, ensure_default_target  # noqa: E402
+from data_prep.target import resolve_target_path  # noqa: E402
 from eagle.decoding_config import DecodingConfig  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
@@ -93,20 +95,10 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.recipe, overrides)
 
 
-def target_folder(cfg) -> str:
-    if cfg.target.path:
-        return str(cfg.target.path)
-    from quickstart.default_target import ensure_default_target
-
-    return str(ensure_default_target())
-
-
 def question_source(cfg) -> str:
     if cfg.eval.questions:
         return str(cfg.eval.questions)
     if not cfg.target.path:
-        from quickstart.default_target import QUESTIONS_FILE, ensure_default_target
-
         return str(ensure_default_target() / QUESTIONS_FILE)
     raise QuestionError("set eval.questions (or --questions): a .jsonl question file, a .txt prompt file, "
                      "paragraphs:FILE or hf:DATASET")
@@ -132,7 +124,7 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
 
     if cfg.eval.threads > 0:
         torch.set_num_threads(int(cfg.eval.threads))
-    target_path = target_folder(cfg)
+    target_path = resolve_target_path(cfg.target)
     head_path = layout.eval_head(cfg)
     if Path(head_path).is_dir() or Path(head_path).exists():  # a bad head folder fails before the target loads
         from eagle.head import check_head_files

@@ -32,7 +32,7 @@ from filelock import FileLock, Timeout
 
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from recipes import layout
-from quickstart.default_target import (
+from data_prep.default_target import (
     CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir, ensure_default_target, read_build_info,
 )
 
@@ -102,7 +102,7 @@ def resolve_inputs(target: str | None, out_dir: Path, size: str = "default") -> 
         info = read_build_info(path)
         return str(path), {"data.source": str(path / CONVERSATIONS_FILE),
                            "eval.questions": str(path / QUESTIONS_FILE)}, {"default_target": info["fingerprint"]}
-    from quickstart.docstring_corpus import default_conversations, default_questions
+    from data_prep.docstring_corpus import default_conversations, default_questions
 
     if Path(target).exists():  # a local folder: absolute, so reports and the printed commands name it exactly
         target = str(Path(target).resolve())

@@ -71,7 +71,7 @@ def test_step_costs_runs_on_the_default_target(tmp_path, monkeypatch, capsys):
     """--default-target: the piece costs of the quickstart's target (test-size build here, random head)."""
     import step_costs
 
-    from quickstart import default_target as dt
+    from data_prep import default_target as dt
 
     built = dt.ensure_default_target(tmp_path, size="test", progress=False)
     monkeypatch.setattr(dt, "ensure_default_target", lambda *a, **k: built)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quickstart import default_target as dt
-from quickstart.docstring_corpus import (
+from data_prep import default_target as dt
+from data_prep.docstring_corpus import (
     clean_doc, collect_doc_entries, default_conversations, default_prompts, default_questions, split_of,
 )
 
@@ -126,7 +126,7 @@ def test_incomplete_or_different_folder_is_rebuilt_atomically(tmp_path):
 
 def test_prompt_sets_are_deterministic_disjoint_and_well_formed(built):
     # same names, order and text in a fresh interpreter (which imported nothing else first)
-    code = ("import hashlib, json; from quickstart.docstring_corpus import default_conversations as c; "
+    code = ("import hashlib, json; from data_prep.docstring_corpus import default_conversations as c; "
             "print(hashlib.sha256(json.dumps(c('train')).encode()).hexdigest())")
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert fresh == hashlib.sha256(json.dumps(default_conversations("train")).encode()).hexdigest()

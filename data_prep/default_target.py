@@ -25,7 +25,7 @@ import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from quickstart.docstring_corpus import default_conversations, default_questions
+from data_prep.docstring_corpus import default_conversations, default_questions
 
 FORMAT_VERSION = 2  # bump when the build recipe changes: cached targets with another version are rebuilt
 BUILD_INFO_FILE = "default_target.json"  # fingerprint + training summary; its presence marks a complete build
