@@ -12,8 +12,8 @@ from tiny_models import random_head, tiny_llama
 
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
+from eagle.tau import measure_tau
 from evaluation.chat_format import ChatFormat
-from evaluation.live import measure_tau
 from evaluation.losslessness import check_greedy, distribution_test
 from evaluation.main import main
 from evaluation.methods import Method, parse_methods

@@ -1,7 +1,7 @@
 """Real speculative decoding during training: `eval/live_tau` next to the simulated acceptance length.
 
 At every evaluation, rank 0 decodes the prompts of a few held-out records with the head being trained and the
-recipe's `decoding` tree (EAGLE-2 by default), through `evaluation.live.measure_tau` - the same decoder and
+recipe's `decoding` tree (EAGLE-2 by default), through `eagle.tau.measure_tau` - the same decoder and
 token counting as `evaluation/main.py`. The simulated rollout metrics only see chains; this sees the tree.
 
 Prompt of a record = its tokens before the first trained-on token (the user turn of a conversation). Raw-text
@@ -55,7 +55,7 @@ class LiveTau:
     def measure(self, head) -> dict:
         """eval/live_tau, eval/live_alpha_d, eval/live_prompts, eval/live_seconds for `head` (an EagleHead)."""
         from eagle.decoding_config import DecodingConfig
-        from evaluation.live import measure_tau
+        from eagle.tau import measure_tau
 
         t = self.cfg.train
         if self.prompts is None:
