@@ -3,7 +3,7 @@
     python evaluation/main.py serve-check --engine vllm --head HEAD --base TARGET \
         [--engine-python /work/venvs/vllm/bin/python] [--num-speculative-tokens 4] [--tolerance 0.05]
 
-1. The head is written in the engine's format (train/engine_formats.py; `--engine-format eagle` serves the
+1. The head is written in the engine's format (export/engine_formats.py; `--engine-format eagle` serves the
    official folder unchanged instead, to show what goes wrong without conversion).
 2. When the engine's CPU attention does not support the model's head_dim (vLLM: 32, 64, 80, ...), target and
    head are replaced by exactly equivalent zero-padded copies (evaluation/head_dim_pad.py); the copies are
@@ -111,7 +111,7 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
     from data_prep.target import load_target_config
     from eagle.head import EagleHead
     from evaluation.head_dim_pad import pad_head, pad_target_folder
-    from train.engine_formats import write_engine_head
+    from export.engine_formats import write_engine_head
 
     tcfg = load_target_config(target_path)
     text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg

@@ -12,7 +12,7 @@ CLIS = {  # name -> (module, extra argv every call needs)
     "train": ("train.main", []),
     "data_prep": ("data_prep.main", []),
     "evaluation": ("evaluation.main", []),
-    "hub": ("train.hub", ["--dry-run"]),
+    "hub": ("export.hub", ["--dry-run"]),
     "corpus_cache": ("train.corpus_cache", ["--text", "unused.txt"]),
     "eval_head": ("train.eval_head", ["--head", "unused"]),
     "quickstart": ("quickstart.demo", []),

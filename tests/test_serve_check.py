@@ -128,7 +128,7 @@ def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir):
 
     from evaluation.serve_check import engine_run
     from test_engine_formats import eagle3_folder
-    from train.engine_formats import convert_eagle3_folder
+    from export.engine_formats import convert_eagle3_folder
 
     target = pad_target_folder(shared_dir / "models" / "stories260K", tmp_path / "t32", 32)
     cfg, sd = eagle3_folder(tmp_path / "released", H=64, V=512, Vd=256, aux=(1, 2, 4))

@@ -471,7 +471,7 @@ def test_wandb_without_mode_or_credentials_logs_offline(tmp_path, monkeypatch):
 def test_push_dry_run_stages_exactly_the_upload(toy, tmp_path, dist_ctx, monkeypatch):
     import huggingface_hub.constants
 
-    from train.hub import HubPushError, main as hub_main, push_to_hub
+    from export.hub import HubPushError, push_to_hub
     from recipes import load_config
 
     out = tmp_path / "run"
@@ -492,8 +492,12 @@ def test_push_dry_run_stages_exactly_the_upload(toy, tmp_path, dist_ctx, monkeyp
     assert "| eagle2 | 2.50 | 90.0 | 1.80 |" in card and "![tau_by_category](eval/tau_by_category.png)" in card
     assert "lr 0.003" in card  # the recipe the head was trained with, not this command's
     assert "simulated acceptance length" in card
-    # the CLI: --dry-run lists the staged files
-    assert hub_main(["--recipe", "tiny", f"output_dir={out}", "export.repo_id=someone/eagle2-tiny", "--dry-run"]) == 0
+    # the CLI, under its documented name: --dry-run lists the staged files
+    proc = subprocess.run([sys.executable, "-m", "train.hub", "--recipe", "tiny", f"output_dir={out}",
+                           "export.repo_id=someone/eagle2-tiny", "--dry-run"], env=subprocess_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "would upload to someone/eagle2-tiny (private)" in proc.stdout and "  model.safetensors  (" in proc.stdout
     # no token / no network: clear errors, the staged upload stays
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with pytest.raises(HubPushError, match="set the environment variable HF_TOKEN"):
@@ -503,6 +507,20 @@ def test_push_dry_run_stages_exactly_the_upload(toy, tmp_path, dist_ctx, monkeyp
     with pytest.raises(HubPushError, match="could not push to the Hub repo 'someone/eagle2-tiny'") as e:
         push_to_hub(cfg)
     assert str(out / "hub_upload") in str(e.value) and (out / "hub_upload" / "model.safetensors").exists()
+
+
+def test_push_after_training_runs_the_hub_command_and_reports_its_error(toy, tmp_path, dist_ctx):
+    """export.push_to_hub: after the export, rank 0 runs the export stage's Hub push on the exported folder (its
+    recipe.yaml); its one-line error (here: no token) becomes the run's, and the exported head stays."""
+    from eagle.cli_errors import UserError
+
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="the Hub push failed: no Hub token: set the environment variable "
+                                        "EAGLE_TEST_NO_SUCH_TOKEN") as e:
+        run_train(toy, out, "export.push_to_hub=true", "export.repo_id=someone/eagle2-tiny",
+                  "export.token_env=EAGLE_TEST_NO_SUCH_TOKEN", steps=2, ctx=dist_ctx)
+    assert f"the head is exported to {out / 'head'}" in str(e.value)
+    assert (out / "head" / "model.safetensors").exists() and (out / "hub_upload" / "README.md").exists()
 
 
 # ----------------------------------------------------------------------------- real pretrained target (../shared)

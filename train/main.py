@@ -323,9 +323,9 @@ def _train_locked(cfg, ctx) -> dict:
         say("summary: " + json.dumps({k: v for k, v in summary.items() if k != "eval"})
             + ("\n[train] eval: " + json.dumps(summary.get("eval", {})) if summary.get("eval") else ""))
         if cfg.export.push_to_hub and not stopped_early:
-            from train.hub import push_to_hub
+            from train.export import push_exported_head
 
-            push_to_hub(cfg)
+            push_exported_head(layout.head_dir(cfg))
 
     # ================================================================== cleanup
     tracker.close()

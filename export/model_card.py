@@ -7,6 +7,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from eagle.decoding_config import DecodingConfig
+from export.engine_formats import ENGINE_VERSIONS, serving_commands
+
 
 def _fmt(x, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "–"
@@ -58,6 +61,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
     `fmt`: the folder format uploaded (eagle | vllm | sglang), which the serving commands load; `head_config`: the
     exported config.json (decides the head kind: an EAGLE-3 card states its aux layers and draft vocabulary)."""
     t = cfg.train
+    d = DecodingConfig()  # the library's tree defaults, which EaModel.from_pretrained takes too
     eagle3 = (head_config or {}).get("draft_vocab_size") is not None
     target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
     tags = ["eagle", "eagle-3" if eagle3 else "eagle-2", "speculative-decoding", "draft-model"]
@@ -93,7 +97,8 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "from eagle import EaModel",
         "",
         f'model = EaModel.from_pretrained(base_model_path="{target}", ea_model_path="{repo_id}",',
-        "                                total_token=60, depth=5, top_k=10, torch_dtype=torch.float16)",
+        f"                                total_token={d.total_token}, depth={d.depth}, top_k={d.top_k}, "
+        "torch_dtype=torch.float16)",
         "ids = model.eagenerate(input_ids, temperature=0.0, max_new_tokens=512)",
         "```",
         "",
@@ -150,15 +155,11 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
 
 
 def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: str = "eagle2") -> list[str]:
-    """Markdown lines: copy-paste vLLM and SGLang commands for this head (train/engine_formats.serving_commands)."""
-    from train.engine_formats import ENGINE_VERSIONS, serving_commands
-
-    from eagle.decoding_config import DecodingConfig
-
+    """Markdown lines: copy-paste vLLM and SGLang commands for this head (export/engine_formats.serving_commands)."""
     d = DecodingConfig()  # a recipe without a decoding section (e.g. an older recipe.yaml) gets the defaults
     get = lambda key: int(OmegaConf.select(cfg, f"decoding.{key}", default=getattr(d, key)))  # noqa: E731
-    cmds = serving_commands(target, repo_id, fmt, kind, num_speculative_tokens=get("chain_length"),
-                            total_token=get("total_token"), depth=get("depth"), top_k=get("top_k"))
+    decoding = DecodingConfig(**{key: get(key) for key in ("total_token", "depth", "top_k", "chain_length")})
+    cmds = serving_commands(target, repo_id, fmt, kind, decoding)
     lines = ["## Serving", ""]
     for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
         lines += [f"{label} (format checked against {ENGINE_VERSIONS[engine]}):", "", "```bash", cmds[engine], "```", ""]

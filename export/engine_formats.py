@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
+from eagle.decoding_config import DecodingConfig
 from eagle.head import CONFIG_NAME, SAFE_WEIGHTS_NAME, HeadConfig, _load_weights
-from train.config_drift import check_drift, raise_on_errors, rope_uses_max_position
+from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
 
 log = logging.getLogger(__name__)
 
@@ -288,11 +289,14 @@ def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, ver
 
 
 # ----------------------------------------------------------------------------- serving commands
-def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", num_speculative_tokens: int = 5,
-                     total_token: int = 60, depth: int = 5, top_k: int = 10) -> dict[str, str]:
-    """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine.
-    An engine whose format is not `fmt` gets the conversion command first (from the official folder: `draft`
-    itself when fmt is eagle, else the placeholder OFFICIAL_HEAD_DIR)."""
+def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", decoding: DecodingConfig | None = None,
+                     num_speculative_tokens: int | None = None) -> dict[str, str]:
+    """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine: SGLang's tree
+    from `decoding` (default: the library's defaults), vLLM's chain of `num_speculative_tokens` (default: its
+    chain_length). An engine whose format is not `fmt` gets the conversion command first (from the official folder:
+    `draft` itself when fmt is eagle, else the placeholder OFFICIAL_HEAD_DIR)."""
+    d = decoding or DecodingConfig()
+    num_speculative_tokens = d.chain_length if num_speculative_tokens is None else num_speculative_tokens
     method, algo = ("eagle3", "EAGLE3") if kind == "eagle3" else ("eagle", "EAGLE")
     official = draft if fmt == "eagle" else "OFFICIAL_HEAD_DIR"  # engine folders are converted from the official one
     flag = "--eagle3" if kind == "eagle3" else "--head"
@@ -307,8 +311,8 @@ def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", num_
         else:
             out[engine] = (f"{convert}python -m sglang.launch_server --model-path {base} "
                            f"--speculative-algorithm {algo} --speculative-draft-model-path {path} "
-                           f"--speculative-num-steps {depth} --speculative-eagle-topk {top_k} "
-                           f"--speculative-num-draft-tokens {total_token}")
+                           f"--speculative-num-steps {d.depth} --speculative-eagle-topk {d.top_k} "
+                           f"--speculative-num-draft-tokens {d.total_token}")
     return out
 
 
