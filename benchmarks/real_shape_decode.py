@@ -87,9 +87,9 @@ def main(argv=None) -> int:
 
     # -- 1. round overhead
     model.eagenerate(prompt[:, :32], max_new_tokens=2)  # warm-up (allocations)
-    timers = [Timed(model.target, "forward"), Timed(model.target, "logits"), Timed(model.drafter, "_logprobs")]
-    model.drafter.reset(64)  # the decoder exists; wrap its forward too
-    timers.append(Timed(model.drafter.decoder, "forward"))
+    timers = [Timed(model.target, "forward"), Timed(model.target, "logits")]
+    model.drafter.reset(64)  # the decoder exists: wrap its forward and its scoring (lm_head, log-softmax, top-k)
+    timers += [Timed(model.drafter.decoder, "forward"), Timed(model.drafter.decoder, "topk")]
     t0 = time.perf_counter()
     ids, stats = model.eagenerate(prompt, max_new_tokens=args.rounds, return_stats=True)
     wall = time.perf_counter() - t0

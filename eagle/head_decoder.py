@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.attention import sdpa_attention
-from eagle.head import EagleHead, linear_t, positions_end, rms_norm, rotate_rolled, rows_at, signed_sin
+from eagle.layers import linear_t, positions_end, rms_norm, rotate_rolled, rows_at, signed_sin
 
 FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
 # The copies are re-taken at every reset (every generation, so weights edited in between are used); building
@@ -44,10 +44,12 @@ class HeadDecoder:
     written outside it).
     """
 
-    def __init__(self, head: EagleHead, capacity: int, fast: bool | None = None):
-        """fast: the small-head path (None = when its copies are small and quick to rebuild, see `_fast_fits`)."""
+    def __init__(self, head, capacity: int, fast: bool | None = None, lm_head: torch.nn.Module | None = None):
+        """head: an `EagleHead`; fast: the small-head path (None = when its copies are small and quick to rebuild, see
+        `_fast_fits`); lm_head: the target's, which scores the drafts (`topk`)."""
         c = head.config
         self.head = head
+        self.lm_head = lm_head
         self.n_heads, self.n_kv, self.head_dim, self.hidden = (c.num_attention_heads, c.num_key_value_heads,
                                                                c.head_dim, c.hidden_size)
         self.eps = c.rms_norm_eps
@@ -97,6 +99,9 @@ class HeadDecoder:
         head, layer = self.head, self.head.layers[0]
         a, m = layer.self_attn, layer.mlp
         H, D = self.hidden, self.head_dim
+        if self.lm_head is not None:  # the target's lm_head scores the drafts
+            self._lm_t = self.lm_head.weight.detach().t()  # [H, V]
+            self._lm_b = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
         self.o_t = a.o_proj.weight.detach().t()  # [h D, H]
         self.down_t = m.down_proj.weight.detach().t()  # [I, H]
         if not self.fast:
@@ -186,6 +191,16 @@ class HeadDecoder:
             gate, up = torch.mm(normed, self.gate_t), torch.mm(normed, self.up_t)
         return torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """What a committed position feeds the head: the target's final hidden state [n, H] as it is."""
+        return features
+
+    def topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H] predicted features -> (float32 log-probs [n, k], target token ids [n, k]) of the k best draft tokens,
+        through the target's lm_head."""
+        logits = linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [n, V]
+        return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+
     def _append_bounds(self, n: int, mask: torch.Tensor | None, device) -> tuple[int, torch.Tensor | None]:
         """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1)."""
         end = self.length + n
@@ -268,6 +283,12 @@ class Eagle3HeadDecoder(HeadDecoder):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] output hidden -> [n, Vd] draft-vocabulary logits (lm_head(norm(hidden)))."""
         return torch.mm(rms_norm(hidden, self.norm_w, self.eps), self.lm_t)
+
+    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H] output hiddens -> the k best of the draft vocabulary (float32 log-probs [n, k]), mapped to target
+        ids [n, k] (d2t)."""
+        lp, draft_ids = torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)  # [n, k]
+        return lp, draft_ids + self.d2t[draft_ids]
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: "torch.Tensor | range | int",
                 mask: torch.Tensor | None = None) -> torch.Tensor:

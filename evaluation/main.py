@@ -195,7 +195,7 @@ def with_head_kinds(methods: list[Method], models: dict) -> list[Method]:
     """Each speculative method annotated with its head's kind (eagle2 / eagle3) for the report."""
     import dataclasses
 
-    return [m if m.is_vanilla else dataclasses.replace(m, head_kind="eagle3" if models[m.head].eagle3 else "eagle2")
+    return [m if m.is_vanilla else dataclasses.replace(m, head_kind=models[m.head].kind.name)
             for m in methods]
 
 

@@ -111,7 +111,7 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
     from data_prep.target import load_target_config
     from eagle.head import EagleHead
     from evaluation.head_dim_pad import pad_head, pad_target_folder
-    from export.engine_formats import write_engine_head
+    from export.head_kinds import write_engine_head
 
     tcfg = load_target_config(target_path)
     text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg

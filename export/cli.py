@@ -8,7 +8,8 @@ from pathlib import Path
 
 from data_prep.target import load_target_config
 from eagle.cli_errors import ArgumentParser, one_line_errors
-from export.engine_formats import FORMATS, convert_eagle3_folder, write_engine_head
+from export.engine_formats import FORMATS, convert_eagle3_folder
+from export.head_kinds import write_engine_head
 from recipes import layout, load_config
 from train.export import EXPORT_DTYPES
 

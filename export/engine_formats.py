@@ -32,9 +32,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from eagle.decoding_config import DecodingConfig
-from eagle.head import CONFIG_NAME, SAFE_WEIGHTS_NAME, HeadConfig, _load_weights
+from eagle.eagle2 import EagleHead
+from eagle.head_config import HeadConfig
+from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, _load_weights
 from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
 
 log = logging.getLogger(__name__)
@@ -128,24 +130,10 @@ def _max_pos(target_config) -> int:
     return int(getattr(c, "max_position_embeddings", 0) or 0)
 
 
-def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
-                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
-    """Read an exported head folder, check it for drift against its target, write it in `fmt`.
-
-    EAGLE-1/2 heads go through `engine_head` (drift-checked); EAGLE-3 heads (config kind eagle3, the released
-    layout) through `convert_eagle3_folder` (`verifier`: the target's path or hub id, named in vLLM's speculators
-    config). dtype: weights dtype of an EAGLE-1/2 output (default: the head's). Raises DriftError on an
-    inconsistent head.
-    """
-    from eagle.head import EagleHead, _resolve_head_files, read_head_config
-
-    config_file, weights_file = _resolve_head_files(str(head_dir), None)  # a local folder or a Hub id
-    head_dir, out_dir = Path(config_file).parent, Path(out_dir)
-    config = read_head_config(config_file)
-    if config.kind == "eagle3":
-        archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
-        return convert_eagle3_folder(head_dir, out_dir, fmt, verifier=verifier, verifier_architectures=archs,
-                                     num_speculative_tokens=num_speculative_tokens)
+def write_eagle2_engine_head(config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
+                             target_config=None, dtype: str | None = None) -> Path:
+    """An exported EAGLE-1/2 head (its config and weights file) written in `fmt`, drift-checked against its target.
+    dtype: weights dtype of the output (default: the head's). Raises DriftError on an inconsistent head."""
     sd = _load_weights(weights_file)
     own = set(EagleHead(config).state_dict())
     # fc.bias against the `bias` flag is left to the drift check (its message is precise)
@@ -168,8 +156,6 @@ def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, targe
 
 
 def _write(out_dir: Path, cfg: dict, sd: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(sd, str(out_dir / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
@@ -288,33 +274,5 @@ def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, ver
     return Path(out_dir)
 
 
-# ----------------------------------------------------------------------------- serving commands
-def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", decoding: DecodingConfig | None = None,
-                     num_speculative_tokens: int | None = None) -> dict[str, str]:
-    """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine: SGLang's tree
-    from `decoding` (default: the library's defaults), vLLM's chain of `num_speculative_tokens` (default: its
-    chain_length). An engine whose format is not `fmt` gets the conversion command first (from the official folder:
-    `draft` itself when fmt is eagle, else the placeholder OFFICIAL_HEAD_DIR)."""
-    d = decoding or DecodingConfig()
-    num_speculative_tokens = d.chain_length if num_speculative_tokens is None else num_speculative_tokens
-    method, algo = ("eagle3", "EAGLE3") if kind == "eagle3" else ("eagle", "EAGLE")
-    official = draft if fmt == "eagle" else "OFFICIAL_HEAD_DIR"  # engine folders are converted from the official one
-    flag = "--eagle3" if kind == "eagle3" else "--head"
-    out = {}
-    for engine in ("vllm", "sglang"):
-        path = draft if fmt == engine else f"{Path(str(draft)).name}-{engine}"
-        convert = "" if fmt == engine else (
-            f"python -m train.export {flag} {official} --base {base} --format {engine} --out {path}\n")
-        if engine == "vllm":
-            spec = json.dumps({"method": method, "model": path, "num_speculative_tokens": num_speculative_tokens})
-            out[engine] = f"{convert}vllm serve {base} --speculative-config '{spec}'"
-        else:
-            out[engine] = (f"{convert}python -m sglang.launch_server --model-path {base} "
-                           f"--speculative-algorithm {algo} --speculative-draft-model-path {path} "
-                           f"--speculative-num-steps {d.depth} --speculative-eagle-topk {d.top_k} "
-                           f"--speculative-num-draft-tokens {d.total_token}")
-    return out
-
-
-__all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_engine_head",
-           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "serving_commands"]
+__all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_eagle2_engine_head",
+           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder"]

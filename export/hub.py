@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from data_prep.target import load_target_config
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
-from export.engine_formats import write_engine_head
+from export.head_kinds import write_engine_head
 from export.model_card import model_card, read_json
 from recipes import layout, load_config
 from train.export import RECIPE_FILE, SUMMARY_FILE

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle.head import HEAD_KINDS
+from eagle.head_kinds import EAGLE3, HEAD_KINDS
 from recipes.check import check
 
 
@@ -26,15 +26,7 @@ def ttt_weights(head) -> list[float]:
     return [float(w) for w in head.ttt_step_weights] or [0.8 ** j for j in range(head.ttt_steps)]
 
 
-def validate_head_section(h) -> None:
-    """Check the head section; the eagle3 keys against the target are checked by `check_aux_layers` at train time."""
-    check(h.kind in HEAD_KINDS, "head.kind", h.kind, f"expected one of {HEAD_KINDS}")
-    if h.kind == "eagle2":
-        defaults = HeadSettings()
-        for key in ("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride", "lm_head_init"):
-            value = list(h[key]) if isinstance(getattr(defaults, key), list) else h[key]
-            check(value == getattr(defaults, key), f"head.{key}", value, "only used by head.kind=eagle3")
-        return
+def validate_eagle3_keys(h) -> None:
     aux = list(h.aux_layers)
     check(not aux or (len(aux) == 3 and all(a >= 0 for a in aux) and aux == sorted(set(aux))), "head.aux_layers", aux,
           "expected [] (the target default) or 3 strictly increasing layer ids >= 0")
@@ -45,3 +37,23 @@ def validate_head_section(h) -> None:
           f"expected [] or {h.ttt_steps} weights >= 0 (one per head.ttt_steps), not all 0")
     check(h.ttt_row_stride >= 1, "head.ttt_row_stride", h.ttt_row_stride, "expected >= 1")
     check(h.lm_head_init in ("target", "random"), "head.lm_head_init", h.lm_head_init, "expected 'target' or 'random'")
+
+
+# The recipe's per-kind part: the head.* keys a kind reads beyond kind / bias / init_from, and their check. Keys of
+# other kinds must stay at their defaults.
+KIND_KEYS = {EAGLE3: (("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
+                       "lm_head_init"), validate_eagle3_keys)}
+
+
+def validate_head_section(h) -> None:
+    """Check the head section: its kind, the keys that kind reads (the aux layers against the target are checked by
+    `check_aux_layers` at train time) and that no other kind's key is set."""
+    check(h.kind in HEAD_KINDS, "head.kind", h.kind, f"expected one of {tuple(HEAD_KINDS)}")
+    kind, defaults = HEAD_KINDS[h.kind], HeadSettings()
+    own, check_own = KIND_KEYS.get(kind, ((), None))
+    for other, (keys, _) in KIND_KEYS.items():
+        for key in (k for k in keys if k not in own):
+            value = list(h[key]) if isinstance(getattr(defaults, key), list) else h[key]
+            check(value == getattr(defaults, key), f"head.{key}", value, f"only used by head.kind={other.name}")
+    if check_own is not None:
+        check_own(h)

@@ -21,9 +21,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from eagle.head import EagleHead
+from eagle.head_kinds import EAGLE3
 from export.config_drift import DriftError, check_drift, raise_on_errors
 from export.engine_formats import (convert_eagle3_folder, engine_head, fold_fc_bias, read_eagle3_folder,
-                                  serving_commands, write_engine_head, EngineFormatError)
+                                  EngineFormatError)
+from export.head_kinds import EXPORT, write_engine_head
+from export.model_card import serving_commands
 from test_train_helpers import subprocess_env
 from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
 
@@ -297,7 +300,7 @@ def test_serving_commands():
     assert cmds["sglang"].startswith("python -m train.export --head OFFICIAL_HEAD_DIR")  # convert the official head
     assert serving_commands("b", "me/head", "eagle")["vllm"].startswith("python -m train.export --head me/head ")
     assert "--speculative-algorithm EAGLE " in cmds["sglang"]
-    e3 = serving_commands("t", "me/e3", "sglang", kind="eagle3")
+    e3 = serving_commands("t", "me/e3", "sglang", kind=EXPORT[EAGLE3])
     assert "--speculative-algorithm EAGLE3" in e3["sglang"] and '"method": "eagle3"' in e3["vllm"]
 
 

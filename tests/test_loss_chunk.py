@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.loss import eagle_loss
+from train.head_kinds import NextFeatureTargets
+from train.loss import draft_loss
+
+
+def eagle_loss(pred, targets, weights, lm_head, feature_weight, token_weight, chunk=0):
+    """EAGLE-2's loss: one step with the feature loss, scored through the target's lm_head."""
+    return draft_loss([pred], weights, NextFeatureTargets(targets, lm_head, chunk), [token_weight], feature_weight)
 
 
 def _inputs(dtype, B=2, T=37, H=16, V=300, seed=0):

@@ -575,7 +575,8 @@ def test_eagle3_loss_scores_step_j_at_index_t_against_t_plus_j_minus_1():
     from transformers import LlamaConfig
 
     from eagle.head import Eagle3Head, head_config_from_target
-    from train.loss import eagle3_loss
+    from train.head_kinds import DraftVocabTargets
+    from train.loss import draft_loss
 
     torch.manual_seed(0)
     tc = LlamaConfig(num_hidden_layers=4, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=32)
@@ -591,7 +592,7 @@ def test_eagle3_loss_scores_step_j_at_index_t_against_t_plus_j_minus_1():
     weights = torch.ones(B, T, dtype=torch.long)
     weights[1, 5] = 0
     w = [1.0, 0.5, 0.25]
-    out = eagle3_loss(head, hiddens, probs, top, weights, w, rows)
+    out = draft_loss(hiddens, weights, DraftVocabTargets(head, probs, top, len(hiddens)), w, rows=rows)
     expect, counts, hits = 0.0, [], []
     for j, h in enumerate(hiddens, start=1):
         idx = list(range(T)) if j == 1 else rows.tolist()

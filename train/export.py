@@ -22,7 +22,8 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle.cli_errors import UserError
-from eagle.head import Eagle3Head, EagleHead, head_class
+from eagle.head_files import head_class
+from eagle.head_module import HeadModule
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -46,8 +47,8 @@ def full_state_dict(module, zero_stage: int) -> dict[str, torch.Tensor]:
     return {k: _cpu_copy(v) for k, v in module.state_dict().items()}
 
 
-def standalone_head(module, zero_stage: int, device, dtype) -> "EagleHead | Eagle3Head":
-    """A plain head (EagleHead / Eagle3Head) with the engine's current weights (no ZeRO hooks): for evaluation and
+def standalone_head(module, zero_stage: int, device, dtype) -> HeadModule:
+    """A plain head (the module of its kind) with the engine's current weights (no ZeRO hooks): for evaluation and
     export."""
     if zero_stage < 3:
         return module  # full parameters live on every rank already

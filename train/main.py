@@ -27,9 +27,6 @@ from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa:
 from recipes import layout, list_recipes, load_config  # noqa: E402
 from recipes.schema import describe_recipe_keys  # noqa: E402
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 class NonFiniteLossError(UserError, RuntimeError):
     """Too many non-finite losses in a row: the run diverged or the data holds NaN/inf features."""
 
@@ -85,10 +82,11 @@ def _train_locked(cfg, ctx) -> dict:
     from train.data import Subset, TokenizedRecords, apply_long_records, head_positions, micro_batch_loader, split_train_eval
     from train.distributed import all_reduce_sum
     from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
-    from train.ds_config import deepspeed_config
+    from train.ds_config import COMPUTE_DTYPES, deepspeed_config
     from train.export import export_head, full_state_dict, standalone_head
     from train.frozen_target import check_cache_matches_target, load_frozen_target
-    from train.head_kind import head_kind
+    from train.head_kinds import training_kind
+    from train.metrics import evaluate
     from train.plan import print_run_plan
     from train.tracking import Tracker
 
@@ -103,7 +101,7 @@ def _train_locked(cfg, ctx) -> dict:
     # -- target and data (mismatches fail here, before anything is trained)
     target_path = resolve_target_path(cfg.target)
     target_config = load_target_config(target_path, cfg.target.revision)
-    kind = head_kind(cfg, target_config)  # what differs between EAGLE-2 and EAGLE-3 (train/head_kind.py)
+    kind = training_kind(cfg, target_config)  # what differs between head kinds (train/head_kinds.py)
     if t.mode == "offline":
         from data_prep.feature_cache import FeatureCacheReader
 
@@ -129,10 +127,8 @@ def _train_locked(cfg, ctx) -> dict:
     # -- model: a fresh (or given) head + the target's frozen embedding and lm_head
     frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype, kind.layers)
     head = kind.new_head(target_config, source, train_set.indices, frozen.lm_head)  # eagle3: + the draft vocabulary of the train split
-    if kind.name == "eagle3":
-        say(f"EAGLE-3 head: aux layers {kind.layers[:-1]}, {kind.steps} unrolled steps (weights "
-            f"{', '.join(f'{w:.2f}' for w in kind.step_weights)}), row stride {kind.stride}; draft vocabulary "
-            + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in kind.vocab_info.items()))
+    if kind.describe() is not None:
+        say(kind.describe())
     if tuple(embedding.shape) != tuple(head.embed_tokens.weight.shape):
         raise ValueError(f"target embedding {tuple(embedding.shape)} does not fit the head's {tuple(head.embed_tokens.weight.shape)}")
     head.embed_tokens.weight.data.copy_(embedding)
@@ -182,7 +178,7 @@ def _train_locked(cfg, ctx) -> dict:
     step, micro = state["step"], state["micro_step"]
     window = {"loss": 0.0, "feature": 0.0, "token": 0.0, "positions": 0, "top1": 0, "top2": 0, "top3": 0,
               "tokens": 0, "time": 0.0}
-    n_steps = getattr(kind, "steps", 0)  # EAGLE-3: per unrolled step hits / positions
+    n_steps = kind.logged_steps  # EAGLE-3: per unrolled step hits / positions
     window.update({f"step{j}_{x}": 0 for j in range(1, n_steps + 1) for x in ("hits", "n")})
     eval_metrics: dict = {}
     bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True,
@@ -237,7 +233,7 @@ def _train_locked(cfg, ctx) -> dict:
         window["positions"] += n
         for k, c in zip(("top1", "top2", "top3"), out.topk_correct):
             window[k] += c
-        for j, (hits, cnt) in enumerate(zip(out.step_hits, out.step_counts), start=1):
+        for j, (hits, cnt) in enumerate(zip(out.step_hits[:n_steps], out.step_counts[:n_steps]), start=1):
             window[f"step{j}_hits"] += hits
             window[f"step{j}_n"] += cnt
         window["tokens"] += batch.num_tokens
@@ -266,7 +262,7 @@ def _train_locked(cfg, ctx) -> dict:
                               or (not t.eval_every and epochs_done > state["evaluated_epochs"])):
             state["evaluated_epochs"] = epochs_done
             eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
-            eval_metrics = kind.evaluate(eval_head, eval_set, frozen, ctx.device, dtype, ctx.rank, ctx.world_size)
+            eval_metrics = evaluate(eval_head, eval_set, frozen, kind, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
             if live is not None:  # rank 0 only; the other ranks wait for it at the next collective
                 eval_metrics.update(live.measure(eval_head))
             tracker.log(eval_metrics, step)
@@ -307,7 +303,7 @@ def _train_locked(cfg, ctx) -> dict:
     else:
         if len(eval_set) and last_eval_step != step:
             eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
-            eval_metrics = kind.evaluate(eval_head, eval_set, frozen, ctx.device, dtype, ctx.rank, ctx.world_size)
+            eval_metrics = evaluate(eval_head, eval_set, frozen, kind, ctx.device, dtype, cfg.seed, ctx.rank, ctx.world_size)
             if live is not None:
                 eval_metrics.update(live.measure(eval_head))
             tracker.log(eval_metrics, step)

@@ -40,6 +40,8 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
+from train.head_kinds import training_class  # noqa: E402
 
 GB = 1e9
 
@@ -227,7 +229,7 @@ def plan_shape(cfg, config=None) -> Shape:
     config = config or target_config(cfg)
     c = text_config(config)
     hc = head_config_from_target(config, bias=cfg.head.bias)
-    kind = cfg.head.get("kind", "eagle2")
+    kind = cfg.head.get("kind", "eagle2")  # a recipe.yaml of an older export may lack it
     with torch.device("meta"):
         head = EagleHead(hc)
     trainable = [p.numel() for n, p in head.named_parameters() if p.requires_grad]
@@ -237,13 +239,7 @@ def plan_shape(cfg, config=None) -> Shape:
                   kv_heads=hc.num_key_value_heads, head_dim=D, vocab=hc.vocab_size, layers=c.num_hidden_layers,
                   max_positions=hc.max_position_embeddings, target_params=total, target_active_params=active,
                   head_trainable=sum(trainable), head_largest=max(trainable), kind=kind)
-    if kind == "eagle3":  # e3 contract: fc [H, 3H]; q/k/v read [embed, hidden] (2H); own lm_head [Vd, H]; 2 more norms
-        vd = int(cfg.head.get("draft_vocab_size") or hc.vocab_size)
-        qkv_out = (hc.num_attention_heads + 2 * hc.num_key_value_heads) * D
-        shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
-        shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
-        shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(cfg.head.get("ttt_steps", 7)), 4
-        shape.ttt_row_stride = int(cfg.head.get("ttt_row_stride", 1))
+    training_class(kind).plan_shape(shape, hc, cfg.head)  # what the kind adds to the EAGLE-2 layer measured above
     return shape
 
 
@@ -309,47 +305,14 @@ def model_states(P: int, largest: int, stage: int, precision: str, world: int, g
 
 
 def activation_bytes_per_token(s: Shape, cb: int, step: int = 1, keys: float = 0.0) -> float:
-    """Bytes autograd keeps for backward per row of one head forward (eagle/head.py; counted with
-    torch.autograd.graph.saved_tensors_hooks, tests/test_plan.py pins it), + the [I] gradients of gate/up.
-
-    EAGLE-2: fc input [2H], attention input, rotated q, SDPA output + its o_proj copy, MLP input (H each), k and
-    v (2 kv), SwiGLU 4 x [I], in the compute dtype; the post-attention RMSNorm's float32 input (H); SDPA's
-    log-sum-exp (h floats). EAGLE-3 step 1: fc input [3H], attention input [2H], and two float32 norms
-    (input_layernorm's and hidden_norm's). EAGLE-3 step >= 2 (training-time test) also keeps its score matrix over
-    the `keys` step-1 keys it reads (float32 softmax + its compute-dtype copy, h per key)."""
-    H, I, kv, h = s.hidden, s.intermediate, s.kv_heads * s.head_dim, s.heads
-    if s.kind != "eagle3":
-        kept = (7 * H + 2 * kv + 4 * I) * cb + H * 4 + h * 4
-    elif step == 1:
-        kept = (11 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * 4
-    else:
-        kept = (9.5 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * keys * (4 + (cb if cb < 4 else 0))
-    return kept + backward_transient_bytes_per_token(s, cb)
+    """Bytes autograd keeps for backward per row of one head forward (per head kind: train/head_kinds.py,
+    `activation_bytes`; tests/test_plan.py pins them against saved_tensors_hooks), + the [I] gradients of gate/up."""
+    return training_class(s.kind).activation_bytes(s, cb, step, keys) + backward_transient_bytes_per_token(s, cb)
 
 
 def backward_transient_bytes_per_token(s: Shape, cb: int) -> float:
     """What the backward allocates per row beyond the kept activations: the gradients of gate/up [T, I]."""
     return 2 * s.intermediate * cb
-
-
-def loss_bytes(s: Shape, rows: int, n_positions: int, cb: int, chunk: int) -> float:
-    """Token-loss peak: [rows, V] tensors (head logits in cb and fp32, log-softmax, target logits in cb and fp32,
-    target softmax, the product) + for the chunked path its [N, H] fp32 gradient."""
-    V = s.draft_vocab or s.vocab
-    per_row = V * (2 * cb + 5 * 4)
-    return rows * per_row + (n_positions * s.hidden * 4 if chunk else 0)
-
-
-def unrolled_rows(s: Shape, n_tok: int) -> list[int]:
-    """Rows each unrolled step computes: step 1 every token, steps >= 2 every ttt_row_stride-th (EAGLE-2: [n_tok])."""
-    return [n_tok] + [math.ceil(n_tok / s.ttt_row_stride)] * (s.ttt_steps - 1)
-
-
-def eagle3_loss_bytes(s: Shape, n_tok: int, cb: int) -> float:
-    """EAGLE-3 token-loss peak (train/loss.py eagle3_targets + eagle3_loss, not chunked): the target's full-vocabulary
-    logits [n_tok, V] fp32 (transient, no grad) and its draft-vocabulary distribution [n_tok, Vd] fp32, plus per
-    unrolled step the draft logits kept for the backward ([R, Vd] in cb and fp32, and their log-softmax)."""
-    return n_tok * s.vocab * 4 + n_tok * s.draft_vocab * 4 + sum(r * s.draft_vocab * (cb + 8) for r in unrolled_rows(s, n_tok))
 
 
 def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
@@ -386,8 +349,9 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
         mem.append(Item("target forward (no grad)", n_tok * (2 * s.hidden + 2 * s.intermediate) * tdt, "one layer live"))
     mem.append(Item("micro-batch features", n_tok * s.hidden * s.cache_row * (4 + cb),
                     f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length", FWD_BWD))
-    rows = unrolled_rows(s, n_tok)
-    from eagle.head import UNROLL_ROW_CHUNKS  # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys
+    part = training_class(s.kind)
+    rows = part.unrolled_rows(s, n_tok)
+    # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys
 
     keys = T * (1 + 1 / UNROLL_ROW_CHUNKS) / 2
     act = activation_bytes_per_token(s, cb) * rows[0] + sum(
@@ -400,19 +364,7 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
                     "train.micro_batch_size / data.max_length", FWD_BWD))
     mem.append(Item("backward transients", transient, "SwiGLU gate/up gradients",
                     "train.micro_batch_size / data.max_length", BWD))
-    if s.kind == "eagle3":  # its loss is not chunked: full-vocabulary target logits, draft-vocabulary logits per step
-        mem.append(Item("token-loss logits", eagle3_loss_bytes(s, n_tok, cb),
-                        f"{n_tok} x {s.vocab} target logits + {s.ttt_steps} steps x {s.draft_vocab} draft vocab",
-                        "train.micro_batch_size / data.max_length / head.ttt_row_stride", FWD_BWD))
-    else:
-        chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
-        rows = chunk or n_tok
-        mem.append(Item("token-loss logits", loss_bytes(s, rows, n_tok, cb, 0),
-                        f"{rows} rows x {s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
-                        "train.loss_chunk", FWD if chunk else FWD_BWD))  # chunked: only the [N, H] gradient is kept
-        if chunk:
-            mem.append(Item("token-loss gradient", n_tok * s.hidden * 4, f"[{n_tok}, {s.hidden}] float32 (kept for "
-                            "backward by ChunkedSoftCE)", "", FWD_BWD))
+    mem += [Item(*item) for item in part.loss_memory(t, s, n_tok, cb)]
     # DeepSpeed buffers (ZeRO-1/2: contiguous-gradient reduce bucket(s), all-gather bucket; ZeRO-3: prefetch)
     if t.zero_stage in (1, 2):
         red_dtype = 4 if (t.zero_stage == 1 or precision == "fp32") else cb
