@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root 
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
-from recipes import layout  # noqa: E402
+from recipes import add_print_config, config_yaml, layout, load_config  # noqa: E402
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
 
@@ -269,14 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=parse_shard, default=None, help="i/n: do the i-th of n shares of regenerate/cache")
     p.add_argument("--inspect", type=int, default=0, metavar="N", help="print N tokenised records, trained-on tokens highlighted")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    add_print_config(p)
     p.add_argument("rest", nargs="*", help=f"key=value recipe overrides and at most one stage of {STAGES}")
     return p
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import load_config
-
     args = build_parser().parse_args(argv)
     overrides = [a for a in args.rest if "=" in a]
     stages = [a for a in args.rest if "=" not in a]
@@ -284,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"expected at most one stage out of {STAGES} besides key=value overrides, got {stages}")
     stage = stages[0] if stages else "all"
     cfg = load_config(args.recipe, overrides)
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
 
     distributed = False
     if args.shard is not None:

@@ -37,7 +37,7 @@ from evaluation.chat_format import ChatFormat  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.questions import QuestionError, load_questions  # noqa: E402
 from evaluation.runner import GenerationArgs  # noqa: E402
-from recipes import layout, load_config  # noqa: E402
+from recipes import add_print_config, config_yaml, layout, load_config  # noqa: E402
 
 COMMANDS = ("bench", "autotune", "chi2", "serve-check")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,6 +71,7 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     p.add_argument("--questions", default=None, help="prompt source (overrides eval.questions)")
     p.add_argument("--out", default=None, help="report folder (overrides eval.output_dir)")
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value, e.g. eval.max_new_tokens=128")
+    add_print_config(p)
     sc = p.add_argument_group("serve-check (evaluation/serve_check.py)")
     sc.add_argument("--engine", default="vllm", help="serving engine to run the head in (vllm)")
     sc.add_argument("--engine-python", default=None,
@@ -357,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, args = parse_args(argv)
     cfg = config_from_args(args)
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv

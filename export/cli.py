@@ -10,7 +10,7 @@ from data_prep.target import load_target_config
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from export.engine_formats import FORMATS, convert_eagle3_folder
 from export.head_kinds import write_engine_head
-from recipes import layout, load_config
+from recipes import add_print_config, config_yaml, layout, load_config
 from train.export import EXPORT_DTYPES
 
 
@@ -37,10 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, choices=sorted(EXPORT_DTYPES), help="weights dtype (default: the head's)")
     p.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="EAGLE-3 vllm: speculative_tokens written into the speculators config")
+    add_print_config(p)
     args = p.parse_args(argv)
     head, base = args.head, args.base
     if args.recipe:
         cfg = load_config(args.recipe, args.overrides)
+        if args.print_config:
+            print(config_yaml(cfg), end="")
+            return 0
         head = head or str(layout.head_dir(cfg))
         base = base or (str(cfg.target.path) if cfg.target.path else None)
     source = args.eagle3 or head

@@ -1,7 +1,11 @@
-"""Load a recipe: schema defaults <- the YAML file <- `key=value` overrides, every value checked once, here.
+"""Load a recipe: schema defaults <- its base recipes <- the YAML file <- `key=value` overrides, every value checked
+once, here.
 
-`load_config("tiny")` finds recipes/tiny.yaml (or takes a path). Unknown keys fail loudly, listing the valid ones;
-bad values raise RecipeError naming the key. Every command loads its recipe through this one function.
+`load_config("tiny")` finds recipes/tiny.yaml (or takes a path). A recipe may build on another: `base: llama3-8b`
+(a shipped name, or a path relative to the recipe's folder) is loaded first and the recipe's own keys are merged
+over it (sections key by key; a list replaces the base's list). Unknown keys fail loudly, listing the valid ones;
+bad values raise RecipeError naming the key. Every command loads its recipe through this one function, and
+`--print-config` prints the result (`config_yaml`).
 """
 from __future__ import annotations
 
@@ -43,10 +47,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
     try:
         if name_or_path is not None:
             path = recipe_path(name_or_path)
-            layers.append(OmegaConf.load(path))
-        if len(layers) > 1 and not isinstance(layers[-1], DictConfig):
-            raise RecipeError(f"recipe {path}: expected a mapping of sections (target:, data:, train: ...), "
-                              f"got a {type(layers[-1]).__name__}")
+            layers.append(read_recipe(path))
         if overrides:
             for o in overrides:
                 if "=" not in o or not o.split("=", 1)[0].strip():
@@ -68,6 +69,38 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
     OmegaConf.set_readonly(cfg, False)
     validate_recipe(cfg)
     return cfg
+
+
+def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
+    """The YAML file at `path` merged over its `base` recipe (recursively), not yet checked against the schema."""
+    node = OmegaConf.load(path)
+    if not isinstance(node, DictConfig):
+        raise RecipeError(f"recipe {path}: expected a mapping of sections (target:, data:, train: ...), "
+                          f"got a {type(node).__name__}")
+    base = node.pop("base", None)
+    if base is None:
+        return node
+    if not isinstance(base, str) or not base.strip():
+        raise RecipeError(f"recipe {path}: base={base!r}: expected the name or path of the recipe it builds on")
+    beside = path.parent / base
+    base_path = beside if beside.suffix in (".yaml", ".yml") and beside.exists() else recipe_path(base)
+    chain = (*chain, path.resolve())
+    if base_path.resolve() in chain:
+        raise RecipeError(f"recipe {path}: base={base!r} builds on itself ({' -> '.join(p.stem for p in chain)} -> "
+                          f"{base_path.stem})")
+    return OmegaConf.merge(read_recipe(base_path, chain), node)
+
+
+def config_yaml(cfg: DictConfig) -> str:
+    """The resolved recipe as YAML: every key, base recipes merged, overrides applied (`--print-config`)."""
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def add_print_config(parser) -> None:
+    """The `--print-config` flag of a command that loads a recipe."""
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved recipe (its base recipes merged, the overrides applied, every key) "
+                             "and exit")
 
 
 def _did_you_mean(key: str) -> str:

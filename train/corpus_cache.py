@@ -27,8 +27,16 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from data_prep.cache_features import check_disk
+from data_prep.chat_template import stop_token_ids
+from data_prep.feature_cache import FeatureCacheWriter
+from data_prep.feature_layers import feature_layers, target_features
+from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
 from eagle.cli_errors import ArgumentParser, one_line_errors
+from eagle.run_lock import run_lock
+from recipes import add_print_config, config_yaml, layout, load_config
 
 
 def read_paragraphs(path: str | Path, first: int = 0) -> list[str | None]:
@@ -81,15 +89,6 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
                        continue_tokens: int = 0, temperature: float = 0.0) -> dict:
     """Cache the target's final hidden states for every paragraph (continue_tokens > 0: for its opening
     sentence + the target's own continuation, loss on the continuation); returns the cache manifest."""
-    from tqdm.auto import tqdm
-
-    from data_prep.chat_template import stop_token_ids
-    from data_prep.cache_features import check_disk
-    from data_prep.feature_cache import FeatureCacheWriter
-    from data_prep.feature_layers import feature_layers, target_features
-    from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
-    from recipes import layout
-
     target_path = resolve_target_path(cfg.target)
     tokenizer = load_target_tokenizer(cfg.target, target_path, need_template=False)  # raw text
     model = load_target_model(cfg.target, pick_device(cfg.data.device), target_path)
@@ -146,8 +145,6 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import load_config
-
     p = ArgumentParser(prog="python -m train.corpus_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True)
@@ -158,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--continue-with-target", type=int, default=0, metavar="N",
                    help="on-policy records: opening sentence + the target's own continuation of up to N tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="continuations: 0 = greedy, else sampled")
+    add_print_config(p)
     args = p.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
-    from eagle.run_lock import run_lock
-    from recipes import layout
-
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
     with run_lock(layout.cache_dir(cfg).parent, "shard0of1", "data prep"):  # the lock data_prep/main.py takes there
         m = build_corpus_cache(cfg, args.text, args.first, args.batch_size, continue_tokens=args.continue_with_target,
                                temperature=args.temperature)

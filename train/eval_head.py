@@ -18,7 +18,7 @@ from data_prep.feature_cache import FeatureCacheReader
 from data_prep.target import load_target_config, pick_device, resolve_target_path
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from eagle.head_files import load_head
-from recipes import layout, load_config
+from recipes import add_print_config, config_yaml, layout, load_config
 from train.data import Subset, split_train_eval
 from train.ds_config import COMPUTE_DTYPES
 from train.frozen_target import check_cache_matches_target, load_frozen_target
@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", required=True)
     p.add_argument("--head", required=True, help="head folder (config.json + model.safetensors) or hub id")
     p.add_argument("overrides", nargs="*", metavar="key=value")
+    add_print_config(p)
     args = p.parse_args(argv)
-    print(json.dumps(evaluate_head(load_config(args.recipe, args.overrides), args.head), indent=2))
+    cfg = load_config(args.recipe, args.overrides)
+    print(config_yaml(cfg) if args.print_config else json.dumps(evaluate_head(cfg, args.head), indent=2), end="\n")
     return 0
 
 

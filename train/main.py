@@ -30,7 +30,7 @@ from data_prep.feature_cache import FeatureCacheReader  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
-from recipes import layout, list_recipes, load_config  # noqa: E402
+from recipes import add_print_config, config_yaml, layout, list_recipes, load_config  # noqa: E402
 from recipes.schema import describe_recipe_keys  # noqa: E402
 from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
@@ -423,6 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ (e.g. tiny, llama3-8b) or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    add_print_config(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     return p.parse_args(argv)
 
@@ -431,6 +432,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
     ctx = init_distributed(cfg.train.device)
     try:
         train(cfg, ctx)

@@ -569,6 +569,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="training tokens (default: the cache manifest, else an assumption)")
     p.add_argument("--host", action="store_true", help="one CPU process instead of GPUs (--gpu-mem-gb = RAM for it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_print_config(p)
     return p.parse_args(argv)
 
 
@@ -589,6 +590,9 @@ def main(argv=None) -> int:
         from recipes import load_config
 
         cfg = load_config(args.recipe, args.overrides)
+        if args.print_config:
+            print(config_yaml(cfg), end="")
+            return 0
         hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
                       mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
                       host=args.host)
