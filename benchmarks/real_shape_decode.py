@@ -33,6 +33,11 @@ if __package__ in (None, ""):
 
 import torch
 
+from eagle import EaModel
+from eagle.decoding_config import DecodingConfig
+from eagle.eagle2 import EagleHead
+from eagle.head_config import head_config_from_target
+
 
 class Timed:
     """Wrap obj.name so every call's wall time is added to self.total (and counted)."""
@@ -65,12 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--long-new-tokens", type=int, default=6)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-
+    # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import AutoModelForCausalLM
-
-    from eagle import EaModel
-    from eagle.decoding_config import DecodingConfig
-    from eagle.head import EagleHead, head_config_from_target
 
     work = Path(args.work) / args.recipe
     target = AutoModelForCausalLM.from_pretrained(work / "target", dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+
+from train import head_kinds  # noqa: E402
 
 
 def _kb(fields: dict, key: str) -> int:
@@ -51,9 +55,8 @@ class PhaseLog:
 
 
 def install(log: PhaseLog) -> None:
+    # lazy: deepspeed prints its accelerator line on stdout at import; the trainer run below imports it anyway
     from deepspeed.runtime.engine import DeepSpeedEngine
-
-    from train import head_kinds
 
     started = [False]
 
@@ -88,7 +91,6 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise SystemExit(__doc__)
     out, script, *args = argv
-    sys.path.insert(0, str(REPO))
     install(PhaseLog(Path(out)))
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

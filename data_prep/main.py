@@ -21,15 +21,29 @@ import hashlib
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
+
+import torch.distributed as dist
+from huggingface_hub.utils import disable_progress_bars
 
 if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from data_prep.cache_features import cache_shard, check_disk  # noqa: E402
+from data_prep.chat_template import stop_token_ids  # noqa: E402
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
+from data_prep.feature_cache import FeatureCacheWriter, _write_json_atomic, merge_manifests, sha256_file  # noqa: E402
+from data_prep.feature_layers import feature_layers  # noqa: E402
+from data_prep.loss_mask import render_masked, tokenize_records  # noqa: E402
+from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, check_settings, read_parts,  # noqa: E402
+                                  regenerate_shard)
+from data_prep.target import (load_target_model, load_target_tokenizer, pick_device, resolve_target_path,  # noqa: E402
+                              target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
-from recipes import add_print_config, config_yaml, layout, load_config  # noqa: E402
+from eagle.run_lock import run_lock  # noqa: E402
+from recipes import add_print_config, command_config, layout  # noqa: E402
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
 
@@ -53,21 +67,15 @@ class Run:
 
     def barrier(self) -> None:
         if self.distributed:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from data_prep.target import load_target_tokenizer
-
             self._tokenizer = load_target_tokenizer(self.cfg.target)
         return self._tokenizer
 
     def model(self):
         if self._model is None:
-            from data_prep.target import load_target_model, pick_device
-
             self._model = load_target_model(self.cfg.target, pick_device(self.cfg.data.device))
         return self._model
 
@@ -114,18 +122,12 @@ def stage_load(run: Run) -> list[dict]:
 
 
 def generation_settings(run: Run):
-    from data_prep.regenerate import GenerationSettings
-
     d = run.cfg.data
     return GenerationSettings(max_new_tokens=d.max_new_tokens, do_sample=d.do_sample, temperature=d.temperature,
                               top_p=d.top_p, seed=run.cfg.seed)
 
 
 def make_backend(run: Run):
-    from data_prep.chat_template import stop_token_ids
-    from data_prep.regenerate import HFBackend, OpenAIBackend
-    from data_prep.target import resolve_target_path
-
     d = run.cfg.data
     settings = generation_settings(run)
     if d.backend == "hf":
@@ -141,10 +143,6 @@ def make_backend(run: Run):
 
 
 def stage_regenerate(run: Run, conversations: list[dict]) -> None:
-    from dataclasses import asdict
-
-    from data_prep.regenerate import check_settings, regenerate_shard
-
     d = run.cfg.data
     out = run.data_dir / "regenerated"
     check_settings(out, {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template,
@@ -161,8 +159,6 @@ def stage_regenerate(run: Run, conversations: list[dict]) -> None:
 
 def regenerated_records(run: Run, conversations: list[dict]) -> tuple[list[dict], list[str]]:
     """Regenerated records in conversation order, and the ids not regenerated yet."""
-    from data_prep.regenerate import read_parts
-
     done = read_parts(run.data_dir / "regenerated")
     ordered = [done[c["id"]] for c in conversations if c["id"] in done]
     missing = [c["id"] for c in conversations if c["id"] not in done]
@@ -170,8 +166,6 @@ def regenerated_records(run: Run, conversations: list[dict]) -> tuple[list[dict]
 
 
 def stage_tokenize(run: Run, conversations: list[dict]) -> None:
-    from data_prep.loss_mask import tokenize_records
-
     d = run.cfg.data
     if d.regenerate:
         records, missing = regenerated_records(run, conversations)
@@ -197,8 +191,6 @@ def stage_tokenize(run: Run, conversations: list[dict]) -> None:
 
 
 def stage_inspect(run: Run, n: int) -> None:
-    from data_prep.loss_mask import render_masked
-
     tok = run.tokenizer()
     for k, rec in enumerate(load_tokenized(run.data_dir / layout.TOKENIZED_FILE)):
         if k >= n:
@@ -210,17 +202,10 @@ def stage_inspect(run: Run, n: int) -> None:
 
 
 def file_sha256(path: Path) -> str:
-    from data_prep.feature_cache import sha256_file
-
     return sha256_file(path)
 
 
 def stage_cache(run: Run) -> None:
-    from data_prep.cache_features import cache_shard, check_disk
-    from data_prep.feature_cache import FeatureCacheWriter, merge_manifests
-    from data_prep.feature_layers import feature_layers
-    from data_prep.target import resolve_target_path, target_config_hash
-
     d = run.cfg.data
     tok_path = run.data_dir / layout.TOKENIZED_FILE
     records = list(load_tokenized(tok_path))
@@ -247,8 +232,6 @@ def stage_cache(run: Run) -> None:
     run.barrier()
     if run.is_main:
         manifest = merge_manifests(out)
-        from data_prep.feature_cache import _write_json_atomic
-
         _write_json_atomic(out / "manifest.json", manifest)
         summary = {k: manifest[k] for k in ("dtype", "num_records", "num_tokens", "num_loss_tokens", "bytes_on_disk",
                                              "bytes_per_token", "reference_bytes_per_token") if k in manifest}
@@ -282,10 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(stages) > 1 or (stages and stages[0] not in STAGES):
         raise SystemExit(f"expected at most one stage out of {STAGES} besides key=value overrides, got {stages}")
     stage = stages[0] if stages else "all"
-    cfg = load_config(args.recipe, overrides)
-    if args.print_config:
-        print(config_yaml(cfg), end="")
-        return 0
+    cfg = command_config(args, overrides)
 
     distributed = False
     if args.shard is not None:
@@ -293,28 +273,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shard, num_shards = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if num_shards > 1:
-            import torch.distributed as dist
-
             dist.init_process_group("gloo")
             distributed = True
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))
     if args.no_progress:  # also the libraries' bars (model loading), so stderr holds only warnings and errors
-        from huggingface_hub.utils import disable_progress_bars
+        # lazy: transformers costs over a second at import; only this flag needs its logging switch
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         disable_progress_bars()
     run = Run(cfg, shard, num_shards, distributed, progress=not args.no_progress)
     run.data_dir.mkdir(parents=True, exist_ok=True)
-    from eagle.run_lock import run_lock
-
     try:
         with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):
             run_stages(run, stage, args.inspect)
     finally:
         if distributed:
-            import torch.distributed as dist
-
             dist.barrier()
             dist.destroy_process_group()
     return 0

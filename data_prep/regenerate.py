@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 
 @dataclass
@@ -55,6 +56,7 @@ class HFBackend:
     @torch.inference_mode()
     def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | None]:
         """One reply per history (which ends with a user turn); None = prompt longer than max_prompt_tokens."""
+        # lazy: transformers costs over a second at import; only the hf backend's generation needs it
         from transformers import GenerationConfig
 
         prompts = [self.prompt_ids(h) for h in histories]
@@ -238,8 +240,6 @@ class RegenerateStats:
 def regenerate_shard(records: list[dict], backend, out_dir: Path, shard: int, num_shards: int, batch_size: int,
                      seed: int, progress: bool = True) -> RegenerateStats:
     """Regenerate this shard's records (index % num_shards == shard), appending to its part file."""
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     own = part_path(out_dir, shard, num_shards)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.chat_template import setup_chat_template
 from data_prep.default_target import ensure_default_target
 from eagle.cli_errors import UserError
 
@@ -44,6 +45,7 @@ def naming_target(path, what: str = "target"):
 
 def load_target_config(path, revision=None):
     """AutoConfig of the target, load errors naming it."""
+    # lazy: transformers costs over a second at import; commands that never read a target (--help) skip it
     from transformers import AutoConfig
 
     with naming_target(path, "target config of"):
@@ -65,9 +67,8 @@ def target_config_hash(config) -> str:
 def load_target_tokenizer(target_cfg, path: str | None = None, need_template: bool = True):
     """Tokenizer of the target, with `target.chat_template` installed when set (conversations need a template;
     raw-text corpora pass need_template=False)."""
+    # lazy: transformers costs over a second at import; commands that never read a target (--help) skip it
     from transformers import AutoTokenizer
-
-    from data_prep.chat_template import setup_chat_template
 
     path = path or resolve_target_path(target_cfg)
     with naming_target(path, "tokenizer of"):
@@ -87,6 +88,7 @@ def pick_device(device: str) -> torch.device:
 
 def load_target_model(target_cfg, device: torch.device, path: str | None = None):
     """The frozen causal LM in eval mode on `device`, in `target.dtype`."""
+    # lazy: transformers' model classes cost seconds at import; only loading the target needs them
     from transformers import AutoModelForCausalLM
 
     if target_cfg.dtype not in TORCH_DTYPES:

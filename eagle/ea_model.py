@@ -89,6 +89,7 @@ class EaModel(nn.Module):
         Tree settings: explicit arguments > `tree_config.json` saved next to the head by the
         auto-tuner > DecodingConfig defaults (60 / 5 / 10).
         """
+        # lazy: transformers' model classes cost seconds at import; only loading from a folder or the Hub needs them
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         # a head that cannot fit the target fails before the target's weights load (one line, no loading output)

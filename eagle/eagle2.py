@@ -17,7 +17,7 @@ from torch import nn
 from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_decoder import HeadDecoder
 from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE2, text_config
+from eagle.head_kinds import EAGLE2
 from eagle.head_module import HeadModule
 from eagle.layers import DecoderLayer, Rotary, init_head_weights
 
@@ -47,18 +47,6 @@ class EagleHead(HeadModule, kind=EAGLE2):
         emb = target_model.get_input_embeddings().weight
         head.embed_tokens.weight.data.copy_(emb.detach().to(head.embed_tokens.weight.dtype))
         return head
-
-    def bind_target(self, target_model) -> "EagleHead":
-        """Check the head fits `target_model` (hidden size, vocabulary). Its embedding is its own (the checkpoint
-        carries the target's): nothing is copied."""
-        t = text_config(target_model.config)
-        if self.config.hidden_size != t.hidden_size:
-            raise ValueError(f"head hidden_size={self.config.hidden_size} does not match the target's "
-                             f"hidden_size={t.hidden_size}")
-        vocab = target_model.get_output_embeddings().weight.shape[0]
-        if self.config.vocab_size != vocab:
-            raise ValueError(f"head vocab_size={self.config.vocab_size} does not match the target's vocabulary ({vocab})")
-        return self
 
     def decoder(self, capacity: int, fast: bool | None = None, lm_head: nn.Module | None = None) -> HeadDecoder:
         """A `HeadDecoder` (eagle/head_decoder.py): the decoding forward with its own KV cache of `capacity`; it

@@ -20,7 +20,7 @@ from torch import nn
 from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_decoder import Eagle3HeadDecoder
 from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError, fitted_aux_layers, text_config
+from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError
 from eagle.head_module import HeadModule
 from eagle.layers import MLP, Attention, RMSNorm, Rotary, init_head_weights
 
@@ -98,22 +98,6 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
                                            draft_vocab_size=draft_vocab_size))
         head.bind_target(target_model)
         return head
-
-    def bind_target(self, target_model) -> "Eagle3Head":
-        """Check the head fits `target_model` (layer count, hidden size, vocabulary; resolves aux_layers=None to
-        the target default) and copy its input embedding into `embed_tokens`."""
-        c, t = self.config, text_config(target_model.config)
-        if c.hidden_size != t.hidden_size:
-            raise HeadConfigError(f"EAGLE-3 head hidden_size={c.hidden_size} (fc reads 3 x {c.hidden_size}) does not fit "
-                                  f"the target's hidden_size={t.hidden_size}")
-        emb = target_model.get_input_embeddings().weight
-        if emb.shape[0] != c.vocab_size:
-            raise HeadConfigError(f"EAGLE-3 head vocab_size={c.vocab_size} does not match the target's vocabulary "
-                                  f"({emb.shape[0]})")
-        c.aux_layers = fitted_aux_layers(c.aux_layers, t.num_hidden_layers)
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(emb.detach().to(self.embed_tokens.weight))
-        return self
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor | None = None) -> None:
         """Install a draft vocabulary: d2t int [Vd] (target id = draft id + d2t[draft id]); t2d bool [V] (derived from

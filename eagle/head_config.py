@@ -99,7 +99,7 @@ def check_head_fits_target(config: HeadConfig, target_config) -> None:
     """Config-level fit of a head to a target, before any weights load (one-line errors): hidden size and vocabulary,
     and what else the head's kind needs (an EAGLE-3 head's aux layer ids against the target's layer count;
     `bind_target` checks the same on the loaded modules)."""
-    config.head_kind.check_fits(config, text_config(target_config))
+    config.head_kind.fit_to_target(config, text_config(target_config))
 
 
 def head_config_from_target(target_config, bias: bool = True, kind: str = "eagle2", aux_layers=None,

@@ -4,7 +4,7 @@
     kind.module                            # Eagle3Head: the nn.Module (registered by `class Eagle3Head(HeadModule, kind=EAGLE3)`)
     kind.feature_layers(aux, L)            # which target hidden states it reads: the feature-cache layout
     kind.draft_vocab_size(config)          # the tokens one draft step chooses from
-    kind.config_dict(config)               # its config.json layout (and parse_config / check_config / check_fits)
+    kind.config_dict(config)               # its config.json layout (and parse_config / check_config / fit_to_target)
 
 `HEAD_KINDS` maps every kind name (recipe `head.kind`, `HeadConfig.kind`) to its object. The stages keep their own
 per-kind part in one file each, keyed by these objects (recipes/head.py, train/head_kinds.py, export/head_kinds.py);
@@ -62,6 +62,17 @@ def fitted_aux_layers(aux_layers, num_layers: int) -> list[int]:
                               f"{num_layers}-layer target: {e}") from None
 
 
+def llama_layer_config(c, architecture: str, after_vocab: dict, after_act: dict) -> dict:
+    """A one-layer LlamaConfig dict of HeadConfig `c`, the kind's own keys in their released places."""
+    return {"architectures": [architecture], "model_type": "llama", "num_hidden_layers": 1, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+            **after_vocab, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
+            "max_position_embeddings": c.max_position_embeddings, "hidden_act": c.hidden_act, **after_act,
+            "pad_token_id": c.pad_token_id, "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
+            "torch_dtype": c.torch_dtype}
+
+
 class HeadKind:
     """What a head kind is, for the library. Subclasses override what differs; `module` is the nn.Module class."""
 
@@ -103,8 +114,9 @@ class HeadKind:
         """HeadConfig kwargs for an L-layer target, from the shape kwargs every kind shares."""
         return kwargs
 
-    def check_fits(self, c, target_text_config) -> None:
-        """Config-level fit of HeadConfig `c` to a target (one-line HeadConfigError)."""
+    def fit_to_target(self, c, target_text_config) -> None:
+        """Check HeadConfig `c` fits a target (`target_text_config`: its hidden_size, vocab_size, num_hidden_layers; a
+        one-line HeadConfigError) and complete what the target decides (EAGLE-3: the default aux layers)."""
         t = target_text_config
         if c.hidden_size != t.hidden_size:
             raise HeadConfigError(f"head hidden_size={c.hidden_size} does not match the target's hidden_size={t.hidden_size}")
@@ -147,27 +159,7 @@ class Eagle2Kind(HeadKind):
 
     def config_dict(self, c) -> dict:
         """Official-format config dict (what the reference code reads as a LlamaConfig)."""
-        d = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "num_hidden_layers": 1,
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "vocab_size": c.vocab_size,
-            "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta,
-            "rope_scaling": c.rope_scaling,
-            "max_position_embeddings": c.max_position_embeddings,
-            "hidden_act": c.hidden_act,
-            "bias": c.bias,
-            "pad_token_id": c.pad_token_id,
-            "bos_token_id": c.bos_token_id,
-            "eos_token_id": c.eos_token_id,
-            "torch_dtype": c.torch_dtype,
-        }
+        d = llama_layer_config(c, "LlamaForCausalLM", after_vocab={}, after_act={"bias": c.bias})
         if c.qkv_bias:
             d["qkv_bias"] = True
         return {**c.extra, **d}
@@ -212,29 +204,8 @@ class Eagle3Kind(HeadKind):
         """The released EAGLE-3 layout (yuhuili/EAGLE3-*, SpecForge): a one-layer LlamaConfig with
         `draft_vocab_size` and `architectures: ["LlamaForCausalLMEagle3"]` (what SGLang requires; vLLM maps it to its
         EAGLE-3 Llama), the aux ids in `eagle_config.eagle_aux_hidden_state_layer_ids` (read by vLLM)."""
-        d = {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "num_hidden_layers": 1,
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "vocab_size": c.vocab_size,
-            "draft_vocab_size": c.draft_vocab_size,
-            "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta,
-            "rope_scaling": c.rope_scaling,
-            "max_position_embeddings": c.max_position_embeddings,
-            "hidden_act": c.hidden_act,
-            "attention_bias": c.qkv_bias,
-            "tie_word_embeddings": False,
-            "pad_token_id": c.pad_token_id,
-            "bos_token_id": c.bos_token_id,
-            "eos_token_id": c.eos_token_id,
-            "torch_dtype": c.torch_dtype,
-        }
+        d = llama_layer_config(c, "LlamaForCausalLMEagle3", after_vocab={"draft_vocab_size": c.draft_vocab_size},
+                               after_act={"attention_bias": c.qkv_bias, "tie_word_embeddings": False})
         extra = dict(c.extra)
         eagle_config = dict(extra.pop("eagle_config", None) or {})
         if c.aux_layers is not None:
@@ -255,7 +226,7 @@ class Eagle3Kind(HeadKind):
         return {**kwargs, "bias": False, "qkv_bias": False, "kind": self.name, "aux_layers": ids,
                 "draft_vocab_size": draft_vocab_size}
 
-    def check_fits(self, c, target_text_config) -> None:
+    def fit_to_target(self, c, target_text_config) -> None:
         t = target_text_config
         if c.hidden_size != t.hidden_size:
             raise HeadConfigError(f"EAGLE-3 head hidden_size={c.hidden_size} (fc reads 3 x {c.hidden_size}) "
@@ -263,7 +234,7 @@ class Eagle3Kind(HeadKind):
         vocab = getattr(t, "vocab_size", None)
         if vocab is not None and c.vocab_size != vocab:
             raise HeadConfigError(f"EAGLE-3 head vocab_size={c.vocab_size} does not match the target's vocabulary ({vocab})")
-        fitted_aux_layers(c.aux_layers, t.num_hidden_layers)
+        c.aux_layers = fitted_aux_layers(c.aux_layers, t.num_hidden_layers)
 
     def feature_layers(self, aux_layers: list[int], num_layers: int) -> list[int]:
         """[a, b, c, L]: the three aux states (the head's input) + the final state (the token loss's target)."""

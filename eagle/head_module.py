@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from eagle.head_files import CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAME
-from eagle.head_kinds import HeadConfigError, HeadKind
+from eagle.head_kinds import HeadConfigError, HeadKind, text_config
 
 
 class HeadModule(nn.Module):
@@ -40,6 +41,18 @@ class HeadModule(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    def bind_target(self, target_model) -> "HeadModule":
+        """Check the head fits `target_model` (an HF causal LM: hidden size, vocabulary, what its kind needs, e.g.
+        EAGLE-3's aux layers, resolving the default) and, unless the kind's checkpoints carry it, copy the target's
+        input embedding into `embed_tokens`."""
+        t, emb = text_config(target_model.config), target_model.get_input_embeddings().weight
+        self.kind.fit_to_target(self.config, SimpleNamespace(hidden_size=t.hidden_size, vocab_size=emb.shape[0],
+                                                             num_hidden_layers=t.num_hidden_layers))
+        if not self.kind.saves_embedding:
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(emb.detach().to(self.embed_tokens.weight))
+        return self
 
     def official_state_dict(self) -> dict[str, torch.Tensor]:
         """The released keys, no buffers that are not weights; without the target's embedding unless the kind's

@@ -36,6 +36,7 @@ def main(request_path: str, result_path: str) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: one import of vllm
+    # lazy: vllm lives in the engine's own venv; this script runs under that interpreter only
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

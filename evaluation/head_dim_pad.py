@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.head import EagleHead, HeadConfig
+from eagle.eagle2 import EagleHead
+from eagle.head_config import HeadConfig
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -85,6 +86,7 @@ def pad_head(head: EagleHead, head_dim: int) -> EagleHead:
 
 def pad_target_folder(src: str | Path, dst: str | Path, head_dim: int) -> Path:
     """Write a copy of the HF Llama folder `src` with attention head_dim `head_dim` (tokenizer files copied)."""
+    # lazy: transformers' model classes cost seconds at import; only padding a target folder needs them
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src, dst = Path(src), Path(dst)

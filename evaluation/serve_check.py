@@ -30,7 +30,12 @@ from pathlib import Path
 
 import torch
 
+from data_prep.target import load_target_config
 from eagle.decoding_config import DecodingConfig
+from eagle.ea_model import EaModel
+from eagle.head import EagleHead
+from evaluation.head_dim_pad import pad_head, pad_target_folder
+from export.head_kinds import write_engine_head
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm",)
@@ -108,11 +113,6 @@ def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeo
 def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_format: str, work: Path,
                           ) -> tuple[str, str, int | None]:
     """(target folder, draft folder, padded head_dim or None) that the engine will load."""
-    from data_prep.target import load_target_config
-    from eagle.head import EagleHead
-    from evaluation.head_dim_pad import pad_head, pad_target_folder
-    from export.head_kinds import write_engine_head
-
     tcfg = load_target_config(target_path)
     text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
     D = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -134,8 +134,6 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
 def padded_equivalence(ours: tuple, dtype, padded_target: str, padded_head_dir: str, prompts, k, gen) -> dict:
     """The padded copies decode token-identically to the originals (`ours` = project_run of the originals) in
     this project's decoder, vanilla and chain, with identical acceptance."""
-    from eagle.ea_model import EaModel
-
     padded = EaModel.from_pretrained(base_model_path=padded_target, ea_model_path=padded_head_dir, torch_dtype=dtype)
     pad = project_run(padded, prompts, k, gen.max_new_tokens, gen.max_length, list(gen.eos_token_id or []))
     same_v = sum(a == b for a, b in zip(ours[0], pad[0]))

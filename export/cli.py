@@ -10,7 +10,7 @@ from data_prep.target import load_target_config
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from export.engine_formats import FORMATS, convert_eagle3_folder
 from export.head_kinds import write_engine_head
-from recipes import add_print_config, config_yaml, layout, load_config
+from recipes import add_print_config, command_config, layout
 from train.export import EXPORT_DTYPES
 
 
@@ -41,10 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     head, base = args.head, args.base
     if args.recipe:
-        cfg = load_config(args.recipe, args.overrides)
-        if args.print_config:
-            print(config_yaml(cfg), end="")
-            return 0
+        cfg = command_config(args)
         head = head or str(layout.head_dir(cfg))
         base = base or (str(cfg.target.path) if cfg.target.path else None)
     source = args.eagle3 or head

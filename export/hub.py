@@ -22,7 +22,7 @@ from data_prep.target import load_target_config
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
 from export.head_kinds import write_engine_head
 from export.model_card import model_card, read_json
-from recipes import add_print_config, config_yaml, layout, load_config
+from recipes import add_print_config, command_config, layout
 from train.export import RECIPE_FILE, SUMMARY_FILE
 
 HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE)
@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder format to upload: eagle (official) or an engine's (python -m train.export --help)")
     add_print_config(p)
     args = p.parse_args(argv)
-    cfg = load_config(args.recipe, args.overrides)
-    if args.print_config:
-        print(config_yaml(cfg), end="")
-        return 0
+    cfg = command_config(args)
     result = push_to_hub(cfg, args.head, dry_run=args.dry_run, fmt=args.format)
     staging = Path(result["staging"])
     verb = "would upload" if args.dry_run else "uploaded"

@@ -16,10 +16,12 @@ redone from scratch together with everything downstream of it.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import hashlib
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -28,13 +30,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from filelock import FileLock, Timeout
+from omegaconf import OmegaConf
 
+from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir,
+                                      ensure_default_target, read_build_info)
+from data_prep.docstring_corpus import default_conversations, default_questions
 from eagle.cli_errors import ArgumentParser, one_line_errors
-from recipes import layout
-from data_prep.default_target import (
-    CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir, ensure_default_target, read_build_info,
-)
+from evaluation.report import headline_text
+from recipes import layout, load_config
 
 STATE_FILE = "quickstart_state.json"
 PROMPTS_DIR = "prompts"  # stdlib prompt sets written here when --target is a user model
@@ -79,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process and of its finished stage subprocesses."""
-    import resource
-
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
@@ -102,8 +105,6 @@ def resolve_inputs(target: str | None, out_dir: Path, size: str = "default") -> 
         info = read_build_info(path)
         return str(path), {"data.source": str(path / CONVERSATIONS_FILE),
                            "eval.questions": str(path / QUESTIONS_FILE)}, {"default_target": info["fingerprint"]}
-    from data_prep.docstring_corpus import default_conversations, default_questions
-
     if Path(target).exists():  # a local folder: absolute, so reports and the printed commands name it exactly
         target = str(Path(target).resolve())
 
@@ -123,8 +124,6 @@ def _sha256(data: bytes) -> str:
 
 def stage_fingerprint(cfg, stage: Stage, upstream: str, identity: dict) -> str:
     """Hash of what the stage reads: its recipe sections, the target's identity and the upstream stage's hash."""
-    from omegaconf import OmegaConf
-
     resolved = OmegaConf.to_container(cfg, resolve=True)
     parts = {"sections": {s: resolved[s] for s in stage.sections}, "upstream": upstream, "target": identity}
     return _sha256(json.dumps(parts, sort_keys=True, default=str).encode())[:16]
@@ -163,8 +162,6 @@ def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> Non
 
 def relay(src, dst, keep: int = 8192) -> str:
     """Copy a stage's stderr (progress bars, warnings, its error line) to `dst` as it arrives; returns its tail."""
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tail = ""
     while chunk := os.read(src.fileno(), 65536):
@@ -208,16 +205,12 @@ def summarize_report(eval_dir: Path) -> list[str]:
 
 def headline_line(eval_dir: Path) -> str | None:
     """The report's headline sentence (fastest method, tau, speedup with CI, mismatches), or None."""
-    from evaluation.report import headline_text
-
     h = json.loads((eval_dir / "report.json").read_text()).get("headline")
     return None if h is None else headline_text(h)
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import load_config
-
     args = build_parser().parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
@@ -240,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         os.environ[key] = env[key]  # this process too (it builds the default target)
-    import torch
-
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
     user = list(args.overrides)
@@ -266,8 +257,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float, err) -> int:
-    from recipes import load_config
-
     if args.fresh:
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
         remove_outputs(out_dir, STAGES)

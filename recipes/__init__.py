@@ -6,7 +6,8 @@ one) over the structured schema (recipes/schema.py; unknown keys fail loudly, li
 `key=value` overrides and checks every value (RecipeError naming the key).
 """
 from recipes.check import RecipeError
-from recipes.load import add_print_config, config_yaml, list_recipes, load_config, recipe_path
+from recipes.load import add_print_config, command_config, config_yaml, list_recipes, load_config, recipe_path
 from recipes.schema import Recipe
 
-__all__ = ["Recipe", "RecipeError", "add_print_config", "config_yaml", "list_recipes", "load_config", "recipe_path"]
+__all__ = ["Recipe", "RecipeError", "add_print_config", "command_config", "config_yaml", "list_recipes", "load_config",
+           "recipe_path"]

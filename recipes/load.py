@@ -96,6 +96,16 @@ def config_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
+def command_config(args, overrides: list[str] | None = None) -> DictConfig:
+    """The recipe a command runs with: `args.recipe` with `overrides` (default `args.overrides`); with
+    `--print-config` it is printed and the command exits."""
+    cfg = load_config(args.recipe, list(args.overrides) if overrides is None else overrides)
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        raise SystemExit(0)
+    return cfg
+
+
 def add_print_config(parser) -> None:
     """The `--print-config` flag of a command that loads a recipe."""
     parser.add_argument("--print-config", action="store_true",

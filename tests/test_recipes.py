@@ -205,7 +205,9 @@ def test_print_config_shows_the_whole_resolved_recipe(capsys):
     from recipes import config_yaml
     from train.main import main
 
-    assert main(["--recipe", "llama3-8b-eagle3", "train.lr=3e-4", "--print-config"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["--recipe", "llama3-8b-eagle3", "train.lr=3e-4", "--print-config"])
+    assert e.value.code == 0
     printed = capsys.readouterr().out
     assert printed == config_yaml(load_config("llama3-8b-eagle3", ["train.lr=3e-4"]))
     shown = flat(yaml.safe_load(printed))

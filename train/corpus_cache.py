@@ -36,7 +36,7 @@ from data_prep.feature_layers import feature_layers, target_features
 from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from eagle.run_lock import run_lock
-from recipes import add_print_config, config_yaml, layout, load_config
+from recipes import add_print_config, command_config, layout
 
 
 def read_paragraphs(path: str | Path, first: int = 0) -> list[str | None]:
@@ -157,10 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="continuations: 0 = greedy, else sampled")
     add_print_config(p)
     args = p.parse_args(argv)
-    cfg = load_config(args.recipe, args.overrides)
-    if args.print_config:
-        print(config_yaml(cfg), end="")
-        return 0
+    cfg = command_config(args)
     with run_lock(layout.cache_dir(cfg).parent, "shard0of1", "data prep"):  # the lock data_prep/main.py takes there
         m = build_corpus_cache(cfg, args.text, args.first, args.batch_size, continue_tokens=args.continue_with_target,
                                temperature=args.temperature)

@@ -6,18 +6,21 @@ A record is {"id", "input_ids" LongTensor[T], "loss_mask" LongTensor[T]} plus, o
 """
 from __future__ import annotations
 
+import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from data_prep.tokenized import load_tokenized
+from eagle.head_config import HeadConfig, head_config_from_target
+from eagle.head_files import _resolve_head_files
+
 class TokenizedRecords:
     """Online-mode records: tokenised conversations held in memory (features are computed in the loop)."""
 
     def __init__(self, path: str | Path, max_length: int):
-        from data_prep.tokenized import load_tokenized
-
         self.path = Path(path)
         self._records = []
         for rec in load_tokenized(path):
@@ -62,11 +65,7 @@ class LongRecordError(ValueError):
 
 def head_positions(cfg, target_config) -> int:
     """max_position_embeddings of the head this run trains: head.init_from's config, else the target's."""
-    from eagle.head import HeadConfig, _resolve_head_files, head_config_from_target
-
     if cfg.head.init_from:
-        import json
-
         config_file, _ = _resolve_head_files(str(cfg.head.init_from), None)
         return int(HeadConfig.from_dict(json.loads(Path(config_file).read_text())).max_position_embeddings)
     return int(head_config_from_target(target_config, bias=cfg.head.bias).max_position_embeddings)

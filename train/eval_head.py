@@ -18,7 +18,7 @@ from data_prep.feature_cache import FeatureCacheReader
 from data_prep.target import load_target_config, pick_device, resolve_target_path
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from eagle.head_files import load_head
-from recipes import add_print_config, config_yaml, layout, load_config
+from recipes import add_print_config, command_config, layout
 from train.data import Subset, split_train_eval
 from train.ds_config import COMPUTE_DTYPES
 from train.frozen_target import check_cache_matches_target, load_frozen_target
@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     add_print_config(p)
     args = p.parse_args(argv)
-    cfg = load_config(args.recipe, args.overrides)
-    print(config_yaml(cfg) if args.print_config else json.dumps(evaluate_head(cfg, args.head), indent=2), end="\n")
+    print(json.dumps(evaluate_head(command_config(args), args.head), indent=2))
     return 0
 
 

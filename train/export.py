@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import SafetensorError
 
 from eagle.cli_errors import UserError
 from eagle.head_files import head_class
 from eagle.head_module import HeadModule
+from train.divergence import DivergenceError
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -40,6 +42,7 @@ def full_state_dict(module, zero_stage: int) -> dict[str, torch.Tensor]:
     """CPU copy of the module's weights (floating ones in float32); under ZeRO-3 the partitions are gathered
     (collective)."""
     if zero_stage == 3:
+        # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only ZeRO-3 needs it
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
@@ -59,8 +62,6 @@ def standalone_head(module, zero_stage: int, device, dtype) -> HeadModule:
 
 def check_exportable(state_dict: dict[str, torch.Tensor], dtype: str, out_dir: Path) -> None:
     """Refuse weights that are non-finite, exploded, or overflow the export dtype (the old export stays)."""
-    from train.divergence import DivergenceError
-
     for name, w in state_dict.items():
         if not w.is_floating_point():  # integer/bool buffers (EAGLE-3 d2t, t2d) are not weights
             continue
@@ -78,8 +79,6 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
                 recipe=None, summary: dict | None = None) -> Path:
     """Write the head folder atomically (a temporary sibling renamed into place); `config` decides the layout. A
     previous export is replaced only by a complete, finite one."""
-    from train.divergence import DivergenceError
-
     check_exportable(state_dict, dtype, Path(out_dir))
     head = head_class(config)(config)
     head.load_state_dict(state_dict, strict=True)
@@ -95,11 +94,7 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
             (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous export (if any) was not touched
-        from safetensors import SafetensorError
-
         if isinstance(e, (OSError, RuntimeError, SafetensorError)) and not isinstance(e, DivergenceError):
-            from eagle.cli_errors import UserError
-
             raise UserError(f"could not export the head to {out_dir} ({' '.join(str(e).split())[:160]}); "
                             "the previous export, if any, is unchanged") from None
         raise

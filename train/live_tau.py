@@ -14,6 +14,9 @@ from copy import deepcopy
 
 import torch
 
+from data_prep.target import load_target_model
+from eagle.decoding_config import DecodingConfig
+
 RAW_TEXT_PROMPT_TOKENS = 16
 
 
@@ -46,15 +49,13 @@ class LiveTau:
         if self.model is None:
             model = getattr(self.frozen, "model", None)  # online mode: the target already runs in the loop
             if model is None:
-                from data_prep.target import load_target_model
-
                 model = load_target_model(self.cfg.target, self.device, path=self.target_path)
             self.model = model.eval()
         return self.model
 
     def measure(self, head) -> dict:
-        """eval/live_tau, eval/live_alpha_d, eval/live_prompts, eval/live_seconds for `head` (an EagleHead)."""
-        from eagle.decoding_config import DecodingConfig
+        """eval/live_tau, eval/live_alpha_d, eval/live_prompts, eval/live_seconds for `head`."""
+        # lazy: EaModel's target adapter imports transformers (over a second); only runs with live tau need it, not --help
         from eagle.tau import measure_tau
 
         t = self.cfg.train

@@ -30,7 +30,7 @@ from data_prep.feature_cache import FeatureCacheReader  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
-from recipes import add_print_config, config_yaml, layout, list_recipes, load_config  # noqa: E402
+from recipes import add_print_config, command_config, layout, list_recipes  # noqa: E402
 from recipes.schema import describe_recipe_keys  # noqa: E402
 from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
@@ -431,10 +431,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = load_config(args.recipe, args.overrides)
-    if args.print_config:
-        print(config_yaml(cfg), end="")
-        return 0
+    cfg = command_config(args)
     ctx = init_distributed(cfg.train.device)
     try:
         train(cfg, ctx)

@@ -32,15 +32,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from data_prep.feature_cache import bytes_per_token  # noqa: E402
+from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.eagle2 import EagleHead  # noqa: E402
 from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
+from eagle.head_config import head_config_from_target  # noqa: E402
+from eagle.head_kinds import text_config  # noqa: E402
+from recipes import RecipeError, add_print_config, command_config, layout  # noqa: E402
+from train.ds_config import deepspeed_config  # noqa: E402
 from train.head_kinds import training_class  # noqa: E402
 
 GB = 1e9
@@ -181,14 +192,11 @@ class Plan:
 # ----------------------------------------------------------------------------- shapes
 def target_config(cfg):
     """HF config of the recipe's target: a local folder, the KNOWN_TARGETS table, or the Hub."""
+    # lazy: transformers costs over a second at import; the plan's --help and its table of known shapes do not need it
     from transformers import AutoConfig
-
-    from data_prep.target import resolve_target_path
 
     path = resolve_target_path(cfg.target) if cfg.target.path else ""
     if path and Path(path).is_dir():
-        from data_prep.target import load_target_config
-
         return load_target_config(path)
     if path in KNOWN_TARGETS:
         known = dict(KNOWN_TARGETS[path])
@@ -202,7 +210,7 @@ def target_config(cfg):
 
 def count_target_params(config) -> tuple[int, int]:
     """(all, active per token) parameters of a target config, counted on the meta device (no weights)."""
-    import torch
+    # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -212,8 +220,6 @@ def count_target_params(config) -> tuple[int, int]:
         total += p.numel()
         if ".experts." in name or ".experts" in name.rsplit(".", 1)[0]:
             experts += p.numel()
-    from eagle.head import text_config
-
     c = text_config(config)
     n_exp, k = getattr(c, "num_local_experts", 0) or getattr(c, "num_experts", 0), getattr(c, "num_experts_per_tok", 0)
     active = total - experts + (experts * k // n_exp if n_exp and k else experts)
@@ -222,10 +228,6 @@ def count_target_params(config) -> tuple[int, int]:
 
 def plan_shape(cfg, config=None) -> Shape:
     """Target and head shape for `cfg` (EAGLE-2 head from the target config; EAGLE-3 per head.kind)."""
-    import torch
-
-    from eagle.head import EagleHead, head_config_from_target, text_config
-
     config = config or target_config(cfg)
     c = text_config(config)
     hc = head_config_from_target(config, bias=cfg.head.bias)
@@ -246,9 +248,8 @@ def plan_shape(cfg, config=None) -> Shape:
 # ----------------------------------------------------------------------------- memory
 def deepspeed_zero(cfg) -> dict:
     """The zero_optimization section DeepSpeed will run with (generated config + DeepSpeed's own defaults)."""
+    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    from train.ds_config import deepspeed_config
 
     ds = deepspeed_config(cfg.train, total_steps=1, world_size=1, on_cpu=False)
     return DeepSpeedZeroConfig(**ds["zero_optimization"]).model_dump()
@@ -257,6 +258,7 @@ def deepspeed_zero(cfg) -> dict:
 def model_states(P: int, largest: int, stage: int, precision: str, world: int, gpus_per_node: int, nodes: int,
                  offload: bool, host: bool) -> list[Item]:
     """Head parameters / gradients / fp32 master / AdamW moments per rank (bytes)."""
+    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -393,8 +395,6 @@ def budget_bytes(hw: Hardware) -> float:
 
 def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None = None) -> Plan:
     """The plan for recipe `cfg` on `hw` (see module docstring)."""
-    from data_prep.feature_cache import bytes_per_token
-
     t = cfg.train
     s = shape or plan_shape(cfg)
     plan = Plan(hw, s, memory=memory_items(cfg, hw, s))
@@ -442,8 +442,6 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
 def data_size(cfg) -> tuple[int, int, str]:
     """(records, tokens per record, where from): a finished cache's manifest, else data.max_records, else the
     ShareGPT assumption."""
-    from recipes import layout
-
     manifest = layout.cache_dir(cfg) / "manifest.json"
     if manifest.exists():
         m = json.loads(manifest.read_text())
@@ -455,8 +453,6 @@ def data_size(cfg) -> tuple[int, int, str]:
 
 def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
     """Up to three settings that each alone bring the memory under `budget`, cheapest first."""
-    from omegaconf import OmegaConf
-
     tries = []
     t = cfg.train
     if t.loss_chunk == 0:
@@ -530,14 +526,10 @@ def plan_as_dict(plan: Plan) -> dict:
 
 def hardware_for_run(ctx) -> Hardware:
     """The hardware a training run is on: its world size and, on GPUs, the device's memory."""
-    import torch
-
     if ctx.device.type == "cuda":
         mem = torch.cuda.get_device_properties(ctx.device).total_memory / GB
         per_node = torch.cuda.device_count()
         return Hardware(gpus=per_node, nodes=max(1, ctx.world_size // max(1, per_node)), gpu_mem_gb=mem)
-    import os
-
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     return Hardware(gpus=1, nodes=1, gpu_mem_gb=total / max(1, ctx.world_size), host=True)
 
@@ -575,8 +567,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @one_line_errors
 def main(argv=None) -> int:
-    from recipes import RecipeError
-
     args = parse_args(argv)
     try:
         for name in ("gpus", "nodes"):
@@ -587,12 +577,8 @@ def main(argv=None) -> int:
                 raise PlanError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
         if not 0 <= args.reserve < 1:
             raise PlanError(f"--reserve={args.reserve}: expected 0 <= reserve < 1")
-        from recipes import load_config
 
-        cfg = load_config(args.recipe, args.overrides)
-        if args.print_config:
-            print(config_yaml(cfg), end="")
-            return 0
+        cfg = command_config(args)
         hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
                       mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
                       host=args.host)
