@@ -36,7 +36,6 @@ import torch
 from eagle import EaModel
 from eagle.decoding_config import DecodingConfig
 from eagle.eagle2 import EagleHead
-from eagle.head_config import head_config_from_target
 
 
 class Timed:

@@ -17,7 +17,6 @@ regenerate/cache; tokenize runs once all regeneration shards are done).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -42,6 +41,7 @@ from data_prep.target import (load_target_model, load_target_tokenizer, pick_dev
                               target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.head_kinds import text_config  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
 from recipes import add_print_config, command_config, layout  # noqa: E402
 
@@ -201,20 +201,16 @@ def stage_inspect(run: Run, n: int) -> None:
         print()
 
 
-def file_sha256(path: Path) -> str:
-    return sha256_file(path)
-
-
 def stage_cache(run: Run) -> None:
     d = run.cfg.data
     tok_path = run.data_dir / layout.TOKENIZED_FILE
     records = list(load_tokenized(tok_path))
     model = run.model()
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal wrappers
+    text = text_config(config)  # multimodal wrappers: the language model's config
     meta = {"target": resolve_target_path(run.cfg.target), "config_hash": target_config_hash(config),
             "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
-            "target_dtype": run.cfg.target.dtype, "tokenized_sha256": file_sha256(tok_path)}
+            "target_dtype": run.cfg.target.dtype, "tokenized_sha256": sha256_file(tok_path)}
     layers = feature_layers(run.cfg.head, config)  # None for eagle2: the legacy meta, byte for byte
     if layers is not None:
         meta["feature_layers"] = layers

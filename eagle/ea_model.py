@@ -15,8 +15,9 @@ from torch import nn
 
 from eagle.decoding_config import DecodingConfig
 from eagle.draft import Drafter
-from eagle.head_config import check_head_fits_target, read_head_config
-from eagle.head_files import _resolve_head_files, load_head
+from eagle.head_config import check_head_fits_target
+from eagle.head_files import head_config_of, load_head
+from eagle.head_kinds import text_config
 from eagle.head_module import HeadModule
 from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
 from eagle.static_trees import static_choices
@@ -93,7 +94,7 @@ class EaModel(nn.Module):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         # a head that cannot fit the target fails before the target's weights load (one line, no loading output)
-        head_config = read_head_config(_resolve_head_files(str(ea_model_path), None)[0])
+        head_config = head_config_of(ea_model_path)
         config_kw = {k: model_kwargs[k] for k in ("revision", "trust_remote_code") if k in model_kwargs}
         check_head_fits_target(head_config, AutoConfig.from_pretrained(base_model_path, **config_kw))
         base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch_dtype, device_map=device_map,
@@ -208,8 +209,7 @@ class EaModel(nn.Module):
                                                                       and not v.is_floating_point())
         if not is_int(max_new_tokens) or int(max_new_tokens) < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 0")
-        config = self.base_model.config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = text_config(self.base_model.config)
         limit = getattr(config, "max_position_embeddings", None)
         if max_length is None:
             return min(DEFAULT_MAX_LENGTH, int(limit)) if limit else DEFAULT_MAX_LENGTH

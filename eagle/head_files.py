@@ -28,9 +28,13 @@ def load_head(path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revi
               device: str | torch.device | None = None):
     """Load any head folder as the module of its config's kind: EAGLE-1/2 -> `EagleHead`, EAGLE-3 -> `Eagle3Head`
     (call `bind_target` before use: an EAGLE-3 head's embedding is the target's)."""
-    config_file, _ = _resolve_head_files(str(path_or_hub_id), revision)
-    cls = head_class(read_head_config(config_file))
+    cls = head_class(head_config_of(path_or_hub_id, revision))
     return cls.from_pretrained(path_or_hub_id, dtype=dtype, revision=revision, device=device)
+
+
+def head_config_of(path_or_hub_id: str | Path, revision: str | None = None) -> HeadConfig:
+    """The HeadConfig of a head folder or hub id (its config.json only; one-line errors naming the file)."""
+    return read_head_config(_resolve_head_files(str(path_or_hub_id), revision)[0])
 
 
 def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str, str]:

@@ -36,8 +36,8 @@ from data_prep.target import load_target_config, resolve_target_path  # noqa: E4
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
 from eagle.decoding_config import DecodingConfig  # noqa: E402
 from eagle.ea_model import EaModel, save_tree_config  # noqa: E402
-from eagle.head_config import check_head_fits_target, read_head_config  # noqa: E402
-from eagle.head_files import _resolve_head_files, check_head_files, load_head  # noqa: E402
+from eagle.head_config import check_head_fits_target  # noqa: E402
+from eagle.head_files import check_head_files, head_config_of, load_head  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from evaluation.autotune import autotune_tree, grid  # noqa: E402
 from evaluation.calibration import calibrate  # noqa: E402
@@ -143,7 +143,7 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
     if cfg.eval.compare_head:  # so does a bad or ill-fitting second head
         if Path(str(cfg.eval.compare_head)).exists():
             check_head_files(str(cfg.eval.compare_head))
-        check_head_fits_target(read_head_config_of(str(cfg.eval.compare_head)),
+        check_head_fits_target(head_config_of(str(cfg.eval.compare_head)),
                                load_target_config(target_path, cfg.target.revision))
     if cfg.eval.max_length:  # a length the target was never trained for fails before the target loads
         limit = getattr(text_config(load_target_config(target_path, cfg.target.revision)),
@@ -181,11 +181,6 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
                          top_k=int(cfg.eval.top_k), eos_token_id=[int(e) for e in eos])
     out_dir = layout.eval_dir(cfg)
     return Setup(cfg, models, fmt, gen, base_decoding, target_path, head_path, out_dir)
-
-
-def read_head_config_of(head: str):
-    """The HeadConfig of a head folder or hub id (config.json only)."""
-    return read_head_config(_resolve_head_files(head, None)[0])
 
 
 def with_head_kinds(methods: list[Method], models: dict) -> list[Method]:

@@ -33,7 +33,8 @@ import torch
 from data_prep.target import load_target_config
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
-from eagle.head import EagleHead
+from eagle.eagle2 import EagleHead
+from eagle.head_kinds import text_config
 from evaluation.head_dim_pad import pad_head, pad_target_folder
 from export.head_kinds import write_engine_head
 
@@ -114,7 +115,7 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
                           ) -> tuple[str, str, int | None]:
     """(target folder, draft folder, padded head_dim or None) that the engine will load."""
     tcfg = load_target_config(target_path)
-    text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+    text = text_config(tcfg)
     D = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     padded = None
     if D not in SUPPORTED_HEAD_DIMS[engine]:

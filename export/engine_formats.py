@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from eagle.eagle2 import EagleHead
 from eagle.head_config import HeadConfig
 from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, _load_weights
+from eagle.head_kinds import text_config
 from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,7 @@ def fold_fc_bias(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def _target_model_type(target_config) -> str | None:
-    if target_config is None:
-        return None
-    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    return getattr(c, "model_type", None)
+    return None if target_config is None else getattr(text_config(target_config), "model_type", None)
 
 
 def engine_head(config: HeadConfig, state_dict: dict[str, torch.Tensor], fmt: str,
@@ -126,8 +124,7 @@ def engine_head(config: HeadConfig, state_dict: dict[str, torch.Tensor], fmt: st
 
 
 def _max_pos(target_config) -> int:
-    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    return int(getattr(c, "max_position_embeddings", 0) or 0)
+    return int(getattr(text_config(target_config), "max_position_embeddings", 0) or 0)
 
 
 def write_eagle2_engine_head(config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,

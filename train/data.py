@@ -6,7 +6,6 @@ A record is {"id", "input_ids" LongTensor[T], "loss_mask" LongTensor[T]} plus, o
 """
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +13,8 @@ from pathlib import Path
 import torch
 
 from data_prep.tokenized import load_tokenized
-from eagle.head_config import HeadConfig, head_config_from_target
-from eagle.head_files import _resolve_head_files
+from eagle.head_config import head_config_from_target
+from eagle.head_files import head_config_of
 
 class TokenizedRecords:
     """Online-mode records: tokenised conversations held in memory (features are computed in the loop)."""
@@ -66,8 +65,7 @@ class LongRecordError(ValueError):
 def head_positions(cfg, target_config) -> int:
     """max_position_embeddings of the head this run trains: head.init_from's config, else the target's."""
     if cfg.head.init_from:
-        config_file, _ = _resolve_head_files(str(cfg.head.init_from), None)
-        return int(HeadConfig.from_dict(json.loads(Path(config_file).read_text())).max_position_embeddings)
+        return int(head_config_of(cfg.head.init_from).max_position_embeddings)
     return int(head_config_from_target(target_config, bias=cfg.head.bias).max_position_embeddings)
 
 

@@ -10,7 +10,8 @@ import torch
 
 from data_prep.feature_layers import target_features
 from data_prep.target import base_decoder, load_target_model, target_config_hash
-from eagle.head import load_target_embedding_and_lm_head, text_config
+from eagle.head_kinds import text_config
+from eagle.target_weights import load_target_embedding_and_lm_head
 
 
 class CacheMismatchError(ValueError):
