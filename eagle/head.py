@@ -313,10 +313,16 @@ def head_config_from_target(target_config, bias: bool = True, kind: str = "eagle
 
 
 # ----------------------------------------------------------------------------- modules
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and softmaxes run in at least float32: float32 for 16-bit heads (as HF does), float64 heads stay float64
+    (so a float64 copy of a head computes exactly in float64: the tests compare code paths that way)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalise in float32, scale in the input dtype (bit-identical to HF's LlamaRMSNorm,
     pinned by a test; torch's rms_norm does the x * rsqrt(mean(x^2) + eps) part in fewer ops)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return weight * F.rms_norm(x.to(accumulation_dtype(x.dtype)), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -624,7 +630,8 @@ def _prefix_diag_attention(q, k1, v1, bias, dk, dv):
     qg = q.reshape(B, kv, g * R, D) * (1.0 / math.sqrt(D))  # query heads of a kv group stacked: no K/V copies
     s_prefix = (qg @ k1.transpose(-1, -2)).view(B, kv, g, R, S) + bias[:, None, None]  # [B, kv, g, R, S]
     s_diag = (qg.view(B, kv, g, R, 1, D) * dk[:, :, None]).sum(-1)  # [B, kv, g, R, n]
-    p = torch.cat([s_prefix, s_diag], dim=-1).softmax(-1, dtype=torch.float32).to(q.dtype)  # [B, kv, g, R, S + n]
+    s = torch.cat([s_prefix, s_diag], dim=-1)  # [B, kv, g, R, S + n]
+    p = s.softmax(-1, dtype=accumulation_dtype(q.dtype)).to(q.dtype)
     o = (p[..., :S].reshape(B, kv, g * R, S) @ v1).view(B, kv, g, R, D)
     o = o + (p[..., S:, None] * dv[:, :, None]).sum(-2)  # + diagonal values
     return o.reshape(B, h, R, D)
