@@ -22,7 +22,7 @@ from eagle.head_decoder import Eagle3HeadDecoder
 from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError
 from eagle.head_module import HeadModule
-from eagle.layers import MLP, Attention, RMSNorm, Rotary, init_head_weights
+from eagle.layers import MLP, Attention, RMSNorm, Rotary, accumulation_dtype, init_head_weights
 
 
 UNROLL_ROW_CHUNKS = 4  # Eagle3Head.unroll splits the query rows of steps >= 2 into this many causal chunks
@@ -38,7 +38,8 @@ def _prefix_diag_attention(q, k1, v1, bias, dk, dv):
     qg = q.reshape(B, kv, g * R, D) * (1.0 / math.sqrt(D))  # query heads of a kv group stacked: no K/V copies
     s_prefix = (qg @ k1.transpose(-1, -2)).view(B, kv, g, R, S) + bias[:, None, None]  # [B, kv, g, R, S]
     s_diag = (qg.view(B, kv, g, R, 1, D) * dk[:, :, None]).sum(-1)  # [B, kv, g, R, n]
-    p = torch.cat([s_prefix, s_diag], dim=-1).softmax(-1, dtype=torch.float32).to(q.dtype)  # [B, kv, g, R, S + n]
+    s = torch.cat([s_prefix, s_diag], dim=-1)  # [B, kv, g, R, S + n]
+    p = s.softmax(-1, dtype=accumulation_dtype(q.dtype)).to(q.dtype)
     o = (p[..., :S].reshape(B, kv, g * R, S) @ v1).view(B, kv, g, R, D)
     o = o + (p[..., S:, None] * dv[:, :, None]).sum(-2)  # + diagonal values
     return o.reshape(B, h, R, D)

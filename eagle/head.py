@@ -10,8 +10,8 @@ from eagle.head_files import (CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAM
 from eagle.head_kinds import (HEAD_KINDS, N_AUX_LAYERS, HeadConfigError, check_aux_layers, default_aux_layers,
                               text_config)
 from eagle.head_module import HeadModule, count_parameters
-from eagle.layers import (MLP, Attention, DecoderLayer, RMSNorm, Rotary, init_head_weights, linear_t, positions_end,
-                          rms_norm, rotate_half, rotate_rolled, rows_at, signed_sin)
+from eagle.layers import (MLP, Attention, DecoderLayer, RMSNorm, Rotary, accumulation_dtype, init_head_weights, linear_t,
+                          positions_end, rms_norm, rotate_half, rotate_rolled, rows_at, signed_sin)
 from eagle.target_weights import EMBED_KEYS, LM_HEAD_KEYS, load_target_embedding_and_lm_head
 
 __all__ = [

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle.attention import sdpa_attention
-from eagle.layers import linear_t, positions_end, rms_norm, rotate_rolled, rows_at, signed_sin
+from eagle.layers import (accumulation_dtype, linear_t, positions_end, rms_norm, rotate_rolled, rows_at,
+                          signed_sin)
 
 FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
 # The copies are re-taken at every reset (every generation, so weights edited in between are used); building
@@ -183,7 +184,8 @@ class HeadDecoder:
         if self.fast:
             rows = self._scratch(n)
             x = torch.addmm(x, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj, into the scratch rows
-            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(H (mean(x^2) + eps))
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True,
+                                            dtype=accumulation_dtype(rows.dtype))  # sqrt(H (mean(x^2) + eps))
             gate, up = torch.mm(x, self.gate_up_t).div_(norm).chunk(2, -1)
         else:
             x = torch.addmm(x, att, self.o_t)  # residual + o_proj
@@ -301,7 +303,8 @@ class Eagle3HeadDecoder(HeadDecoder):
         if self.fast:
             rows = self._scratch(n)
             rows[:, : self.hidden] = features
-            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(H (mean(f^2) + eps))
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True,
+                                            dtype=accumulation_dtype(rows.dtype))  # sqrt(H (mean(f^2) + eps))
             y = torch.addcdiv(F.embedding(next_ids, self.tok_qkv), torch.mm(features, self.feat_qkv_t), norm.to(features.dtype))
             y, y_rolled = y.view(n, 2, h_ + 2 * kv_, d_).unbind(1)  # q|k|v, then rolled
             cos, sin = self._rotary(positions)  # [n | 1, h + 2 kv, D]
@@ -322,7 +325,7 @@ class Eagle3HeadDecoder(HeadDecoder):
         att = sdpa_attention(q.unsqueeze(0), keys, values, mask)  # [n, h D]
         if self.fast:
             x = torch.addmm(features, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj
-            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=accumulation_dtype(rows.dtype))
             gate, up = torch.mm(x, self.gate_up_t).div_(norm).chunk(2, -1)
         else:
             x = torch.addmm(features, att, self.o_t)  # residual + o_proj

@@ -9,10 +9,16 @@ from torch import nn
 from eagle.head_config import HeadConfig
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and softmaxes run in at least float32: float32 for 16-bit heads (as HF does), float64 heads stay float64
+    (so a float64 copy of a head computes exactly in float64: the tests compare code paths that way)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalise in float32, scale in the input dtype (bit-identical to HF's LlamaRMSNorm,
     pinned by a test; torch's rms_norm does the x * rsqrt(mean(x^2) + eps) part in fewer ops)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return weight * F.rms_norm(x.to(accumulation_dtype(x.dtype)), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from eagle import EaModel
 from eagle.head import EagleHead
 from tiny_models import fit_good_head, hf_greedy, random_prompts, single_thread, tiny_llama  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
 
 
 def with_positions(head: EagleHead, positions: int, tmp_path) -> EagleHead:
