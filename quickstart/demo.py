@@ -38,7 +38,7 @@ from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES,
                                       ensure_default_target, read_build_info)
 from data_prep.docstring_corpus import default_conversations, default_questions
 from eagle.cli_errors import ArgumentParser, one_line_errors
-from evaluation.report import headline_text
+from evaluation.headline import headline_text
 from recipes import layout, load_config
 
 STATE_FILE = "quickstart_state.json"
