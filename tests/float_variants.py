@@ -15,7 +15,8 @@ Each variant runs pytest in a fresh process (the environment must be set before 
   no-mkldnn       oneDNN off (EAGLE_TEST_MKLDNN=0): bf16 and some fp32 ops take ATen's own kernels
 and the baseline. Every comparison through tests/float_tolerance.py is logged; the summary prints, per test, the
 largest observed difference as a fraction of its bound over all variants (the headroom), and which variants
-failed. Exit status 1 when any variant fails.
+failed. Exit status 1 when any variant fails. EAGLE_VARIANTS_KEEP=DIR keeps each variant's pytest output and log
+there (default: a temporary folder).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def cpu_flags() -> set[str]:
 def variants() -> dict[str, dict[str, str]]:
     out = {
         "baseline": {},
-        "threads-2": {"EAGLE_TEST_THREADS": "2", "OMP_NUM_THREADS": "2"},
+        # passive waits: spinning OpenMP threads on a busy 2-core box make a run ~50x slower, not other numbers
+        "threads-2": {"EAGLE_TEST_THREADS": "2", "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
         "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
         "mkl-sse42": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
         "sdpa-math": {"EAGLE_TEST_SDPA": "math"},
@@ -59,11 +61,13 @@ def run(name: str, env_extra: dict[str, str], pytest_args: list[str], log: Path)
     env = {**os.environ, **env_extra, "EAGLE_TOLERANCE_LOG": str(log)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "numeric and not slow", "-p", "no:cacheprovider", *pytest_args]
     print(f"== {name}: {' '.join(f'{k}={v}' for k, v in env_extra.items()) or '(defaults)'}", flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    tail = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR")) or " passed" in ln
-            or " failed" in ln]
-    print("\n".join(tail[-12:]) or proc.stdout[-2000:], flush=True)
-    return proc.returncode
+    out = log.with_suffix(".out")
+    with open(out, "w") as f:  # pytest's own output, for a look while it runs (EAGLE_VARIANTS_KEEP keeps it)
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True).returncode
+    lines = out.read_text().splitlines()
+    tail = [ln for ln in lines if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln]
+    print("\n".join(tail[-12:]) or "\n".join(lines[-30:]), flush=True)
+    return code
 
 
 def summarise(logs: dict[str, Path]) -> None:
@@ -90,7 +94,10 @@ def main(argv: list[str]) -> int:
             print(name, " ".join(f"{k}={v}" for k, v in env.items()))
         return 0
     failed, logs = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
+    keep = os.environ.get("EAGLE_VARIANTS_KEEP")
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = keep or tmp_dir
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for name, env in table.items():
             logs[name] = Path(tmp) / f"{name}.jsonl"
             if run(name, env, argv, logs[name]) != 0:
