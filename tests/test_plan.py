@@ -108,6 +108,26 @@ def test_eagle3_is_planned_from_its_keys(llama_shape):
     assert loss == n * 128256 * 4 + n * 32000 * 4 + rows * 32000 * (2 + 8)
 
 
+def test_nodes_add_inter_node_traffic_per_zero_stage(llama_shape):
+    """--nodes 2 --gpus 8: per-rank memory over 16 ranks, each node's network bytes per step by ZeRO stage (ring
+    volumes: ZeRO-3 moves 1.5x the data of ZeRO-1/2 at grad_accum 1), and their time in the estimate."""
+    def plan(stage, nodes, accum=1):
+        cfg = load_config("llama3-8b", [f"train.zero_stage={stage}", f"train.grad_accum={accum}"])
+        return build_plan(cfg, Hardware(gpus=8, nodes=nodes), llama_shape)
+
+    P, ring = llama_shape.head_trainable, 15 / 16
+    traffic = {z: sum(i.bytes for i in plan(z, 2).traffic) for z in (1, 2, 3)}
+    assert traffic[1] == pytest.approx(2 * ring * P * 2) and traffic[2] == pytest.approx(traffic[1])
+    assert traffic[3] == pytest.approx(1.5 * traffic[1])
+    assert sum(i.bytes for i in plan(2, 2, accum=4).traffic) == pytest.approx(5 * ring * P * 2)  # 4 reduce + 1 gather
+    assert plan(2, 1).traffic == [] and "training: inter-node traffic" not in {i.name for i in plan(2, 1).time}
+    one, two = ({i.name: i for i in plan(2, n).time} for n in (1, 2))
+    assert two["training"].bytes == pytest.approx(one["training"].bytes / 2)  # twice the GPUs
+    assert two["training: inter-node traffic"].bytes > 0
+    ram = {i.name: i.bytes for i in plan(2, 2).memory}
+    assert ram["AdamW moments (fp32)"] == pytest.approx({i.name: i.bytes for i in plan(2, 1).memory}["AdamW moments (fp32)"] / 2, rel=0.01)
+
+
 def test_cli_table_help_and_one_line_errors(capsys):
     from train.plan import main
 
@@ -115,6 +135,9 @@ def test_cli_table_help_and_one_line_errors(capsys):
                         env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "fits:" in ok.stdout and "token-loss logits" in ok.stdout and "feature cache bfloat16" in ok.stdout
+    two = subprocess.run([sys.executable, "-m", "train.plan", "--recipe", "llama3-8b", "--gpus", "8", "--nodes", "2"],
+                         env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "inter-node traffic per step, per node" in two.stdout and "time (16 GPUs on 2 nodes)" in two.stdout
     capsys.readouterr()
     assert main(["--recipe", "llama3-8b", "--gpus", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -17,6 +17,13 @@ position):
     positions, or train.loss_chunk of them (train/loss.py: ChunkedSoftCE) plus its [N, H] gradient;
   * DeepSpeed buffers from the generated config: the contiguous-gradient (reduce) bucket, the all-gather
     bucket, ZeRO-3 prefetch; plus the CUDA context and a fragmentation reserve.
+Inter-node traffic per optimizer step (`traffic_items`), the volumes of ring collectives over N = nodes x gpus ranks
+(a ring crosses each node boundary once, so each node's network link carries what one rank sends): a gradient
+all-reduce 2 (N-1)/N x P x gradient bytes once per step for ZeRO-0/1; ZeRO-2 reduce-scatters the gradients at every
+accumulation micro-step ((N-1)/N P each) and all-gathers the updated 16-bit parameters once; ZeRO-3 also
+all-gathers the parameters for the forward and again for the backward at every micro-step (the ZeRO paper's 1.5x of
+plain data parallelism). Its time at a stated network bandwidth (--net-gbps, default 25 Gb/s Ethernet) is added to
+the training time (not overlapped with compute: an upper bound).
 Disk: feature cache = bytes/token (data_prep/feature_cache.py) x tokens, per cache dtype. Time: FLOPs at a
 stated fraction (MFU) of a stated GPU peak (RTX 3090: 71 TFLOPS dense fp16/bf16 tensor-core, NVIDIA Ampere
 GA102 whitepaper, Table 9; 35.6 TFLOPS fp32), and decoding (regeneration) at a stated fraction of the memory
@@ -108,6 +115,7 @@ class Hardware:
     reserve: float = 0.10  # fraction of GPU memory kept free for allocator fragmentation
     host: bool = False  # one CPU process instead of GPUs (see module docstring)
     host_runtime_gb: float = 0.55  # RSS of Python + torch + transformers + DeepSpeed after import (measured here)
+    net_gbps: float = 25.0  # inter-node network per node, Gbit/s (25 GbE; InfiniBand HDR: 200)
 
     @property
     def world(self) -> int:
@@ -175,6 +183,7 @@ class Plan:
     memory: list[Item] = field(default_factory=list)
     disk: list[Item] = field(default_factory=list)
     time: list[Item] = field(default_factory=list)  # "bytes" holds seconds here
+    traffic: list[Item] = field(default_factory=list)  # inter-node bytes per optimizer step, per node
     verdict: str = ""
     fits: bool = False
     knobs: list[str] = field(default_factory=list)
@@ -428,6 +437,9 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     head_flops = 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
     steps = t.epochs * n_tokens * (1 - t.eval_fraction)
     train_s = head_flops * steps / peak
+    plan.traffic = traffic_items(cfg, hw, P)
+    opt_steps = t.epochs * records * (1 - t.eval_fraction) / (t.micro_batch_size * t.grad_accum * world)
+    net_s = sum(i.bytes for i in plan.traffic) * opt_steps / (hw.net_gbps * 1e9 / 8)
     plan.time += [
         Item("data prep: regenerate replies", gen, f"~{gen_tokens:,.0f} new tokens, batch {cfg.data.gen_batch_size}, "
              f"{replicas} target replica(s) of {per_replica} GPU(s) ({weight_bytes / GB:.0f} GB of weights) at "
@@ -436,7 +448,31 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
         Item("data prep: cache features (prefill)", prefill, f"2 x {s.target_active_params / 1e9:.1f}B x tokens"),
         Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.1f} GFLOP/token (head 6P + lm_head)"),
     ]
+    if plan.traffic:
+        plan.time.append(Item("training: inter-node traffic", net_s,
+                              f"~{opt_steps:,.0f} steps x {sum(i.bytes for i in plan.traffic) / GB:.2f} GB at "
+                              f"{hw.net_gbps:g} Gb/s per node (not overlapped: an upper bound)"))
     return plan
+
+
+def traffic_items(cfg, hw: Hardware, P: int) -> list[Item]:
+    """Bytes each node sends over the network per optimizer step for the recipe's ZeRO stage (module docstring);
+    empty on one node (NVLink / PCIe traffic is not planned)."""
+    if hw.host or hw.nodes == 1:
+        return []
+    t, N = cfg.train, hw.world
+    ring = (N - 1) / N
+    pb = 4 if t.precision == "fp32" else 2  # 16-bit parameters and gradients are what DeepSpeed communicates
+    A = t.grad_accum
+    if t.zero_stage <= 1:
+        return [Item("gradient all-reduce", 2 * ring * P * pb, f"2 (N-1)/N x P x {pb} B, once per step")]
+    items = [Item("gradient reduce-scatter", A * ring * P * pb, f"(N-1)/N x P x {pb} B x grad_accum {A}")]
+    if t.zero_stage == 2:
+        items.append(Item("parameter all-gather", ring * P * pb, f"(N-1)/N x P x {pb} B after the optimizer step"))
+    else:
+        items.append(Item("parameter all-gathers", 2 * A * ring * P * pb,
+                          f"(N-1)/N x P x {pb} B, forward + backward x grad_accum {A}"))
+    return items
 
 
 def data_size(cfg) -> tuple[int, int, str]:
@@ -511,7 +547,12 @@ def format_plan(cfg, plan: Plan) -> str:
     if hw.host:
         lines.append("  time: not planned in host mode (the figures assume GPUs)")
         return "\n".join(lines)
-    lines.append(f"  {'time (' + str(hw.world) + ' GPUs)':<36} {'':>7}  "
+    if plan.traffic:
+        lines.append(f"  {'inter-node traffic per step, per node':<36} {'GB':>7}  ZeRO-{t.zero_stage}, "
+                     f"{hw.world} ranks in a ring over {hw.nodes} nodes")
+        for i in plan.traffic:
+            lines.append(f"  {i.name:<36} {i.bytes / GB:7.3f}  {i.note}")
+    lines.append(f"  {'time (' + str(hw.world) + ' GPUs' + (f' on {hw.nodes} nodes' if hw.nodes > 1 else '') + ')':<36} {'':>7}  "
                  f"assumed {hw.tflops:g} TFLOPS x MFU {hw.mfu:.0%} per GPU")
     for i in plan.time:
         lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
@@ -521,7 +562,8 @@ def format_plan(cfg, plan: Plan) -> str:
 def plan_as_dict(plan: Plan) -> dict:
     return {"fits": plan.fits, "verdict": plan.verdict, "total_bytes": plan.total,
             "memory": {i.name: i.bytes for i in plan.memory}, "disk": {i.name: i.bytes for i in plan.disk},
-            "time_s": {i.name: i.bytes for i in plan.time}, "shape": plan.shape.__dict__, "knobs": plan.knobs}
+            "time_s": {i.name: i.bytes for i in plan.time}, "traffic_per_step": {i.name: i.bytes for i in plan.traffic},
+            "shape": plan.shape.__dict__, "knobs": plan.knobs}
 
 
 def hardware_for_run(ctx) -> Hardware:
@@ -558,6 +600,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-bw-gbs", type=float, default=d.mem_bw_gbs, help="GPU memory bandwidth GB/s (default %(default)s)")
     p.add_argument("--cuda-context-gb", type=float, default=d.cuda_context_gb, help="per-process CUDA context (default %(default)s)")
     p.add_argument("--reserve", type=float, default=d.reserve, help="fraction kept free for fragmentation (default %(default)s)")
+    p.add_argument("--net-gbps", type=float, default=d.net_gbps, help="inter-node network per node in Gbit/s (default %(default)s)")
     p.add_argument("--tokens", type=int, default=None, help="training tokens (default: the cache manifest, else an assumption)")
     p.add_argument("--host", action="store_true", help="one CPU process instead of GPUs (--gpu-mem-gb = RAM for it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -572,7 +615,7 @@ def main(argv=None) -> int:
         for name in ("gpus", "nodes"):
             if getattr(args, name) < 1:
                 raise PlanError(f"--{name}={getattr(args, name)}: expected >= 1")
-        for name in ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs"):
+        for name in ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs", "net_gbps"):
             if getattr(args, name) <= 0:
                 raise PlanError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
         if not 0 <= args.reserve < 1:
@@ -581,7 +624,7 @@ def main(argv=None) -> int:
         cfg = command_config(args)
         hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
                       mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
-                      host=args.host)
+                      host=args.host, net_gbps=args.net_gbps)
         plan = build_plan(cfg, hw, tokens=args.tokens)
     except (PlanError, RecipeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
