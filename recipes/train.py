@@ -77,6 +77,9 @@ class TrainSettings:
     max_loss_ratio: float = 10.0  # divergence: stop when a loss exceeds this x the median of the recent ones; 0 = off
     stop_after: int = 0  # stop after this optimizer step as if interrupted (time-boxed jobs); 0 = run to the end
     device: str = "auto"  # auto = cuda:LOCAL_RANK when available, else cpu
+    # --- more than one node
+    collective_timeout_s: float = 1800.0  # a collective waiting longer than this for a peer (a lost or hung node) fails the run with one line naming the lost ranks
+    shared_filesystem: bool = True  # output_dir is one filesystem seen by every node (global rank 0 writes run files); false = per-node local disks: each node's local rank 0 writes its own copy of the checkpoints' shared files and `latest`
 
 
 @dataclass
@@ -128,6 +131,8 @@ def validate_train_sections(cfg) -> None:
           t.max_loss_ratio, "expected 0 (off) or a number > 1")
     check(t.device == "auto" or t.device == "cpu" or str(t.device).startswith("cuda"), "train.device", t.device,
           "expected auto, cpu or cuda[:N]")
+    check(math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0, "train.collective_timeout_s",
+          t.collective_timeout_s, "expected a number of seconds > 0")
     check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas), "expected [b1, b2] in [0, 1)")
     for key in ("weight_decay", "grad_clip", "feature_weight", "token_weight", "noise_std"):
         check(math.isfinite(t[key]) and t[key] >= 0, f"train.{key}", t[key], "expected a finite number >= 0")

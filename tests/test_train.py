@@ -387,7 +387,47 @@ def test_grouped_batches_pad_less_and_replay_exactly():
     r0 = {i for b in ranks[0].epoch(0) for i in b}
     r1 = {i for b in ranks[1].epoch(0) for i in b}
     assert not r0 & r1 and len(r0 | r1) == 1000
-    assert grouped.position(grouped.per_epoch + 2) == (1, 2)
+
+
+
+def test_global_order_does_not_depend_on_how_the_global_batch_splits():
+    """2 ranks x grad_accum 1 and 1 rank x grad_accum 2 (and 4 x 1 vs 2 x 2) train on the same micro-batches at every
+    optimizer step: the order depends on the global batch only, so a checkpoint resumes on another number of ranks."""
+    from train.batching import MicroBatchPlan
+
+    lengths = torch.randint(5, 500, (301,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def steps(world, accum, epoch=0):  # per optimizer step: the set of micro-batches over all ranks
+        plans = [MicroBatchPlan(lengths, 4, seed=1, world_size=world, rank=r, grad_accum=accum) for r in range(world)]
+        per_rank = [p.epoch(epoch) for p in plans]
+        return [sorted(map(tuple, sum((b[s * accum:(s + 1) * accum] for b in per_rank), [])))
+                for s in range(len(per_rank[0]) // accum)]
+
+    assert steps(2, 1) == steps(1, 2) and steps(4, 1) == steps(2, 2) == steps(1, 4)
+    assert steps(2, 1, epoch=1) == steps(1, 2, epoch=1) != steps(2, 1)
+    assert steps(2, 1) != steps(4, 1)
+
+
+@pytest.mark.parametrize("before,after", [((2, 1), (1, 1)), ((1, 2), (4, 1)), ((3, 1), (2, 2))])
+def test_resumed_epoch_sees_every_record_once_whatever_the_new_global_batch(before, after):
+    """A run stops inside an epoch (any step); the rest of that epoch on another world size / grad_accum trains every
+    remaining micro-batch once (only the < new-global-batch tail is dropped, as at any epoch end)."""
+    from train.batching import MicroBatchPlan
+
+    lengths = torch.randint(5, 500, (203,), generator=torch.Generator().manual_seed(1)).tolist()
+    (w0, a0), (w1, a1) = before, after
+    old = [MicroBatchPlan(lengths, 2, seed=3, world_size=w0, rank=r, grad_accum=a0) for r in range(w0)]
+    new = [MicroBatchPlan(lengths, 2, seed=3, world_size=w1, rank=r, grad_accum=a1) for r in range(w1)]
+    done = 7 * a0  # every rank trained 7 optimizer steps
+    first = [b for p in old for _, b in p.segment(0)[:done]]
+    start = old[0].consumed(0, done)
+    assert start == 7 * w0 * a0 and all(p.consumed(0, done) == start for p in old)
+    rest = [b for p in new for _, b in p.segment(0, start, old[0].step_size)]
+    seen = [i for b in first + rest for i in b]
+    assert len(seen) == len(set(seen))  # nothing twice
+    order = old[0].global_epoch(0)
+    dropped = (len(order) - start) % new[0].step_size
+    assert len(seen) == sum(len(b) for b in order[:len(order) - dropped])  # nothing lost but the short tail
 
 
 def test_split_is_stable_per_record_id():

@@ -7,6 +7,9 @@ swaps in `weights_only_load` (torch's weights-only unpickler with an allow-list 
 its checkpoints hold, `SAFE_GLOBALS`); a checkpoint holding anything else is refused, naming the file."""
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import os
 import pickle
 import random
@@ -21,6 +24,7 @@ from eagle.cli_errors import UserError
 from train.distributed import barrier
 
 TAG_PREFIX = "step-"
+_TORCH_LOAD = torch.load  # the real one: `weights_only_torch_load` swaps torch.load for `weights_only_load` for a while
 TAG_PATTERN = re.compile(r"step-\d{8}")
 
 
@@ -42,7 +46,7 @@ def weights_only_load(path, map_location=None):
     """torch.load with the weights-only unpickler and `safe_globals()`; errors name the file."""
     try:
         with torch.serialization.safe_globals(safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return _TORCH_LOAD(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
         detail = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
@@ -51,6 +55,60 @@ def weights_only_load(path, map_location=None):
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"checkpoint file {path} is unreadable ({' '.join(str(e).split())[:200]}); delete its folder "
                               "and rerun to resume from the previous checkpoint, or set train.resume=false") from None
+
+
+@contextlib.contextmanager
+def weights_only_torch_load():
+    """Inside: every `torch.load` (DeepSpeed's universal-checkpoint converter and loader call it with
+    weights_only=False) goes through `weights_only_load`."""
+    torch.load = lambda f, map_location=None, **_: weights_only_load(f, map_location)
+    try:
+        yield
+    finally:
+        torch.load = _TORCH_LOAD
+
+
+RANKS_FILE = "ranks.json"  # {"world_size": N}: how many ranks wrote a checkpoint (each node's copy has one)
+
+
+def saved_world_size(folder: Path) -> int:
+    """How many ranks wrote the checkpoint in `folder` (ranks.json; older checkpoints: their rng_rank files)."""
+    if (folder / RANKS_FILE).exists():
+        return int(json.loads((folder / RANKS_FILE).read_text())["world_size"])
+    return len(list(folder.glob("rng_rank*.pt")))
+
+
+def universal_dir(root: Path) -> Path:
+    """Where DeepSpeed universal copies of checkpoints go (one folder per tag, pruned with their checkpoint)."""
+    return root / "universal"
+
+
+def make_universal(root: Path, tag: str, rank: int) -> Path:
+    """A DeepSpeed universal checkpoint of `tag` (every parameter's fp32 weights and AdamW moments whole, loadable
+    on any number of ranks under any ZeRO stage), made once by rank 0 with DeepSpeed's own converter
+    (`ds_to_universal`) into `universal_dir(root)/tag`. Collective; returns the folder to load `tag` from."""
+    out = universal_dir(root) / tag
+    done = out / "complete"
+    if rank == 0 and not done.exists():
+        # lazy: deepspeed costs a second at import; only a resume on another number of ranks converts
+        from deepspeed.checkpoint import ds_to_universal
+
+        shutil.rmtree(out, ignore_errors=True)  # an interrupted conversion starts over
+        args = argparse.Namespace(input_folder=str(root / tag), output_folder=str(out), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        try:
+            with weights_only_torch_load(), contextlib.redirect_stdout(None):
+                ds_to_universal.main(args)
+        except (AssertionError, KeyError, ValueError) as e:
+            raise CheckpointError(f"could not convert checkpoint {root / tag} for another number of ranks "
+                                  f"(DeepSpeed's ds_to_universal: {' '.join(str(e).split())[:200]}); resume it with "
+                                  f"{saved_world_size(root / tag)} ranks, or set train.resume=false") from None
+        for name in os.listdir(root / tag):  # our per-rank RNG files ride along (ranks that have none reseed)
+            if name.startswith("rng_rank"):
+                shutil.copy2(root / tag / name, out / name)
+        done.write_text(tag)
+    barrier()
+    return universal_dir(root)
 
 
 def tag_for(step: int) -> str:
@@ -93,14 +151,19 @@ def latest_tag(root: Path) -> str | None:
 
 
 def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_last: int, rank: int,
-                    commit: bool = True) -> str:
+                    commit: bool = True, writer: bool | None = None, world_size: int = 1) -> str:
     """Save everything needed to resume at `step`. Collective. With commit=False `latest` is not moved yet: the
-    trainer commits the checkpoint (`commit_checkpoint`) once the next loss shows its weights did not diverge."""
+    trainer commits the checkpoint (`commit_checkpoint`) once the next loss shows its weights did not diverge.
+    `writer`: this rank writes the checkpoint's shared files (default rank 0; on per-node disks each node's local
+    rank 0, `train.shared_filesystem=false`)."""
     tag = tag_for(step)
+    writer = rank == 0 if writer is None else writer
     try:
         (root / tag).mkdir(parents=True, exist_ok=True)
         # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
         torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
+        if writer:
+            (root / tag / RANKS_FILE).write_text(json.dumps({"world_size": world_size}) + "\n")
         barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state}, save_latest=False)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -112,13 +175,14 @@ def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_las
                               f"{free:,} bytes free); `latest` still names {good}: free space and rerun to resume") from None
     barrier()
     if commit:
-        commit_checkpoint(root, tag, keep_last, rank)
+        commit_checkpoint(root, tag, keep_last, rank, writer)
     return tag
 
 
-def commit_checkpoint(root: Path, tag: str, keep_last: int, rank: int) -> None:
-    """Point `latest` at the complete checkpoint `tag` (atomically) and keep the newest `keep_last`. Collective."""
-    if rank == 0:
+def commit_checkpoint(root: Path, tag: str, keep_last: int, rank: int, writer: bool | None = None) -> None:
+    """Point `latest` at the complete checkpoint `tag` (atomically) and keep the newest `keep_last`. Collective;
+    the writer(s) (`save_checkpoint`) do it."""
+    if (rank == 0 if writer is None else writer):
         tmp = root / f"latest.tmp{os.getpid()}"
         tmp.write_text(tag)
         os.replace(tmp, root / "latest")
@@ -126,9 +190,9 @@ def commit_checkpoint(root: Path, tag: str, keep_last: int, rank: int) -> None:
     barrier()
 
 
-def discard_uncommitted(root: Path, tag: str | None, rank: int) -> None:
+def discard_uncommitted(root: Path, tag: str | None, rank: int, writer: bool | None = None) -> None:
     """Delete a checkpoint saved but never committed (the run diverged before its weights were confirmed)."""
-    if tag is not None and rank == 0 and latest_tag(root) != tag:
+    if tag is not None and (rank == 0 if writer is None else writer) and latest_tag(root) != tag:
         shutil.rmtree(root / tag, ignore_errors=True)
 
 
@@ -140,21 +204,23 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
     for p in tags[:-keep_last] if keep_last > 0 else []:
         if p.name != current:
             shutil.rmtree(p)
+            shutil.rmtree(universal_dir(root) / p.name, ignore_errors=True)
             removed.append(p)
     return removed
 
 
-def load_checkpoint(engine, root: Path, tag: str, rank: int) -> dict:
-    """Restore engine + RNG from `tag`; returns the trainer state saved with it."""
-    rng_file = root / tag / f"rng_rank{rank:05d}.pt"
-    if not rng_file.exists():
-        raise FileNotFoundError(
-            f"checkpoint {root / tag} has no {rng_file.name}: it was written by a run with fewer ranks; "
-            "resume with the same number of processes"
-        )
+def load_checkpoint(engine, root: Path, tag: str, rank: int, load_dir: Path | None = None) -> dict:
+    """Restore engine + RNG from `tag` (from `load_dir`, e.g. its universal copy, when given); returns the trainer
+    state saved with it. A rank the checkpoint has no RNG file for (it was written by fewer ranks) keeps its seeding:
+    the trainer draws nothing from the global RNG that a resumed run must replay (input noise is keyed per micro-batch)."""
+    load_dir = load_dir or root
+    rng_file = load_dir / tag / f"rng_rank{rank:05d}.pt"
     engine.checkpoint_engine.load = weights_only_load  # DeepSpeed's own load unpickles with weights_only=False
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    with weights_only_torch_load():  # the universal loader reads each parameter's files with torch.load
+        path, client = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
     if path is None or "trainer_state" not in (client or {}):
-        raise CheckpointError(f"could not load checkpoint {root / tag} (DeepSpeed returned {path!r})")
-    set_rng_state(weights_only_load(rng_file))
+        raise CheckpointError(f"could not load checkpoint {load_dir / tag} (DeepSpeed returned {path!r})")
+    if rng_file.exists():
+        set_rng_state(weights_only_load(rng_file))
     return client["trainer_state"]

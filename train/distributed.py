@@ -1,14 +1,33 @@
 """Process-group setup for every launcher: plain `python` (one rank), `torchrun`, `deepspeed` (incl.
-`--hostfile` multi-node). CPU ranks use gloo, GPU ranks nccl."""
+`--hostfile` multi-node). CPU ranks use gloo, GPU ranks nccl.
+
+A launched worker never outlives its launcher (`die_with_launcher`), and a collective that fails because a peer
+is gone (a lost node) or does not answer within `train.collective_timeout_s` ends the run with one line naming
+the lost ranks (`LostRankError`, found by `lost_ranks` through the rendezvous store)."""
 from __future__ import annotations
 
+import ctypes
+import datetime
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from eagle.cli_errors import UserError
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LAUNCHER_POLL_S = 1.0  # how often a worker of DeepSpeed's per-node launcher checks that the `deepspeed` runner lives
+SURVIVOR_WAIT_S = 5.0  # after a failed collective: how long survivors wait for each other to report in
+
+
+class LostRankError(UserError, RuntimeError):
+    """A collective failed: some rank (a node) died or stopped answering within the collective timeout."""
 
 
 @dataclass
@@ -37,11 +56,60 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "auto") -> DistContext:
-    """Join (or create) the process group; idempotent, so several runs can share one process (tests)."""
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of `pid` (Linux /proc), None when `pid` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def die_with_launcher() -> bool:
+    """Make this launched worker end (SIGKILL) as soon as its launcher dies, so an orphan never keeps training and
+    holding the run lock. The kernel does it for the parent (torchrun's agent, DeepSpeed's per-node launch.py):
+    `prctl(PR_SET_PDEATHSIG)`, immediate and free; under DeepSpeed's per-node launcher a watchdog thread also checks
+    every LAUNCHER_POLL_S that the `deepspeed` runner above it still lives (a parent-death signal covers one level
+    only, and DeepSpeed's launch.py sets none for itself). SIGKILL, not SIGTERM: nobody manages the worker any more,
+    and what it writes is safe to cut (a checkpoint counts only once `latest` names it). Linux only; returns False
+    elsewhere (nothing is armed)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # not Linux
+        return False
+    if os.getppid() != parent or parent == 1:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    if "deepspeed.launcher.launch" in _cmdline(parent):
+        runner = _parent_of(parent)
+
+        def watch() -> None:
+            while _parent_of(parent) == runner:  # launch.py is reparented (or gone) once the runner dies
+                time.sleep(LAUNCHER_POLL_S)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    return True
+
+
+def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0) -> DistContext:
+    """Join (or create) the process group; idempotent, so several runs can share one process (tests). A collective
+    that waits longer than `collective_timeout_s` for a peer fails (recipe `train.collective_timeout_s`)."""
     # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only training needs it
     import deepspeed
 
+    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun, deepspeed)
+        die_with_launcher()
     if "RANK" not in os.environ:  # plain `python train/main.py`: a world of one on a free local port
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -56,7 +124,8 @@ def init_distributed(device: str = "auto") -> DistContext:
     elif dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl")
+        deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl",
+                                   timeout=datetime.timedelta(seconds=collective_timeout_s))
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
@@ -110,3 +179,58 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.cpu().tolist()
+
+
+def node_of(rank: int) -> int | None:
+    """The node (launcher) index of a global rank: torchrun and DeepSpeed number ranks node by node, LOCAL_WORLD_SIZE
+    per node."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    return rank // per_node if per_node > 0 else None
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """'rank 2 (node 1)', 'ranks 2, 3 (node 1)'."""
+    nodes = sorted({n for n in map(node_of, ranks) if n is not None})
+    where = f" (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})" if nodes else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{where}"
+
+
+def lost_ranks(wait_s: float = SURVIVOR_WAIT_S) -> list[int] | None:
+    """After a failed collective: the ranks that did not report in through the rendezvous store within `wait_s`
+    (each survivor reports itself). None when the store itself is gone (it lives with the first node's launcher)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"eagle_alive/{me}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"eagle_alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except (RuntimeError, ValueError):  # the store's host is gone too
+        return None
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """True for the error a collective raises when a peer is gone or silent: NCCL's DistBackendError, gloo's
+    RuntimeError from its transport (connection reset or closed by the peer, a timed-out receive)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistBackendError) or "gloo/transport" in text or "Timed out waiting" in text
+
+
+def lost_rank_error(exc: BaseException, step: int, resume_hint: str) -> LostRankError:
+    """One line for a collective that failed: which ranks are lost (or that the rendezvous host is), the step,
+    what to do."""
+    lost = lost_ranks()
+    detail = " ".join(str(exc).split())[:160]
+    if lost is None:
+        master = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        who = f"lost the rendezvous host {master} (node 0: {describe_ranks(list(range(int(os.environ.get('LOCAL_WORLD_SIZE', 1) or 1))))})"
+    elif lost:
+        who = f"lost {describe_ranks(lost)}"
+    else:
+        who = "a collective failed on every rank"
+    return LostRankError(f"{who} at step {step}: the collective failed ({detail}); {resume_hint}")

@@ -56,5 +56,7 @@ def deepspeed_config(train, total_steps: int, world_size: int, on_cpu: bool) -> 
         "steps_per_print": 2**31 - 1,  # the trainer logs itself
         "wall_clock_breakdown": False,
     }
+    if not t.shared_filesystem:  # per-node disks: each node's local rank 0 writes the model states on its own disk
+        cfg["checkpoint"] = {"use_node_local_storage": True}
     extra = OmegaConf.to_container(t.deepspeed, resolve=True) if OmegaConf.is_config(t.deepspeed) else dict(t.deepspeed)
     return _merge(cfg, extra)

@@ -76,13 +76,16 @@ class TrainingKind:
         """Indices where unrolled steps >= 2 run this micro-batch (None = all)."""
         return None
 
-    def loss(self, engine, features: torch.Tensor, batch, lm_head: torch.Tensor, micro: int) -> LossOutput:
-        """One micro-batch's training loss: the head (through the DeepSpeed engine) on noised inputs."""
+    def loss(self, engine, features: torch.Tensor, batch, lm_head: torch.Tensor, micro: int, seed: int = 0) -> LossOutput:
+        """One micro-batch's training loss: the head (through the DeepSpeed engine) on noised inputs. `micro` is the
+        micro-batch's key (the trainer's global position of it): its noise comes from a generator seeded by
+        (seed, micro), so the same micro-batch gets the same noise on whichever rank of however many trains it."""
         t, s = self.t, self.shifted(features, batch)
         rows = self.rows(s.inputs.shape[1], micro, s.inputs.device)
         targets = self.targets(engine.module, s.final, lm_head, self.steps)
-        hiddens = self.unroll(engine, add_input_noise(s.inputs, t.noise, t.noise_std), s.next_ids, s.attention_mask,
-                              self.steps, rows)
+        noise = torch.Generator(s.inputs.device).manual_seed((seed * 1_000_003 + micro) % 2**63)
+        hiddens = self.unroll(engine, add_input_noise(s.inputs, t.noise, t.noise_std, noise), s.next_ids,
+                              s.attention_mask, self.steps, rows)
         return draft_loss(hiddens, s.weights, targets, self.step_weights, self.feature_weight, rows)
 
     def eval_loss(self, metrics: dict, loss_mean: float) -> float:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from eagle.sampling import greedy_ids
 
 
-def add_input_noise(features: torch.Tensor, kind: str, std: float) -> torch.Tensor:
-    """Noise on the head's INPUT features only (targets stay clean).
+def add_input_noise(features: torch.Tensor, kind: str, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Noise on the head's INPUT features only (targets stay clean), drawn from `generator` (None: the global RNG).
 
     uniform: U(-std/2, +std/2) (the reference code's amplitude at sequence length 512; it also scales by
     512/T, which we do not); gaussian: N(0, std^2); none.
@@ -30,9 +30,11 @@ def add_input_noise(features: torch.Tensor, kind: str, std: float) -> torch.Tens
     if kind == "none" or std == 0:
         return features
     if kind == "uniform":
-        return features + (torch.rand_like(features) - 0.5) * std
+        return features + (torch.rand(features.shape, generator=generator, dtype=features.dtype,
+                                      device=features.device) - 0.5) * std
     if kind == "gaussian":
-        return features + torch.randn_like(features) * std
+        return features + torch.randn(features.shape, generator=generator, dtype=features.dtype,
+                                      device=features.device) * std
     raise ValueError(f"unknown noise kind {kind!r}")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -35,10 +36,11 @@ from recipes.schema import describe_recipe_keys  # noqa: E402
 from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
 from train.checkpoint import (CheckpointError, commit_checkpoint, discard_uncommitted, latest_tag,  # noqa: E402
-                              load_checkpoint, save_checkpoint)
+                              load_checkpoint, make_universal, save_checkpoint, saved_world_size)
 from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions,  # noqa: E402
                         micro_batch_loader, split_train_eval)
-from train.distributed import (all_reduce_sum, destroy_process_groups, exit_process, init_distributed,  # noqa: E402
+from train.distributed import (all_reduce_sum, barrier, collective_failed, describe_ranks,  # noqa: E402
+                               destroy_process_groups, exit_process, init_distributed, lost_rank_error,
                                shutdown_distributed)
 from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember  # noqa: E402
 from train.ds_config import COMPUTE_DTYPES, deepspeed_config  # noqa: E402
@@ -72,6 +74,27 @@ def any_rank(flag: bool, world_size: int) -> bool:
     return all_reduce_sum([float(flag)])[0] > 0 if world_size > 1 else flag
 
 
+def on_every_rank(step, world_size: int, needs: str) -> None:
+    """Run a setup `step` on every rank and agree on the outcome: a rank that fails raises its own error; the
+    others stop too, naming the failed ranks (instead of waiting for them at the next collective)."""
+    try:
+        step()
+        error = None
+    except (UserError, OSError, ValueError) as e:
+        error = e
+    if world_size == 1:
+        if error is not None:
+            raise error
+        return
+    me = torch.distributed.get_rank()
+    failed = [r for r, f in enumerate(all_reduce_sum([float(r == me and error is not None) for r in range(world_size)]))
+              if f]
+    if error is not None:
+        raise error
+    if failed:
+        raise UserError(f"{describe_ranks(failed)} could not set up (see their error line): {needs}")
+
+
 def set_scheduled_lr(engine, say) -> None:
     """After a resume, put the LR the schedule gives for this step into the optimizer (the checkpoint holds the
     LR of the run that saved it; identical unless train.lr or the schedule changed)."""
@@ -90,12 +113,20 @@ def train(cfg, ctx=None) -> dict:
     """Train a head from a loaded recipe. Returns the run summary (also {output_dir}/train/summary.json).
     One writer per run: each rank holds `{output_dir}/train/.rank{r}.lock`; a second launch on the same folder
     (or orphaned ranks of a killed launcher still running) makes it stop with RunDirBusyError."""
-    ctx = ctx or init_distributed(cfg.train.device)
+    ctx = ctx or init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
     with run_lock(layout.train_dir(cfg), f"rank{ctx.rank}", "training"):
         trainer = Trainer(cfg, ctx)
-        trainer.setup()
-        trainer.train()
-        summary = trainer.save()
+        try:
+            trainer.setup()
+            trainer.train()
+            summary = trainer.save()
+        except RuntimeError as e:
+            if not collective_failed(e):
+                raise
+            good = latest_tag(trainer.ckpt_root)
+            where = f"the last committed checkpoint {trainer.ckpt_root / good}" if good else "the start (no checkpoint yet)"
+            raise lost_rank_error(e, getattr(trainer, "step", 0),
+                                  f"rerun the same command on every node to resume from {where}") from None
         trainer.cleanup()
         return summary
 
@@ -112,20 +143,48 @@ class Trainer:
         self.pending = None  # a checkpoint saved but not yet named by `latest`: committed once the next loss is sane
         self.eval_metrics: dict = {}
         self.last_eval_step, self.stopped_early = -1, False
-        self.loader_epoch, self.loader, self.epoch_batches = -1, None, []
+        self.loader, self.segment, self.done = None, [], 0  # this rank's rest of the epoch, and how much of it ran
+        self.batch_records: list[int] = []
         self.at_boundary = False
+        # who writes a checkpoint's shared files (model states, ranks.json, `latest`): global rank 0 on a shared
+        # filesystem; on per-node disks each node's local rank 0, so every node can resume from its own disk
+        self.ckpt_writer = ctx.rank == 0 if self.t.shared_filesystem else ctx.local_rank == 0
 
     # ================================================================== setup
     def setup(self) -> None:
         self.train_dir.mkdir(parents=True, exist_ok=True)
         seed_everything(self.cfg.seed)
-        self.setup_data()
+        self.check_filesystem()
+        on_every_rank(self.setup_data, self.ctx.world_size,
+                      f"every node needs the target, the training data ({self.cfg.train.cache_dir or 'the feature cache'}"
+                      f" under output_dir {self.cfg.output_dir} by default) and a writable output_dir")
         self.setup_model()
         self.setup_resume()
         self.tracker = Tracker(self.cfg, self.train_dir, enabled=self.ctx.is_main, resumed_step=self.step)
         live = self.t.live_tau_prompts and self.ctx.is_main and len(self.eval_set)
         self.live = LiveTau(self.cfg, self.target_path, self.frozen, self.eval_set, self.ctx.device) if live else None
         self.window = self.empty_window()
+
+    def check_filesystem(self) -> None:
+        """train.shared_filesystem=true on several ranks: every rank must see a file rank 0 just wrote into the run
+        folder (else it names the ranks that do not, before anything is trained)."""
+        ctx = self.ctx
+        if not self.t.shared_filesystem or ctx.world_size == 1:
+            return
+        token = int(all_reduce_sum([float(int.from_bytes(os.urandom(6), "big")) if ctx.is_main else 0.0])[0])
+        probe = self.train_dir / f".shared-check-{token}"
+        if ctx.is_main:
+            probe.write_text(str(token))
+        barrier()
+        blind = all_reduce_sum([float(r == ctx.rank and not probe.exists()) for r in range(ctx.world_size)])
+        barrier()
+        if ctx.is_main:
+            probe.unlink()
+        missing = [r for r, flag in enumerate(blind) if flag]
+        if missing:
+            raise UserError(f"train.shared_filesystem=true, but {describe_ranks(missing)} do not see {self.train_dir} "
+                            "as rank 0 writes it: put output_dir on a filesystem every node mounts, or set "
+                            "train.shared_filesystem=false (per-node disks: each node keeps its own checkpoints)")
 
     def setup_data(self) -> None:
         """The target's config, the head kind, the records and their train/eval split, the micro-batch plan.
@@ -147,7 +206,7 @@ class Trainer:
         eval_idx, _ = apply_long_records(t.long_records, positions, lengths, eval_idx, max_length)
         self.train_set, self.eval_set = Subset(self.source, train_idx, limit), Subset(self.source, eval_idx, limit)
         self.plan = MicroBatchPlan(self.train_set.lengths, t.micro_batch_size, cfg.seed, t.batching, t.group_size,
-                                   ctx.world_size, ctx.rank)
+                                   ctx.world_size, ctx.rank, t.grad_accum)
         self.total_steps = t.max_steps or max(1, int(t.epochs * self.plan.per_epoch) // t.grad_accum)
         self.say(f"target {self.target_path} ({t.mode}); {len(self.train_set)} train / {len(self.eval_set)} eval "
                  f"records; {self.plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; "
@@ -172,32 +231,62 @@ class Trainer:
         head.embed_tokens.weight.data.copy_(embedding)
         head.embed_tokens.weight.requires_grad_(False)  # frozen: the target's embedding
         ds_config = deepspeed_config(t, self.total_steps, ctx.world_size, on_cpu=ctx.device.type == "cpu")
+        self.resume_tag = latest_tag(self.ckpt_root) if t.resume else None
+        self.resume_from = None  # the checkpoint folder itself
+        if self.resume_tag is not None and saved_world_size(self.ckpt_root / self.resume_tag) != ctx.world_size:
+            if not t.shared_filesystem:
+                raise CheckpointError(
+                    f"checkpoint {self.ckpt_root / self.resume_tag} was written by "
+                    f"{saved_world_size(self.ckpt_root / self.resume_tag)} ranks, this run has {ctx.world_size}: "
+                    "converting it needs every rank's partition in one folder; copy all nodes' copies of it together "
+                    "on a filesystem every node mounts and set train.shared_filesystem=true, or resume on as many ranks")
+            # written by another number of ranks: its ZeRO partitions do not fit this run; DeepSpeed's universal
+            # checkpoint holds every parameter and optimizer moment whole, and loads on any number of ranks
+            self.say(f"checkpoint {self.ckpt_root / self.resume_tag} was written by "
+                     f"{saved_world_size(self.ckpt_root / self.resume_tag)} ranks, this run has {ctx.world_size}: "
+                     "converting it to a DeepSpeed universal checkpoint")
+            self.resume_from = make_universal(self.ckpt_root, self.resume_tag, ctx.rank)
+            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         if ctx.is_main:
             (self.train_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
         self.engine, _, _, _ = deepspeed.initialize(
             model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=ds_config)
-        seed_everything(cfg.seed * 1000 + 1 + ctx.rank)  # noise stream: differs per rank, restored on resume
+        seed_everything(cfg.seed * 1000 + 1 + ctx.rank)  # a stream per rank, restored on resume (input noise has its own)
 
     def setup_resume(self) -> None:
         """The trainer's state, from the latest checkpoint when there is one: weights, optimizer, scheduler, data
         position and RNG."""
         t, plan = self.t, self.plan
-        fingerprint = {"world_size": self.ctx.world_size, "train_records": len(self.train_set),
-                       "per_epoch": plan.per_epoch, "batching": t.batching, "micro_batch_size": t.micro_batch_size,
-                       "grad_accum": t.grad_accum}
+        # what the global sample order depends on (train/batching.py); the world size and grad_accum may change
+        fingerprint = {"train_records": len(self.train_set), "batching": t.batching, "group_size": t.group_size,
+                       "micro_batch_size": t.micro_batch_size}
         state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "train_cpu": 0.0, "bad_in_row": 0,
-                 "skipped": 0, "evaluated_epochs": 0, "data": fingerprint}
-        tag = latest_tag(self.ckpt_root) if t.resume else None
-        if tag is not None:
-            state = load_checkpoint(self.engine, self.ckpt_root, tag, self.ctx.rank)
-            if state["data"] != fingerprint:
+                 "skipped": 0, "evaluated_epochs": 0, "data": fingerprint, "world_size": self.ctx.world_size,
+                 "data_pos": {"epoch": 0, "consumed": 0, "order_step_size": plan.step_size}}
+        if self.resume_tag is not None:
+            tag = self.resume_tag
+            state = load_checkpoint(self.engine, self.ckpt_root, tag, self.ctx.rank, self.resume_from)
+            if "data_pos" not in state:
+                raise CheckpointError(f"checkpoint {self.ckpt_root / tag} was written before data positions were "
+                                      "counted in global micro-batches; finish it with the trainer version that wrote "
+                                      "it, or set train.resume=false")
+            if {k: state["data"].get(k) for k in fingerprint} != fingerprint:
                 raise CheckpointError(f"checkpoint {self.ckpt_root / tag} was made with data/batching {state['data']}, "
                                       f"this run has {fingerprint}; exact resume needs the same ones (or "
                                       "train.resume=false)")
-            self.say(f"resumed from {self.ckpt_root / tag} at step {state['step']}")
+            pos, old_world = state["data_pos"], state["world_size"]
+            self.say(f"resumed from {self.ckpt_root / tag} at step {state['step']} (epoch {pos['epoch']}, "
+                     f"{pos['consumed']} global micro-batches into it)"
+                     + (f"; written by {old_world} ranks, continued on {self.ctx.world_size}" if old_world != self.ctx.world_size else ""))
+            if pos["order_step_size"] != plan.step_size:
+                self.say(f"the global batch changed ({pos['order_step_size']} -> {plan.step_size} micro-batches per "
+                         "step): this epoch finishes its order in the new steps; keep world_size x train.grad_accum to "
+                         "continue exactly as the interrupted run would have")
+            state.update(world_size=self.ctx.world_size, data=fingerprint)
             set_scheduled_lr(self.engine, self.say)  # a rerun with another train.lr (after a divergence) uses the new one
         state.setdefault("loss_watch", {})  # recent finite micro-batch losses and the run's best level (divergence)
         self.state, self.step, self.micro = state, state["step"], state["micro_step"]
+        self.pos = dict(state["data_pos"])  # where this rank's current segment of the epoch starts
 
     # ================================================================== the loop
     def train(self) -> None:
@@ -209,8 +298,8 @@ class Trainer:
         self.engine.train()
         while self.step < self.total_steps:
             tic, cpu_tic = time.perf_counter(), time.process_time()
-            batch = self.next_batch()
-            out = self.train_step(batch)
+            batch, key = self.next_batch()
+            out = self.train_step(batch, key)
             if out is None:  # a non-finite loss on some rank: the micro-batch is skipped
                 continue
             self.record(out, batch, time.perf_counter() - tic, time.process_time() - cpu_tic)
@@ -229,22 +318,38 @@ class Trainer:
         bar.close()
 
     def next_batch(self):
-        """The next micro-batch of this rank's plan, on the device (a new epoch, or resuming inside one, starts its
-        loader at the plan's position)."""
-        epoch, index = self.plan.position(self.micro)
-        if self.loader_epoch != epoch:
-            self.epoch_batches = self.plan.epoch(epoch)
-            self.loader = micro_batch_loader(self.train_set, self.epoch_batches[index:], self.t.num_workers,
+        """The next micro-batch of this rank's plan, on the device, and its key (epoch and global position: what its
+        input noise and EAGLE-3 row subset derive from, the same on any number of ranks). A new epoch, or resuming
+        inside one, starts a loader at the data position."""
+        while self.loader is None or self.done == len(self.segment):
+            if self.loader is not None:  # the epoch is over: the next one, in this run's steps
+                self.pos = {"epoch": self.pos["epoch"] + 1, "consumed": 0, "order_step_size": self.plan.step_size}
+            self.segment = self.plan.segment(self.pos["epoch"], self.pos["consumed"], self.pos["order_step_size"])
+            self.done = 0
+            self.loader = micro_batch_loader(self.train_set, [b for _, b in self.segment], self.t.num_workers,
                                              self.ctx.device.type == "cuda")
-            self.loader_epoch = epoch
-        return next(self.loader).to(self.ctx.device)
+        where, self.batch_records = self.segment[self.done]
+        self.done += 1
+        return next(self.loader).to(self.ctx.device), self.pos["epoch"] * len(self.train_set) + where
 
-    def train_step(self, batch) -> LossOutput | None:
+    def data_position(self) -> dict:
+        """The data position after the micro-batches trained so far, in global micro-batches (any world size)."""
+        if self.loader is not None and self.done == len(self.segment):  # the epoch's last step: the next one starts
+            return {"epoch": self.pos["epoch"] + 1, "consumed": 0, "order_step_size": self.plan.step_size}
+        done = self.plan.consumed(self.pos["consumed"], self.done) if self.loader is not None else self.pos["consumed"]
+        return {**self.pos, "consumed": done}
+
+    def epochs_done(self) -> float:
+        """Epochs trained, with the fraction of the current one."""
+        pos = self.data_position()
+        return pos["epoch"] + pos["consumed"] / max(self.plan.global_per_epoch, 1)
+
+    def train_step(self, batch, key: int) -> LossOutput | None:
         """Forward and loss (the head kind's), the non-finite and divergence checks, backward, and the optimizer step
         at an accumulation boundary. None: skipped (a non-finite loss on some rank)."""
         t, state = self.t, self.state
         features = self.frozen.features(batch).to(self.dtype)  # [B, T, W] the target's states the head reads
-        out = self.part.loss(self.engine, features, batch, self.frozen.lm_head, self.micro)
+        out = self.part.loss(self.engine, features, batch, self.frozen.lm_head, key, self.cfg.seed)
         self.micro += 1
         if not all_ranks_finite(out.loss, self.ctx.world_size):
             self.skip_non_finite()
@@ -256,7 +361,7 @@ class Trainer:
                                   f"{describe(loss_value, state['loss_watch'], t.max_loss_ratio)}; " + self.recovery())
         remember(loss_value, state["loss_watch"])
         if self.pending is not None:
-            commit_checkpoint(self.ckpt_root, self.pending, t.keep_last, self.ctx.rank)
+            commit_checkpoint(self.ckpt_root, self.pending, t.keep_last, self.ctx.rank, self.ckpt_writer)
             self.pending = None
         self.engine.backward(out.loss)
         self.at_boundary = self.engine.is_gradient_accumulation_boundary()
@@ -268,8 +373,8 @@ class Trainer:
         t, state = self.t, self.state
         state["bad_in_row"] += 1
         state["skipped"] += 1
-        epoch, index = self.plan.position(self.micro - 1)
-        records = [self.train_set.source.ids[self.train_set.indices[i]] for i in self.epoch_batches[index]]
+        epoch = self.pos["epoch"]
+        records = [self.train_set.source.ids[self.train_set.indices[i]] for i in self.batch_records]
         warnings.warn(f"non-finite loss at step {self.step}, micro-batch {self.micro - 1} (epoch {epoch}, records "
                       f"{records}); skipped ({state['bad_in_row']} in a row)", RuntimeWarning, stacklevel=1)
         if state["bad_in_row"] >= t.max_bad_steps:
@@ -280,7 +385,7 @@ class Trainer:
 
     def recovery(self) -> str:
         """What to do after a divergence (the uncommitted checkpoint is deleted first)."""
-        discard_uncommitted(self.ckpt_root, self.pending, self.ctx.rank)
+        discard_uncommitted(self.ckpt_root, self.pending, self.ctx.rank, self.ckpt_writer)
         good = latest_tag(self.ckpt_root)
         where = f"the last good checkpoint {self.ckpt_root / good}" if good else "the start (no checkpoint yet)"
         return (f"nothing was exported or checkpointed after it; rerun the same command with a lower train.lr "
@@ -321,7 +426,7 @@ class Trainer:
                 "train/token_loss": w["token"] / pos, "train/top1": w["top1"] / pos, "train/top2": w["top2"] / pos,
                 "train/top3": w["top3"] / pos, "train/lr": self.engine.get_lr()[0],
                 "train/tokens_per_s": w["tokens"] / max(w["time"] / self.ctx.world_size, 1e-9),
-                "train/epoch": self.micro / self.plan.per_epoch}
+                "train/epoch": self.epochs_done()}
         logs.update({f"train/step{j}_acc": w[f"step{j}_hits"] / max(w[f"step{j}_n"], 1)
                      for j in range(1, self.part.logged_steps + 1)})
         self.tracker.log(logs, self.step)
@@ -332,7 +437,7 @@ class Trainer:
     # ================================================================== evaluate
     def eval_due(self) -> bool:
         """Every train.eval_every steps, else once per epoch (there being held-out records)."""
-        t, epochs_done = self.t, self.micro // self.plan.per_epoch
+        t, epochs_done = self.t, int(self.epochs_done())
         due = len(self.eval_set) and ((t.eval_every and self.step % t.eval_every == 0)
                                       or (not t.eval_every and epochs_done > self.state["evaluated_epochs"]))
         if due:
@@ -361,13 +466,14 @@ class Trainer:
         """After an optimizer step: the weights must be finite; a checkpoint every train.checkpoint_every steps and
         at the end (committed by the next sane loss, or at once when it is the last)."""
         t, step = self.t, self.step
-        self.state.update(step=step, micro_step=self.micro)
+        self.state.update(step=step, micro_step=self.micro, data_pos=self.data_position())
         if any_rank(bool(non_finite_weights(self.engine.module)), self.ctx.world_size):
             raise DivergenceError(f"training diverged at step {step}: the head's weights "
                                   f"{non_finite_weights(self.engine.module)[:3]} are no longer finite; " + self.recovery())
         final = step == self.total_steps or bool(t.stop_after and step >= t.stop_after)
         if step % t.checkpoint_every == 0 or final:
-            tag = save_checkpoint(self.engine, self.ckpt_root, step, self.state, t.keep_last, self.ctx.rank, commit=final)
+            tag = save_checkpoint(self.engine, self.ckpt_root, step, self.state, t.keep_last, self.ctx.rank, commit=final,
+                                  writer=self.ckpt_writer, world_size=self.ctx.world_size)
             self.pending = None if final else tag
 
     def save(self) -> dict:
@@ -377,7 +483,7 @@ class Trainer:
         totals = all_reduce_sum([state["tokens"], state["train_time"], state["train_cpu"]])
         summary = {
             "recipe": cfg.name, "target": self.target_path, "mode": t.mode, "steps": self.step,
-            "total_steps": self.total_steps, "epochs": self.micro / self.plan.per_epoch, "world_size": ctx.world_size,
+            "total_steps": self.total_steps, "epochs": self.epochs_done(), "world_size": ctx.world_size,
             "precision": t.precision, "zero_stage": t.zero_stage, "batching": t.batching,
             "padding_fraction": self.plan.padding_fraction(), "train_records": len(self.train_set),
             "eval_records": len(self.eval_set), "skipped_micro_batches": state["skipped"],
@@ -432,7 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = command_config(args)
-    ctx = init_distributed(cfg.train.device)
+    ctx = init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
     try:
         train(cfg, ctx)
     except BaseException:

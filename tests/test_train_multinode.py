@@ -1,0 +1,224 @@
+"""More than one node, exercised on one box (slow tier): resume on another number of ranks (DeepSpeed universal
+checkpoint, ZeRO 1-3), two torchrun "nodes" vs one node, a killed launcher, a lost node. Tiny toy target, few steps."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from float_tolerance import LAYER_REDUCTIONS, assert_same_function
+from test_train_helpers import REPO, overrides, save_target, subprocess_env, write_cache
+from test_train_multiproc import deepspeed_launcher, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+STEPS = 6  # optimizer steps of every run here; interrupted runs stop after 3
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toy")
+    target = save_target(root / "target")
+    return {"target": target, "cache": write_cache(root / "cache", target, n=48)}
+
+
+def trainer_cmd(toy, out, *extra) -> list[str]:
+    return [str(REPO / "train" / "main.py"), "--recipe", "tiny",
+            *overrides(toy["target"], out, f"train.cache_dir={toy['cache']}", "train.checkpoint_every=3",
+                       "train.precision=fp32", *extra, steps=STEPS)]
+
+
+def torchrun(nproc: int, port: int, nnodes: int = 1, node_rank: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", str(nnodes),
+            "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+
+
+def train(toy, out, ranks: int, *extra, timeout=600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*torchrun(ranks, free_port()), *trainer_cmd(toy, out, *extra)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=out.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def head(out) -> dict:
+    return load_file(out / "head" / "model.safetensors")
+
+
+# ----------------------------------------------------------------------------- resume on another number of ranks
+@pytest.mark.parametrize("stage,before,after", [(1, (2, 1), (1, 2)), (2, (1, 2), (2, 1)), (3, (2, 2), (4, 1))],
+                         ids=["2to1-zero1", "1to2-zero2", "2to4-zero3"])
+def test_resume_on_another_number_of_ranks(toy, tmp_path, stage, before, after):
+    """A checkpoint written by N ranks resumes on M (the global batch kept: ranks x grad_accum): the optimizer state
+    comes through DeepSpeed's universal checkpoint, the data position is a count of global micro-batches, the input
+    noise is keyed per micro-batch, so the head equals an uninterrupted N-rank run's: bit for bit when the gradient
+    sums differ only by powers of two (1 <-> 2 ranks), within the rounding of a reordered 4-term gradient sum
+    otherwise."""
+    (w0, a0), (w1, a1) = before, after
+    common = (f"train.zero_stage={stage}",)
+    train(toy, tmp_path / "straight", w0, *common, f"train.grad_accum={a0}")
+    train(toy, tmp_path / "resized", w0, *common, f"train.grad_accum={a0}", "train.stop_after=3")
+    proc = train(toy, tmp_path / "resized", w1, *common, f"train.grad_accum={a1}")
+    assert f"written by {w0} ranks, continued on {w1}" in proc.stdout
+    assert (tmp_path / "resized" / "train" / "checkpoints" / "universal" / "step-00000003" / "complete").exists()
+    summary = json.loads((tmp_path / "resized" / "train" / "summary.json").read_text())
+    assert summary["world_size"] == w1 and summary["steps"] == STEPS
+    a, b = head(tmp_path / "resized"), head(tmp_path / "straight")
+    assert a.keys() == b.keys()
+    for k in a:
+        if w0 * w1 <= 2:  # (a/2 + b/2) == (a + b)/2 exactly in binary floating point
+            assert a[k].equal(b[k]), k
+        else:  # 3 steps after the resume, each summing 4 micro-batch gradients in another order through one layer
+            assert_same_function(a[k], b[k], terms=4, chained=3 * LAYER_REDUCTIONS, msg=k)
+
+
+# ----------------------------------------------------------------------------- two nodes on one box
+def launch_nodes(toy, outs, nodes: int, per_node: int, *extra, **popen) -> list[subprocess.Popen]:
+    """`nodes` torchrun launchers on localhost (node ranks 0..nodes-1, one rendezvous address), `per_node` ranks
+    each; outs[i] is node i's output_dir (the same folder = a shared filesystem)."""
+    port = free_port()
+    return [subprocess.Popen([*torchrun(per_node, port, nodes, i), *trainer_cmd(toy, outs[i], *extra)],
+                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=outs[i].parent, **popen) for i in range(nodes)]
+
+
+def finish(procs, timeout=900) -> list[tuple[int, str, str]]:
+    results = [(p.wait(timeout=timeout), *p.communicate()) for p in procs]
+    for code, _, err in results:
+        assert code == 0, err[-4000:]
+    return results
+
+
+def files(root) -> dict:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
+def test_two_nodes_train_the_head_of_one_node(toy, tmp_path, per_node):
+    """Two torchrun "nodes" of `per_node` ranks on one box (node ranks, one rendezvous address, LOCAL_RANK 0..k-1
+    on each) train exactly the head one node of 2 x per_node ranks trains: the same bytes. On a shared filesystem
+    each file is written once: the run's files by global rank 0, a checkpoint's partitions and RNG by their rank."""
+    finish(launch_nodes(toy, [tmp_path / "one"], 1, 2 * per_node))
+    shared = tmp_path / "two"
+    finish(launch_nodes(toy, [shared, shared], 2, per_node))
+    assert (shared / "head" / "model.safetensors").read_bytes() == (tmp_path / "one" / "head" / "model.safetensors").read_bytes()
+    one, two = files(tmp_path / "one"), files(shared)
+    assert one.keys() == two.keys()  # the same files, none written twice under another name
+    ckpt = f"train/checkpoints/step-{STEPS:08d}"
+    ranks = 2 * per_node
+    assert {k for k in two if k.startswith(ckpt)} == {
+        f"{ckpt}/mp_rank_00_model_states.pt", f"{ckpt}/ranks.json",
+        *(f"{ckpt}/rng_rank{r:05d}.pt" for r in range(ranks)),
+        *(f"{ckpt}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ranks))}
+    assert json.loads((shared / ckpt / "ranks.json").read_text()) == {"world_size": ranks}
+
+
+def test_per_node_disks(toy, tmp_path):
+    """train.shared_filesystem=false with each node's output_dir on its own disk (here: two folders): node 0 holds
+    the run's files (head, summary, metrics) and its ranks' checkpoint parts, node 1 only its own parts plus its own
+    copy of the model states and `latest`; a stopped run resumes from each node's own disk and ends with the head
+    of a shared-filesystem run."""
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    finish(launch_nodes(toy, disks, 2, 1, "train.shared_filesystem=false", "train.stop_after=3"))
+    finish(launch_nodes(toy, disks, 2, 1, "train.shared_filesystem=false"))
+    ckpt = f"train/checkpoints/step-{STEPS:08d}"
+    node1 = files(disks[1])
+    assert {k for k in node1 if not k.startswith("train/.rank")} == {
+        "train/checkpoints/latest", f"{ckpt}/mp_rank_00_model_states.pt", f"{ckpt}/ranks.json",
+        f"{ckpt}/rng_rank00001.pt", f"{ckpt}/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "train/checkpoints/step-00000003/mp_rank_00_model_states.pt", "train/checkpoints/step-00000003/ranks.json",
+        "train/checkpoints/step-00000003/rng_rank00001.pt",
+        "train/checkpoints/step-00000003/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    assert not (disks[1] / "head").exists() and (disks[0] / "head" / "model.safetensors").exists()
+    assert f"{ckpt}/zero_pp_rank_1_mp_rank_00_optim_states.pt" not in files(disks[0])
+    finish(launch_nodes(toy, [tmp_path / "shared"] * 2, 2, 1))
+    assert head(disks[0]).keys() == head(tmp_path / "shared").keys()
+    assert all(head(disks[0])[k].equal(head(tmp_path / "shared")[k]) for k in head(disks[0]))
+
+
+# ----------------------------------------------------------------------------- a killed launcher, a lost node
+LONG = ("train.max_steps=400", "train.checkpoint_every=10")  # long enough to be killed mid-run (after overrides)
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    """Poll until `predicate()`; the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (dead, not yet reaped by its orphaned parent's reaper) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def committed_step(out) -> int:
+    latest = out / "train" / "checkpoints" / "latest"
+    return int(latest.read_text().strip()[5:]) if latest.exists() and latest.read_text().strip() else 0
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_killed_launcher_takes_its_worker_along(toy, tmp_path, launcher):
+    """SIGKILL of the launcher (torchrun; DeepSpeed's `deepspeed` runner, two levels above the worker) ends its
+    worker within seconds, so the same command afterwards is not refused for an orphan holding the run lock."""
+    out = tmp_path / "run"
+    if launcher == "torchrun":
+        cmd = torchrun(1, free_port())
+    else:
+        ds = deepspeed_launcher()
+        if ds is None:
+            pytest.skip("deepspeed launcher not found")
+        cmd = [ds, "--num_gpus", "1", "--master_port", str(free_port())]
+    proc = subprocess.Popen([*cmd, *trainer_cmd(toy, out, *LONG)], env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=tmp_path)
+    lock = out / "train" / ".rank0.lock"
+    wait_for(lambda: committed_step(out) >= 10, 600, "the first checkpoint")
+    worker = int(lock.read_text().split()[1].rstrip(":"))
+    assert worker != proc.pid and alive(worker)
+    proc.kill()
+    proc.wait()
+    took = wait_for(lambda: not alive(worker), 30, f"worker {worker} to end after its launcher was killed")
+    print(f"{launcher}: worker ended {took:.2f} s after SIGKILL of its launcher")
+    rerun = subprocess.run([*torchrun(1, free_port()), *trainer_cmd(toy, out, "train.max_steps=12",
+                                                                    "train.checkpoint_every=10")],
+                           env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert rerun.returncode == 0 and "in use" not in rerun.stderr, rerun.stderr[-3000:]
+
+
+def test_lost_node_ends_the_survivors_with_one_line_then_resumes_exactly(toy, tmp_path):
+    """Every process of node 1 killed mid-run: node 0's worker ends within the stated bound (the peer's reset
+    connection; train.collective_timeout_s when a node goes silent) with one line naming rank 1 / node 1 and the
+    checkpoint to resume from; the same commands afterwards resume it, and the head equals an uninterrupted run's."""
+    shared = tmp_path / "run"
+    nodes = launch_nodes(toy, [shared, shared], 2, 1, *LONG, "train.collective_timeout_s=60", start_new_session=True)
+    wait_for(lambda: committed_step(shared) >= 10, 600, "the first committed checkpoint")
+    killed = time.monotonic()
+    os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1: its launcher and its worker
+    code, _, err = nodes[0].wait(timeout=120), *nodes[0].communicate()
+    took = time.monotonic() - killed
+    nodes[1].wait()
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    print(f"node 0 ended {took:.1f} s after node 1 was killed: {errors}")
+    assert code != 0 and len(errors) == 1, err[-3000:]
+    assert errors[0].startswith("error: lost rank 1 (node 1) at step ") and "rerun the same command" in errors[0]
+    assert took < 60
+    stopped_at = committed_step(shared)
+    assert 10 <= stopped_at < 400
+    finish(launch_nodes(toy, [shared, shared], 2, 1, *LONG, "train.collective_timeout_s=60"))
+    finish(launch_nodes(toy, [tmp_path / "straight"], 1, 2, *LONG))
+    a, b = head(shared), head(tmp_path / "straight")
+    assert all(a[k].equal(b[k]) for k in a), "the resumed head differs from the uninterrupted run's"
