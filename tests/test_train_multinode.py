@@ -222,3 +222,24 @@ def test_lost_node_ends_the_survivors_with_one_line_then_resumes_exactly(toy, tm
     finish(launch_nodes(toy, [tmp_path / "straight"], 1, 2, *LONG))
     a, b = head(shared), head(tmp_path / "straight")
     assert all(a[k].equal(b[k]) for k in a), "the resumed head differs from the uninterrupted run's"
+
+
+def test_silent_node_ends_the_survivors_after_the_collective_timeout(toy, tmp_path):
+    """Node 1 stops answering (its worker SIGSTOPped: a hung host, a dead link): node 0 waits at most
+    train.collective_timeout_s, then ends with one line naming rank 1 (node 1)."""
+    shared = tmp_path / "run"
+    nodes = launch_nodes(toy, [shared, shared], 2, 1, *LONG, "train.collective_timeout_s=15", start_new_session=True)
+    try:
+        wait_for(lambda: committed_step(shared) >= 10, 600, "the first committed checkpoint")
+        worker = int((shared / "train" / ".rank1.lock").read_text().split()[1].rstrip(":"))
+        stopped = time.monotonic()
+        os.kill(worker, signal.SIGSTOP)
+        code, _, err = nodes[0].wait(timeout=120), *nodes[0].communicate()
+        took = time.monotonic() - stopped
+    finally:
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        nodes[1].wait()
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    print(f"node 0 ended {took:.1f} s after node 1 went silent (collective timeout 15 s): {errors}")
+    assert code != 0 and len(errors) == 1 and errors[0].startswith("error: lost rank 1 (node 1) at step "), err[-3000:]
+    assert 15 <= took < 60

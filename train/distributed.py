@@ -124,8 +124,13 @@ def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0)
     elif dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl",
-                                   timeout=datetime.timedelta(seconds=collective_timeout_s))
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        # the groups DeepSpeed makes later (data parallel, ZeRO) call new_group without a timeout, which takes torch's
+        # module default (30 min), not the world's: set that default too, so every collective has this bound
+        dist.distributed_c10d.default_pg_timeout = timeout
+        if getattr(dist.distributed_c10d, "default_pg_nccl_timeout", None) is not None:
+            dist.distributed_c10d.default_pg_nccl_timeout = timeout
+        deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl", timeout=timeout)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
