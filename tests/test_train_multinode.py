@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -243,3 +244,24 @@ def test_silent_node_ends_the_survivors_after_the_collective_timeout(toy, tmp_pa
     print(f"node 0 ended {took:.1f} s after node 1 went silent (collective timeout 15 s): {errors}")
     assert code != 0 and len(errors) == 1 and errors[0].startswith("error: lost rank 1 (node 1) at step "), err[-3000:]
     assert 15 <= took < 60
+
+
+@pytest.mark.skipif(not (shutil.which("pdsh") and os.environ.get("PDSH_SSH_ARGS_APPEND")),
+                    reason="needs pdsh and passwordless ssh to localhost (PDSH_RCMD_TYPE=ssh, PDSH_SSH_ARGS_APPEND; "
+                           "README 'More than one node' sets one up)")
+def test_deepspeed_hostfile_of_two_localhost_nodes(toy, tmp_path):
+    """DeepSpeed's multi-node runner (pdsh over ssh) with a hostfile of two localhost entries trains the head one
+    node of 2 ranks trains, byte for byte (the same OMP_NUM_THREADS on every node, through .deepspeed_env)."""
+    ds = deepspeed_launcher()
+    if ds is None:
+        pytest.skip("deepspeed launcher not found")
+    (tmp_path / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    (tmp_path / "ds_env").write_text("OMP_NUM_THREADS=1\nWANDB_MODE=disabled\n")
+    env = {**subprocess_env(), "DS_ENV_FILE": str(tmp_path / "ds_env")}
+    proc = subprocess.run([ds, "--hostfile", str(tmp_path / "hosts"), "--no_ssh_check", "--master_addr", "127.0.0.1",
+                           "--master_port", str(free_port()), *trainer_cmd(toy, tmp_path / "two")], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(toy, tmp_path / "one", 2)
+    assert (tmp_path / "two" / "head" / "model.safetensors").read_bytes() == \
+        (tmp_path / "one" / "head" / "model.safetensors").read_bytes()
