@@ -266,11 +266,20 @@ class Trainer:
         if self.resume_tag is not None:
             tag = self.resume_tag
             state = load_checkpoint(self.engine, self.ckpt_root, tag, self.ctx.rank, self.resume_from)
+            if "data_pos" not in state and state["data"].get("grad_accum") == 1 and \
+                    state["data"].get("world_size") == self.ctx.world_size:
+                # written before positions were global: with grad_accum 1 its order is the global one, so its
+                # per-rank position converts (another grad_accum made another order: refused below)
+                epoch, index = divmod(state["micro_step"], state["data"]["per_epoch"])
+                state["data_pos"] = {"epoch": epoch, "consumed": index * self.ctx.world_size,
+                                     "order_step_size": self.ctx.world_size}
+                state["world_size"] = self.ctx.world_size
             if "data_pos" not in state:
                 raise CheckpointError(f"checkpoint {self.ckpt_root / tag} was written before data positions were "
                                       "counted in global micro-batches; finish it with the trainer version that wrote "
                                       "it, or set train.resume=false")
-            if {k: state["data"].get(k) for k in fingerprint} != fingerprint:
+            known = [k for k in fingerprint if k in state["data"]]  # older checkpoints did not record group_size
+            if any(state["data"][k] != fingerprint[k] for k in known):
                 raise CheckpointError(f"checkpoint {self.ckpt_root / tag} was made with data/batching {state['data']}, "
                                       f"this run has {fingerprint}; exact resume needs the same ones (or "
                                       "train.resume=false)")
