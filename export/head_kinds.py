@@ -26,7 +26,9 @@ class ExportKind:
 
     def write_engine_folder(self, config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
                             target_config=None, dtype: str | None = None, verifier: str | None = None,
-                            num_speculative_tokens: int = 3) -> Path:
+                            num_speculative_tokens: int = 3, overwrite: bool = False) -> Path:
+        """The head folder written in `fmt` at `out_dir`, checked first and atomically (export/engine_formats.py
+        `write_engine_folder`: overwrite = replace a different head already there)."""
         raise NotImplementedError
 
     def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
@@ -43,8 +45,8 @@ class Eagle2Export(ExportKind):
     citation = "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al."
 
     def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
-                            verifier=None, num_speculative_tokens=3) -> Path:
-        return write_eagle2_engine_head(config, weights_file, head_dir, out_dir, fmt, target_config, dtype)
+                            verifier=None, num_speculative_tokens=3, overwrite=False) -> Path:
+        return write_eagle2_engine_head(config, weights_file, head_dir, out_dir, fmt, target_config, dtype, overwrite)
 
     def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
         return [
@@ -66,12 +68,13 @@ class Eagle3Export(ExportKind):
     citation = "EAGLE (ICML 2024), EAGLE-2 (EMNLP 2024) and EAGLE-3 (NeurIPS 2025), Li et al."
 
     def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
-                            verifier=None, num_speculative_tokens=3) -> Path:
+                            verifier=None, num_speculative_tokens=3, overwrite=False) -> Path:
         """The released layout, converted (`verifier`: the target's path or hub id, named in vLLM's speculators
         config)."""
         archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
         return convert_eagle3_folder(head_dir, out_dir, fmt, verifier=verifier, verifier_architectures=archs,
-                                     num_speculative_tokens=num_speculative_tokens)
+                                     num_speculative_tokens=num_speculative_tokens, target_config=target_config,
+                                     overwrite=overwrite)
 
     def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
         """Aux layers with their convention, draft vocabulary, layout, engines."""
@@ -111,13 +114,15 @@ def export_kind(kind: HeadKind) -> ExportKind:
 
 
 def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
-                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
+                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3,
+                      overwrite: bool = False) -> Path:
     """Read an exported head folder (a local folder or Hub id) and write it in `fmt`, as its kind does: EAGLE-1/2
     drift-checked against the target and converted (dtype: of the output, default the head's), EAGLE-3 (the released
-    layout) converted with `verifier` (the target's path or hub id, named in vLLM's speculators config). Raises
-    DriftError on an inconsistent head."""
+    layout) converted with `verifier` (the target's path or hub id, named in vLLM's speculators config). Every kind and
+    format gets the same checks before anything is written (eagle/head_checks.py) and the same atomic writer
+    (overwrite: replace a different head at `out_dir`). Raises DriftError / HeadConfigError on an inconsistent head."""
     config_file, weights_file = _resolve_head_files(str(head_dir), None)
     config = read_head_config(config_file)
     return export_kind(config.head_kind).write_engine_folder(
         config, weights_file, Path(config_file).parent, Path(out_dir), fmt, target_config, dtype=dtype,
-        verifier=verifier, num_speculative_tokens=num_speculative_tokens)
+        verifier=verifier, num_speculative_tokens=num_speculative_tokens, overwrite=overwrite)
