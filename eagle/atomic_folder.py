@@ -42,7 +42,8 @@ def check_destination(dest: Path, sources: Iterable[Path] = ()) -> None:
     for s in sources:
         s = Path(s).resolve()
         if _inside(d, s):
-            raise ExportError(f"not writing to {dest}: it is the source head {s}" if d == s else
+            raise ExportError(f"not writing to {dest}: it is the source head {s}; choose another output folder (the default "
+                              "is HEAD-FORMAT beside the head)" if d == s else
                               f"not writing to {dest}: it lies inside the source head {s}; choose an output folder "
                               "outside it (e.g. --out HEAD-FORMAT beside it)")
         if _inside(s, d):

@@ -286,6 +286,7 @@ def nan_eval(tmp_path_factory):
     target.save_pretrained(root / "target")
     char_tokenizer(with_template=False).save_pretrained(root / "target")
     head = random_head(target)
+    head.save_pretrained(root / "good_head")
     with torch.no_grad():
         head.fc.weight.fill_(float("nan"))
     head.save_pretrained(root / "head")
@@ -294,8 +295,8 @@ def nan_eval(tmp_path_factory):
     return root
 
 
-def eval_argv(root, *extra):
-    return ["--base", root / "target", "--head", root / "head", "--questions", root / "q.jsonl", "target.dtype=float32",
+def eval_argv(root, *extra, head="head"):
+    return ["--base", root / "target", "--head", root / head, "--questions", root / "q.jsonl", "target.dtype=float32",
             "eval.max_new_tokens=8", "eval.bootstrap_samples=50", "eval.threads=1", "eval.warmup=0",
             "decoding.total_token=8", "decoding.depth=3", "decoding.top_k=3", *extra]
 
@@ -341,13 +342,22 @@ def test_serve_check_warns_when_the_engine_never_accepts(nan_eval, tmp_path, cap
     monkeypatch.setattr(sc, "engine_run", engine_run)
     with caplog.at_level(logging.WARNING):
         code, _, err = run_cli(main, ["serve-check", "--engine", "vllm", "--engine-python", fake_python,
-                                      *eval_argv(nan_eval, "--out", tmp_path / "eval")], capsys)
-    assert code in (0, 1), err
+                                      *eval_argv(nan_eval, "--out", tmp_path / "eval", head="good_head")], capsys)
+    assert code in (0, 1), err  # the fake engine's outputs are not ours: the check itself may fail
     found = warnings_of(caplog)
-    assert any("non-finite weights" in w for w in found), found
     engine = [w for w in found if w.startswith("serve-check (vllm)")]
-    assert len(engine) == 1 and "acceptance exactly 1.0 over 12 rounds" in engine[0]
-    assert str(nan_eval / "head") in engine[0] and "\n" not in engine[0]
+    assert len(engine) == 1 and "acceptance exactly 1.0 over 12 rounds" in engine[0], found
+    assert str(nan_eval / "good_head") in engine[0] and "\n" not in engine[0]
+    assert json.loads((tmp_path / "eval" / "serve_check" / "report.json").read_text())["engine_acceptance"][
+        "mean_length"] == 1.0
+    # a NaN head never reaches the engine: its export is refused, naming the head
+    good = snapshot(nan_eval)
+    code, _, err = run_cli(main, ["serve-check", "--engine", "vllm", "--engine-python", fake_python,
+                                  *eval_argv(nan_eval, "--out", tmp_path / "eval2")], capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "non-finite" in errors[0] and "fc.weight" in errors[0]
+    assert "Traceback" not in err
+    assert_unchanged(good, nan_eval)
 
 
 # ----------------------------------------------------------------------------- 4. resume of another head
@@ -432,5 +442,7 @@ def test_hub_staging_refuses_a_recipe_of_another_kind_than_the_head(heads, tmp_p
     code, _, err = run_cli(main, argv, capsys)
     assert_one_line_error(code, err, str(head / "recipe.yaml"), "EAGLE-3 head", "head.kind=eagle2")
     assert_unchanged(good, run)
-    code, _, err = run_cli(main, [*argv, "head.kind=eagle3", "head.aux_layers=[1,2,3]"], capsys)  # the way out
+    (head / "recipe.yaml").unlink()  # the way out: the recipe the head was trained with
+    code, _, err = run_cli(main, [*argv[:5], "head.kind=eagle3", "head.aux_layers=[1,2,3]", *argv[5:]], capsys)
     assert code == 0, err
+    assert "kind: eagle3" in (run / "hub_upload-vllm" / "recipe.yaml").read_text()
