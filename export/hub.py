@@ -22,7 +22,7 @@ from data_prep.target import load_target_config
 from eagle.atomic_folder import write_folder
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
 from eagle.head_kinds import kind_of_config
-from export.head_kinds import write_engine_head
+from export.head_kinds import check_head_folder, write_engine_head
 from export.model_card import model_card, read_json
 from recipes import add_print_config, command_config, layout
 from train.export import RECIPE_FILE, SUMMARY_FILE
@@ -68,7 +68,10 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
         raise HubPushError(f"{head_dir} is not an exported head (config.json + model.safetensors); train or export first")
     head_config = read_json(head_dir / "config.json")
     trained = trained_recipe(cfg, head_dir, head_config)
-    target_config = load_target_config(cfg.target.path) if fmt != "eagle" and cfg.target.path else None
+    local = bool(cfg.target.path) and Path(cfg.target.path).exists()  # the official folder needs no Hub download
+    target_config = load_target_config(cfg.target.path) if cfg.target.path and (fmt != "eagle" or local) else None
+    if fmt == "eagle":  # shipped as it is: the checks every export applies (engine formats run them when converting)
+        check_head_folder(head_dir, target_config)
     summary = read_json(head_dir / SUMMARY_FILE)
     edir = layout.eval_dir(cfg)
     report = read_json(edir / "report.json") if edir.is_dir() else None

@@ -446,3 +446,19 @@ def test_hub_staging_refuses_a_recipe_of_another_kind_than_the_head(heads, tmp_p
     code, _, err = run_cli(main, [*argv[:5], "head.kind=eagle3", "head.aux_layers=[1,2,3]", *argv[5:]], capsys)
     assert code == 0, err
     assert "kind: eagle3" in (run / "hub_upload-vllm" / "recipe.yaml").read_text()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_hub_staging_checks_the_head_in_every_format(heads, tmp_path, capsys, fmt):
+    from export.hub import main
+
+    bad = shutil.copytree(heads["eagle3", "A"], tmp_path / "head")
+    aux_past_the_target(bad, "eagle3")
+    run = tmp_path / "run"
+    argv = ["--recipe", "tiny", f"target.path={heads['target']}", f"output_dir={run}", "export.repo_id=someone/e3",
+            "--head", bad, "--dry-run", "--format", fmt]
+    good = snapshot(bad)
+    code, _, err = run_cli(main, argv, capsys)
+    assert_one_line_error(code, err, str(bad), "aux layer id(s) [9] out of range for a 4-layer target")
+    assert_unchanged(good, bad)
+    assert not run.exists() or not any(run.iterdir())
