@@ -126,7 +126,8 @@ class Drafter:
         self.decoder.truncate(committed)
         return rerank_tree(root, torch.cat(cand_tok), torch.cat(cand_lp), torch.cat(cand_path),
                            self._candidate_parents(bests, k, depth, dev), self._candidate_depth(k, depth, dev),
-                           total_token, cand_score=None if calibration is None else torch.cat(cand_score))
+                           total_token, cand_score=None if calibration is None else torch.cat(cand_score),
+                           cand_rank=self._candidate_rank(k, depth, dev))
 
     def _candidate_parents(self, bests: list[torch.Tensor], k: int, depth: int, device) -> torch.Tensor:
         """[k + depth k^2] parent candidate id of every candidate: -1 (the root) for level 1, then each
@@ -139,6 +140,14 @@ class Drafter:
         root_parents, level0, level_start = self._layouts[key]
         fronts = torch.stack([level0] + bests) + level_start  # [depth, k] candidate ids of each level's frontier
         return torch.cat([root_parents, fronts[:, :, None].expand(depth, k, k).flatten()])
+
+    def _candidate_rank(self, k: int, depth: int, device) -> torch.Tensor:
+        """[k + depth k^2] rank of every candidate among its parent's top-k: every level lists k children per
+        parent in rank order, starting at a multiple of k, so the rank is the candidate id mod k."""
+        key = ("rank", k, depth, str(device))
+        if key not in self._layouts:
+            self._layouts[key] = torch.arange(k + depth * k * k, device=device) % k
+        return self._layouts[key]
 
     def _candidate_depth(self, k: int, depth: int, device) -> torch.Tensor:
         """[k + depth k^2] tree depth of every candidate `draft_dynamic` generates (fixed by k and depth)."""
@@ -180,4 +189,4 @@ class Drafter:
             path_lp += torch.where(anc > 0, logprob[anc], 0.0)
             anc = parents.clamp(min=0)[anc]
         return DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
-                         path_logprob=path_lp, ancestors=ancestors)  # the fixed shape's mask, built once per spec
+                         path_logprob=path_lp, ancestors=ancestors, rank=ranks)  # the fixed shape's mask, built once per spec

@@ -370,6 +370,7 @@ class EaModel(nn.Module):
             node_path_prob=tree.path_logprob[1:].float().exp().cpu(),
             node_accepted=accepted[1:],
             node_parent=(tree.parents[1:] - 1).cpu(),  # node i+1 of the tree is entry i here; the root becomes -1
+            node_rank=None if tree.rank is None else tree.rank[1:].cpu(),
             node_score=node_score,
             node_path_score=node_path_score,
             draft_s=draft_s,

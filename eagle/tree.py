@@ -20,6 +20,7 @@ class DraftTree:
     # [N] float32 what the tree was ranked by: log calibrated acceptance root->node (eagle/score_calibration.py);
     # None = path_logprob (no calibration)
     path_score: torch.Tensor | None = None
+    rank: torch.Tensor | None = None  # [N] int64 the node's rank among its parent's top-k draft tokens (root 0)
     ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [N, N]; see attention_mask
 
     @property
@@ -79,12 +80,14 @@ def rerank_tree(
     cand_depth: torch.Tensor,
     total_token: int,
     cand_score: torch.Tensor | None = None,
+    cand_rank: torch.Tensor | None = None,
 ) -> DraftTree:
     """EAGLE-2 rerank: keep the total_token - 1 candidates with the highest path value.
 
     Candidates must be listed parents-before-children (as drafting generates them level by level);
     cand_parent indexes candidates (-1 = root), cand_depth is each candidate's depth (root's children 1).
     cand_score: calibrated path values to rank by instead of cand_path_logprob (eagle/score_calibration.py).
+    cand_rank: each candidate's rank among its parent's top-k (kept in the tree's `rank`, for statistics).
     Path values never increase along a path and ties go to the lower candidate index, so every kept
     node's parent is kept: the result is a tree.
     """
@@ -109,6 +112,7 @@ def rerank_tree(
         prob=torch.cat([torch.ones(1, device=dev), cand_logprob[keep].float().exp()]),
         path_logprob=torch.cat([torch.zeros(1, device=dev), cand_path_logprob[keep].float()]),
         path_score=None if cand_score is None else torch.cat([torch.zeros(1, device=dev), cand_score[keep].float()]),
+        rank=None if cand_rank is None else torch.cat([zero, cand_rank[keep]]),
     )
 
 

@@ -139,24 +139,43 @@ def calibrate(rounds: list, n_bins: int = 10) -> dict[str, Calibration]:
 
 
 # ---------------------------------------------------------------------------------------------- fitting the map
-MIN_NODES_PER_DEPTH = 200  # a depth with fewer nodes (parent accepted) shares the map of the depth above it
+MIN_NODES_PER_DEPTH = 200  # a depth with fewer nodes (parent accepted) shares the maps of the depth above it
+MIN_NODES_PER_MAP = 100  # a (depth, rank) with fewer takes the same rank's map of the depth above (or its depth's pool)
+RANK_MAPS = 4  # ranks 0, 1, 2 get maps of their own, ranks >= 3 share one
 MIN_NODES_PER_BIN = 40  # equal-count bins of at least this many nodes before the isotonic fit
 
 
-def node_outcomes(rounds: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(draft probability [N], depth [N], accepted [N]) of every node whose parent was accepted: the data a map
-    from "probability given the parent" to "accepted given the parent" is fitted on."""
-    probs, depths, accs = [], [], []
+def sibling_ranks(rd) -> np.ndarray:
+    """[N] rank of each node among its parent's top-k draft tokens: the stats' `node_rank`, else the node's position
+    among its kept siblings (the same for trees that keep a prefix of every parent's ranking, as raw EAGLE-2 does)."""
+    if getattr(rd, "node_rank", None) is not None:
+        return rd.node_rank.cpu().numpy()
+    parents = rd.node_parent.cpu().numpy() if getattr(rd, "node_parent", None) is not None else \
+        np.full(rd.node_depth.numel(), -1)
+    seen: dict[int, int] = {}
+    out = np.zeros(len(parents), np.int64)
+    for i, p in enumerate(parents.tolist()):
+        out[i] = seen.get(p, 0)
+        seen[p] = out[i] + 1
+    return out
+
+
+def node_outcomes(rounds: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(draft probability [N], depth [N], sibling rank [N], accepted [N]) of every node whose parent was accepted:
+    the data a map from "probability given the parent" to "accepted given the parent" is fitted on."""
+    probs, depths, ranks, accs = [], [], [], []
     for rd in rounds:
         if rd.node_depth.numel() == 0:
             continue
         given = parent_accepted(rd)
         probs.append(rd.node_prob.float().cpu().numpy()[given])
         depths.append(rd.node_depth.cpu().numpy()[given])
+        ranks.append(sibling_ranks(rd)[given])
         accs.append(rd.node_accepted.cpu().numpy().astype(bool)[given])
     if not probs:
-        return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, bool)
-    return np.concatenate(probs).astype(np.float64), np.concatenate(depths).astype(np.int64), np.concatenate(accs)
+        return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool)
+    cat = np.concatenate
+    return cat(probs).astype(np.float64), cat(depths).astype(np.int64), cat(ranks).astype(np.int64), cat(accs)
 
 
 def isotonic_knots(prob: np.ndarray, accepted: np.ndarray, min_bin: int = MIN_NODES_PER_BIN) -> tuple[list, list]:
@@ -185,28 +204,46 @@ def isotonic_knots(prob: np.ndarray, accepted: np.ndarray, min_bin: int = MIN_NO
 
 
 def fit_score_calibration(rounds: list, temperature: float, top_p: float, top_k: int, *,
-                          min_nodes_per_depth: int = MIN_NODES_PER_DEPTH, fitted_on: dict | None = None
-                          ) -> ScoreCalibration:
-    """A per-depth map of draft probability -> acceptance probability for one sampling setting, from decoding
-    rounds at that setting (held-out prompts: never the ones a report is made on). Depth d gets its own map when
-    it has >= min_nodes_per_depth nodes whose parent was accepted; deeper depths share the last map."""
-    prob, depth, acc = node_outcomes(rounds)
+                          min_nodes_per_depth: int = MIN_NODES_PER_DEPTH, min_nodes_per_map: int = MIN_NODES_PER_MAP,
+                          rank_maps: int = RANK_MAPS, fitted_on: dict | None = None) -> ScoreCalibration:
+    """Maps of draft probability -> acceptance probability per (depth, sibling rank) for one sampling setting, from
+    decoding rounds at that setting (held-out prompts: never the ones a report is made on).
+
+    Depth d gets maps of its own when it has >= min_nodes_per_depth nodes whose parent was accepted (deeper depths
+    share the last ones). Within a depth, ranks 0 .. rank_maps - 2 get one map each and higher ranks share one; a
+    rank with fewer than min_nodes_per_map nodes takes its map from the depth above, or, at depth 1, is fitted on
+    the nodes of its rank and all higher ones together (a rank never drafted takes the rank below's map). When even
+    depth 1 is short, all depths are pooled as one."""
+    prob, depth, rank, acc = node_outcomes(rounds)
     if len(prob) < min_nodes_per_depth:
         raise ValueError(f"calibration: {len(prob)} drafted nodes with an accepted parent, need at least "
                          f"{min_nodes_per_depth}: decode more held-out prompts (eval.calibration_prompts)")
+    bucket = np.minimum(rank, rank_maps - 1)
+    if (depth == 1).sum() < min_nodes_per_depth:  # no depth has enough on its own: one set of maps for all depths
+        depth = np.ones_like(depth)
     knots_x, knots_y, per_depth = [], [], []
     for d in range(1, int(depth.max()) + 1):
-        sel = depth == d
-        if sel.sum() < min_nodes_per_depth:
+        at_d = depth == d
+        if at_d.sum() < min_nodes_per_depth:
             break
-        xs, ys = isotonic_knots(prob[sel], acc[sel])
-        knots_x.append(xs)
-        knots_y.append(ys)
-        per_depth.append({"depth": d, "nodes": int(sel.sum()), "accepted": int(acc[sel].sum())})
-    if not knots_x:  # no single depth has enough: one map for all
-        xs, ys = isotonic_knots(prob, acc)
-        knots_x, knots_y = [xs], [ys]
-        per_depth = [{"depth": "all", "nodes": len(prob), "accepted": int(acc.sum())}]
+        xd, yd, counts = [], [], []
+        for r in range(rank_maps):
+            sel = at_d & (bucket == r)
+            if sel.sum() < min_nodes_per_map and knots_x:  # the depth above's map of this rank
+                xs, ys = knots_x[-1][r], knots_y[-1][r]
+            elif sel.sum() < min_nodes_per_map and not (at_d & (bucket >= r)).any():  # no such rank drafted yet
+                xs, ys = (xd[-1], yd[-1]) if xd else isotonic_knots(prob[at_d], acc[at_d])
+            else:
+                if sel.sum() < min_nodes_per_map:  # depth 1: pool with the higher ranks
+                    sel = at_d & (bucket >= r)
+                xs, ys = isotonic_knots(prob[sel], acc[sel])
+            xd.append(xs)
+            yd.append(ys)
+            counts.append([int(sel.sum()), int(acc[sel].sum())])
+        knots_x.append(xd)
+        knots_y.append(yd)
+        per_depth.append({"depth": d, "nodes": int(at_d.sum()), "accepted": int(acc[at_d].sum()),
+                          "per_rank": counts})
     info = {"nodes": int(len(prob)), "accepted": int(acc.sum()), "per_depth": per_depth, **(fitted_on or {})}
     return ScoreCalibration(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                             knots_x=knots_x, knots_y=knots_y, fitted_on=info)

@@ -328,8 +328,12 @@ def calibrate_tree(s: Setup, held_out: list) -> ScoreCalibration | None:
         return None
     log.info("calibration: fitting the tree-score map on %d held-out prompts, %d passes, T=%g", len(prompts),
              ev.calibration_passes, s.gen.temperature)
-    cal = fit_tree_calibration(s.models["A"], prompts, s.base_decoding, s.gen, passes=int(ev.calibration_passes),
-                               fitted_on={"question_ids": [q.question_id for q in held_out[: len(prompts)]]})
+    try:
+        cal = fit_tree_calibration(s.models["A"], prompts, s.base_decoding, s.gen, passes=int(ev.calibration_passes),
+                                   fitted_on={"question_ids": [q.question_id for q in held_out[: len(prompts)]]})
+    except ValueError as e:  # too few nodes to fit: say so and tune the uncalibrated tree
+        log.warning("calibration not fitted (%s); the tree keeps ranking by the raw draft probabilities", e)
+        return None
     per_depth = ", ".join(f"depth {d['depth']}: {d['accepted']}/{d['nodes']}" for d in cal.fitted_on["per_depth"])
     print(f"calibration ({cal.describe()}): accepted/nodes with an accepted parent per depth: {per_depth}")
     return cal

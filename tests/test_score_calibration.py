@@ -34,28 +34,32 @@ from tiny_models import family_setup, first_divergence_report, single_thread  # 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def synthetic_rounds(n_rounds: int, curve, seed: int = 0, depth_curves: dict | None = None) -> list[RoundStats]:
-    """Rounds of 4 chains of 3 nodes (depths 1-3) whose acceptance given the parent follows `curve(p)` (or
-    depth_curves[d](p)); a node is accepted only if its parent was."""
+def synthetic_rounds(n_rounds: int, curve, seed: int = 0, depth_curves: dict | None = None,
+                     rank_curves: dict | None = None) -> list[RoundStats]:
+    """Rounds of 4 chains of 3 nodes (depths 1-3), each node of a random sibling rank 0-2, whose acceptance given the
+    parent follows `curve(p)` (or depth_curves[d](p), or rank_curves[r](p)); a node is accepted only if its parent was."""
     rng = np.random.default_rng(seed)
     rounds = []
     for _ in range(n_rounds):
-        depth, prob, parent, acc = [], [], [], []
+        depth, prob, parent, acc, rank = [], [], [], [], []
         for _chain in range(4):
             prev = -1
             for d in (1, 2, 3):
-                p = float(rng.beta(0.6, 2.5))
-                ok = (prev < 0 or acc[prev]) and rng.random() < (depth_curves or {}).get(d, curve)(p)
+                p, r = float(rng.beta(0.6, 2.5)), int(rng.integers(0, 3))
+                f = (rank_curves or {}).get(r) or (depth_curves or {}).get(d) or curve
+                ok = (prev < 0 or acc[prev]) and rng.random() < f(p)
                 depth.append(d)
                 prob.append(p)
                 parent.append(prev)
                 acc.append(bool(ok))
+                rank.append(r)
                 prev = len(depth) - 1
         path = np.ones(len(prob))  # path products are not used by the fit
         rounds.append(RoundStats(accept_length=0, new_tokens=1, node_depth=torch.tensor(depth),
                                  node_prob=torch.tensor(prob, dtype=torch.float32),
                                  node_path_prob=torch.tensor(path, dtype=torch.float32),
-                                 node_accepted=torch.tensor(acc), node_parent=torch.tensor(parent)))
+                                 node_accepted=torch.tensor(acc), node_parent=torch.tensor(parent),
+                                 node_rank=torch.tensor(rank)))
     return rounds
 
 
@@ -67,7 +71,7 @@ def test_isotonic_knots_recover_a_known_curve_and_increase():
     xs, ys = isotonic_knots(p, acc)
     assert all(b > a for a, b in zip(xs, xs[1:])) and all(b >= a for a, b in zip(ys, ys[1:]))
     assert 0.0 < ys[0] and ys[-1] < 1.0  # smoothed: a finite sample never says "always" or "never"
-    cal = ScoreCalibration(0.0, 0.0, 0, [xs], [ys])
+    cal = ScoreCalibration(0.0, 0.0, 0, [[xs]], [[ys]])
     grid = torch.tensor([0.02, 0.05, 0.1, 0.2, 0.4, 0.6])
     assert torch.allclose(cal.probability(grid, 1), grid.sqrt(), atol=0.06), cal.probability(grid, 1)
 
@@ -75,7 +79,7 @@ def test_isotonic_knots_recover_a_known_curve_and_increase():
 def test_fit_gives_each_depth_with_data_its_own_map():
     curves = {1: lambda p: min(1.0, 3 * p), 2: lambda p: p, 3: lambda p: p}
     rounds = synthetic_rounds(2000, None, depth_curves=curves)
-    cal = fit_score_calibration(rounds, 0.0, 0.0, 0, min_nodes_per_depth=500)
+    cal = fit_score_calibration(rounds, 0.0, 0.0, 0, min_nodes_per_depth=500, rank_maps=1)
     per_depth = {d["depth"]: d["nodes"] for d in cal.fitted_on["per_depth"]}
     assert 1 in per_depth and len(cal.knots_x) == len(per_depth)
     p = torch.tensor([0.1, 0.2])
@@ -83,27 +87,42 @@ def test_fit_gives_each_depth_with_data_its_own_map():
     assert torch.allclose(cal.probability(p, 2), p, atol=0.07)
     assert torch.equal(cal.probability(p, 9), cal.probability(p, len(cal.knots_x)))  # deeper: the last map
     # a depth without enough data shares the map above it
-    sparse = fit_score_calibration(rounds, 0.0, 0.0, 0, min_nodes_per_depth=7000)
+    sparse = fit_score_calibration(rounds, 0.0, 0.0, 0, min_nodes_per_depth=7000, rank_maps=1)
     assert len(sparse.knots_x) == 1 and sparse.fitted_on["per_depth"][0]["depth"] == 1
     with pytest.raises(ValueError, match="need at least"):
         fit_score_calibration(rounds[:3], 0.0, 0.0, 0)
 
 
 def test_log_score_table_matches_the_exact_map():
-    cal = ScoreCalibration(0.0, 0.0, 0, [[0.01, 0.1, 0.5], [0.2, 0.6]], [[0.05, 0.6, 0.9], [0.3, 0.5]])
-    lp = torch.linspace(-12, 0, 500)
+    cal = ScoreCalibration(0.0, 0.0, 0, [[[0.01, 0.1, 0.5], [0.02, 0.3]], [[0.2, 0.6]]],
+                           [[[0.05, 0.6, 0.9], [0.01, 0.2]], [[0.3, 0.5]]])
+    lp = torch.linspace(-12, 0, 500)[:, None].expand(500, 4)  # [500, 4]: columns are sibling ranks 0..3
     for d in (1, 2, 3):
-        exact = cal.probability(lp.exp(), d).log()
-        assert torch.allclose(cal.log_score(lp, d), exact, atol=0.01), d
-    assert float(cal.log_score(torch.tensor([0.0]), 1)) == 0.0  # probability 1 -> acceptance 1 -> log 0
+        got = cal.log_score(lp, d)
+        for r in range(4):  # depth 2 has one map for every rank; at depth 1 ranks >= 1 share the rank-1 map
+            exact = cal.probability(lp[:, r].exp(), d, r).log()
+            assert torch.allclose(got[:, r], exact, atol=0.01), (d, r)
+    assert not torch.allclose(cal.log_score(lp, 1)[:, 0], cal.log_score(lp, 1)[:, 1])
+    assert float(cal.log_score(torch.tensor([0.0]), 1)) == pytest.approx(math.log(0.9))  # flat past the last knot
     assert bool((cal.log_score(lp, 1) <= 0).all())  # never above 1: values never increase along a path
 
 
+def test_fit_learns_that_rank_predicts_acceptance():
+    # the greedy situation of the default target: the best draft token is accepted whatever its probability
+    curves = {0: lambda p: 0.8, 1: lambda p: 0.1, 2: lambda p: 0.02}
+    cal = fit_score_calibration(synthetic_rounds(1500, None, rank_curves=curves), 0.0, 0.0, 0)
+    p = torch.tensor([0.05, 0.2])
+    for r, want in ((0, 0.8), (1, 0.1), (2, 0.02)):
+        assert torch.allclose(cal.probability(p, 1, r), torch.full((2,), want), atol=0.06), (r, cal.probability(p, 1, r))
+    assert [c[0] > 0 for c in cal.fitted_on["per_depth"][0]["per_rank"]] == [True, True, True, False]
+
+
 @pytest.mark.parametrize("bad,match", [
-    (dict(knots_x=[[0.2, 0.1]], knots_y=[[0.1, 0.2]]), "increase"),
-    (dict(knots_x=[[0.1, 0.2]], knots_y=[[0.3, 0.2]]), "decrease"),
-    (dict(knots_x=[[0.1]], knots_y=[[1.5]]), r"\[0, 1\]"),
+    (dict(knots_x=[[[0.2, 0.1]]], knots_y=[[[0.1, 0.2]]]), "increase"),
+    (dict(knots_x=[[[0.1, 0.2]]], knots_y=[[[0.3, 0.2]]]), "decrease"),
+    (dict(knots_x=[[[0.1]]], knots_y=[[[1.5]]]), r"\[0, 1\]"),
     (dict(knots_x=[], knots_y=[]), "one list per depth"),
+    (dict(knots_x=[[]], knots_y=[[]]), "one list per rank"),
 ])
 def test_bad_maps_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -112,16 +131,16 @@ def test_bad_maps_are_refused(bad, match):
 
 # ----------------------------------------------------------------------------- 2. save / load / pick
 def test_save_and_load_keep_one_map_per_sampling_setting(tmp_path):
-    greedy = ScoreCalibration(0.0, 0.0, 0, [[0.1, 0.5]], [[0.4, 0.9]], fitted_on={"nodes": 123})
-    warm = ScoreCalibration(0.7, 0.9, 8, [[0.1, 0.5]], [[0.1, 0.5]])
+    greedy = ScoreCalibration(0.0, 0.0, 0, [[[0.1, 0.5]]], [[[0.4, 0.9]]], fitted_on={"nodes": 123})
+    warm = ScoreCalibration(0.7, 0.9, 8, [[[0.1, 0.5]]], [[[0.1, 0.5]]])
     save_tree_config(tmp_path, DecodingConfig(total_token=16, depth=4, top_k=2), greedy)
     save_tree_config(tmp_path, None, warm)  # the tree settings stay
     assert load_tree_config(tmp_path) == DecodingConfig(total_token=16, depth=4, top_k=2)
-    refit = dataclasses.replace(greedy, knots_y=[[0.5, 0.95]])
+    refit = dataclasses.replace(greedy, knots_y=[[[0.5, 0.95]]])
     save_tree_config(tmp_path, DecodingConfig(total_token=10, depth=3, top_k=3), refit)  # replaces the greedy map
     maps = load_calibrations(tmp_path)
     assert [m.to_dict() for m in maps] == [warm.to_dict(), refit.to_dict()]
-    assert pick_calibration(maps, 0.0, 0.0, 0).knots_y == [[0.5, 0.95]]
+    assert pick_calibration(maps, 0.0, 0.0, 0).knots_y == [[[0.5, 0.95]]]
     assert pick_calibration(maps, 1e-6, 0.5, 3) is pick_calibration(maps, 0.0, 0.0, 0)  # greedy is greedy
     assert pick_calibration(maps, 0.7, 0.9, 8) is maps[0]
     assert pick_calibration(maps, 0.7, 0.9, 0) is None and pick_calibration(maps, 1.0, 0.0, 0) is None
@@ -136,7 +155,7 @@ def test_from_pretrained_uses_the_saved_map_by_default(tmp_path):
     s = family_setup("llama")
     s.target.save_pretrained(tmp_path / "target")
     s.good_head.save_pretrained(tmp_path / "head")
-    cal = ScoreCalibration(0.0, 0.0, 0, [[0.05, 0.3]], [[0.5, 0.9]])
+    cal = ScoreCalibration(0.0, 0.0, 0, [[[0.05, 0.3]]], [[[0.5, 0.9]]])
     save_tree_config(tmp_path / "head", DecodingConfig(total_token=24, depth=5, top_k=4), cal)
     model = EaModel.from_pretrained(str(tmp_path / "target"), str(tmp_path / "head"), torch_dtype=torch.float32)
     assert [c.to_dict() for c in model.calibrations] == [cal.to_dict()]
@@ -151,7 +170,8 @@ def test_from_pretrained_uses_the_saved_map_by_default(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 3. the tree
-DEEP = ScoreCalibration(0.0, 0.0, 0, [[0.001, 0.05, 0.2]], [[0.3, 0.9, 0.97]])  # any top token: "almost surely accepted"
+# "the best draft token is almost surely accepted, the others hardly ever": deep, chain-like trees
+DEEP = ScoreCalibration(0.0, 0.0, 0, [[[0.001, 0.05, 0.2], [0.01, 0.5]]], [[[0.6, 0.9, 0.97], [0.02, 0.3]]])
 
 
 def test_rerank_by_calibrated_scores_keeps_raw_probabilities():
@@ -176,7 +196,7 @@ def test_calibrated_dynamic_tree_is_eagle2_with_the_map_applied(kind):
     s = family_setup("llama", kind=kind)
     # a map saying "every node above p = 0.001 is accepted half the time": the tree fills nearly level by level,
     # where the fitted head's confident raw probabilities make it deep
-    flat = ScoreCalibration(0.0, 0.0, 0, [[0.001, 1.0]], [[0.5, 0.5]])
+    flat = ScoreCalibration(0.0, 0.0, 0, [[[0.001, 1.0]]], [[[0.5, 0.5]]])
     model = EaModel(s.target, s.good_head, DecodingConfig(total_token=20, depth=5, top_k=4))
     model.calibrations = [flat]
     prompt = s.prompts[1]
@@ -190,8 +210,8 @@ def test_calibrated_dynamic_tree_is_eagle2_with_the_map_applied(kind):
     for r in cal.rounds:  # the score of a node is the map of its raw probability at its depth
         for d in range(1, int(r.node_depth.max()) + 1):
             sel = r.node_depth == d
-            want = flat.log_score(r.node_prob[sel].log(), d).exp()
-            assert torch.allclose(r.node_score[sel], want, rtol=1e-4, atol=1e-6)
+            want = flat.probability(r.node_prob[sel], d)
+            assert torch.allclose(r.node_score[sel], want, rtol=3e-3, atol=1e-6)  # the table is 0.004 nats fine
         # siblings stay in the draft's rank order
         for p in set(r.node_parent.tolist()):
             kids = r.node_prob[r.node_parent == p]
