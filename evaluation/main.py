@@ -366,7 +366,9 @@ def autotune(s: Setup, questions: list) -> int:
     meta.update(prompts=len(prompts), prompt_ids=[q.question_id for q in questions],
                 disjoint_from_bench=disjoint, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
                 finalists=ev.tune_finalists, repeats=ev.tune_repeats,
-                calibration=calibration.to_dict() if calibration else "none (trees ranked by raw draft probabilities)")
+                calibration=(f"{calibration.describe()}, fitted on {calibration.fitted_on['nodes']} nodes of "
+                             f"{calibration.fitted_on['prompts']} held-out prompts (the map: head/tree_config.json)"
+                             if calibration else "none (trees ranked by raw draft probabilities)"))
     paths = write_autotune_report(result, meta, s.out_dir / "autotune")
     b = result.best
     best = next(p for p in result.points if (p.total_token, p.depth, p.top_k) == (b.total_token, b.depth, b.top_k))
