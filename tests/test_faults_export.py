@@ -390,6 +390,14 @@ def test_resuming_another_head_kinds_checkpoint_is_one_line(run4, tmp_path, caps
     assert_one_line_error(code, err, str(run / "train" / "checkpoints" / "step-00000002"), "EAGLE-2 head",
                           "EAGLE-3 head", "new output_dir", "delete")
     assert_unchanged(good, run / "train" / "checkpoints")
+    (run / "train" / "checkpoints" / "step-00000002" / "head.json").unlink()  # a checkpoint from before head.json
+    good = snapshot(run / "train" / "checkpoints")
+    code, _, err = run_cli(main, ["--recipe", "tiny", *overrides(run4["target"], run, f"train.cache_dir="
+                                                                 f"{run4['caches']['eagle3']}", "train.precision=fp32",
+                                                                 *EAGLE3, steps=4)], capsys)
+    assert_one_line_error(code, err, str(run / "train" / "checkpoints" / "step-00000002"), "another head",
+                          "new output_dir", "delete")
+    assert_unchanged(good, run / "train" / "checkpoints")
 
 
 def test_resuming_another_recipes_shapes_is_one_line(run4, tmp_path, capsys):
