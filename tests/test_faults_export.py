@@ -103,12 +103,13 @@ def test_a_failure_mid_write_leaves_the_previous_export_byte_identical(heads, tm
     assert beside(out) == ["out"]
 
 
-def test_file_size_limit_in_a_subprocess_leaves_the_previous_export(heads, tmp_path):
+@pytest.mark.parametrize("kind,fmt", [("eagle2", "vllm"), ("eagle3", "sglang")])
+def test_file_size_limit_in_a_subprocess_leaves_the_previous_export(heads, tmp_path, kind, fmt):
     """A real write failure: RLIMIT_FSIZE below the weights' size (config.json fits), SIGXFSZ ignored so the write
     fails with EFBIG instead of killing the process."""
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "train.export", "--head", str(heads["eagle2", "A"]), "--base", str(heads["target"]),
-            "--format", "vllm", "--out", str(out)]
+    argv = [sys.executable, "-m", "train.export", "--head", str(heads[kind, "A"]), "--base", str(heads["target"]),
+            "--format", fmt, "--out", str(out)]
     proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     good = snapshot(out)
@@ -119,7 +120,7 @@ def test_file_size_limit_in_a_subprocess_leaves_the_previous_export(heads, tmp_p
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    argv[argv.index(str(heads["eagle2", "A"]))] = str(heads["eagle2", "B"])
+    argv[argv.index(str(heads[kind, "A"]))] = str(heads[kind, "B"])
     proc = subprocess.run(argv + ["--overwrite"], env=subprocess_env(), capture_output=True, text=True, timeout=300,
                           preexec_fn=small_files)
     assert_one_line_error(proc.returncode, proc.stderr, f"could not export the head to {out}", "File too large")
