@@ -113,7 +113,7 @@ def test_two_nodes_train_the_head_of_one_node(toy, tmp_path, per_node):
     ckpt = f"train/checkpoints/step-{STEPS:08d}"
     ranks = 2 * per_node
     assert {k for k in two if k.startswith(ckpt)} == {
-        f"{ckpt}/mp_rank_00_model_states.pt", f"{ckpt}/ranks.json",
+        f"{ckpt}/mp_rank_00_model_states.pt", f"{ckpt}/ranks.json", f"{ckpt}/head.json",
         *(f"{ckpt}/rng_rank{r:05d}.pt" for r in range(ranks)),
         *(f"{ckpt}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ranks))}
     assert json.loads((shared / ckpt / "ranks.json").read_text()) == {"world_size": ranks}
@@ -130,9 +130,10 @@ def test_per_node_disks(toy, tmp_path):
     ckpt = f"train/checkpoints/step-{STEPS:08d}"
     node1 = files(disks[1])
     assert {k for k in node1 if not k.startswith("train/.rank")} == {
-        "train/checkpoints/latest", f"{ckpt}/mp_rank_00_model_states.pt", f"{ckpt}/ranks.json",
+        "train/checkpoints/latest", f"{ckpt}/mp_rank_00_model_states.pt", f"{ckpt}/ranks.json", f"{ckpt}/head.json",
         f"{ckpt}/rng_rank00001.pt", f"{ckpt}/zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "train/checkpoints/step-00000003/mp_rank_00_model_states.pt", "train/checkpoints/step-00000003/ranks.json",
+        "train/checkpoints/step-00000003/head.json",
         "train/checkpoints/step-00000003/rng_rank00001.pt",
         "train/checkpoints/step-00000003/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     assert not (disks[1] / "head").exists() and (disks[0] / "head" / "model.safetensors").exists()

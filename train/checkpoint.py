@@ -21,11 +21,13 @@ import numpy as np
 import torch
 
 from eagle.cli_errors import UserError
+from eagle.head_kinds import head_kind
 from train.distributed import barrier
 
 TAG_PREFIX = "step-"
 _TORCH_LOAD = torch.load  # the real one: `weights_only_torch_load` swaps torch.load for `weights_only_load` for a while
 TAG_PATTERN = re.compile(r"step-\d{8}")
+HEAD_FILE = "head.json"  # in each checkpoint folder: the kind and tensor shapes of the head it holds
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -111,6 +113,47 @@ def make_universal(root: Path, tag: str, rank: int) -> Path:
     return universal_dir(root)
 
 
+def head_signature(module) -> dict:
+    """The head a checkpoint holds, as resume compares it: its kind and every tensor's full shape (ZeRO-3 keeps a
+    partitioned parameter's full shape in `ds_shape`)."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {"kind": module.kind.name,
+            "shapes": {n: list(getattr(t, "ds_shape", None) or t.shape) for n, t in tensors}}
+
+
+def describe_head(sig: dict) -> str:
+    return f"an {head_kind(sig['kind']).title} head (kind {sig['kind']})"
+
+
+def check_checkpoint_head(ckpt: Path, module, config_name: str) -> None:
+    """CheckpointError (one line naming both heads and the way out) when checkpoint `ckpt` holds another head kind or
+    other shapes than this run's `module` (a rerun of the run folder with another recipe); checkpoints written before
+    the file existed are checked by the loader's own error (`load_checkpoint`)."""
+    f = Path(ckpt) / HEAD_FILE
+    if not f.exists():
+        return
+    try:
+        saved = json.loads(f.read_text())
+        saved_kind = saved["kind"]
+        head_kind(saved_kind)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {f.name} is damaged ({' '.join(str(e).split())[:120]}); delete "
+                              "the checkpoint folder to resume from an earlier one") from None
+    mine = head_signature(module)
+    if saved == mine:
+        return
+    way_out = (f"resume needs the same head: use a new output_dir for this recipe, or delete {Path(ckpt).parent} "
+               "to start this run over")
+    if saved_kind != mine["kind"]:
+        raise CheckpointError(f"checkpoint {ckpt} holds {describe_head(saved)}, but this run ({config_name}) builds "
+                              f"{describe_head(mine)}: {way_out}")
+    a, b = saved.get("shapes", {}), mine["shapes"]
+    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    shapes = ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in diff[:3])
+    raise CheckpointError(f"checkpoint {ckpt} holds {describe_head(saved)} of other shapes than this run's "
+                          f"({config_name}): {shapes} (checkpoint vs this run): {way_out}")
+
+
 def tag_for(step: int) -> str:
     return f"{TAG_PREFIX}{step:08d}"
 
@@ -164,6 +207,7 @@ def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_las
         torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
         if writer:
             (root / tag / RANKS_FILE).write_text(json.dumps({"world_size": world_size}) + "\n")
+            (root / tag / HEAD_FILE).write_text(json.dumps(head_signature(engine.module)) + "\n")
         barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state}, save_latest=False)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -216,9 +260,18 @@ def load_checkpoint(engine, root: Path, tag: str, rank: int, load_dir: Path | No
     load_dir = load_dir or root
     rng_file = load_dir / tag / f"rng_rank{rank:05d}.pt"
     engine.checkpoint_engine.load = weights_only_load  # DeepSpeed's own load unpickles with weights_only=False
-    with weights_only_torch_load():  # the universal loader reads each parameter's files with torch.load
-        path, client = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+    try:
+        with weights_only_torch_load():  # the universal loader reads each parameter's files with torch.load
+            path, client = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+    except RuntimeError as e:  # an older checkpoint (no head.json) of another head: torch's state-dict mismatch
+        if "state_dict" not in str(e) and "size mismatch" not in str(e):
+            raise
+        first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln or "Missing key" in ln
+                      or "Unexpected key" in ln), str(e).splitlines()[0])
+        raise CheckpointError(f"checkpoint {root / tag} holds another head than this run builds ({first[:200]}): "
+                              f"resume needs the same head: use a new output_dir for this recipe, or delete {root} "
+                              "to start this run over") from None
     if path is None or "trainer_state" not in (client or {}):
         raise CheckpointError(f"could not load checkpoint {load_dir / tag} (DeepSpeed returned {path!r})")
     if rng_file.exists():

@@ -35,8 +35,9 @@ from recipes import add_print_config, command_config, layout, list_recipes  # no
 from recipes.schema import describe_recipe_keys  # noqa: E402
 from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
-from train.checkpoint import (CheckpointError, commit_checkpoint, discard_uncommitted, latest_tag,  # noqa: E402
-                              load_checkpoint, make_universal, save_checkpoint, saved_world_size)
+from train.checkpoint import (CheckpointError, check_checkpoint_head, commit_checkpoint,  # noqa: E402
+                              discard_uncommitted, latest_tag, load_checkpoint, make_universal, save_checkpoint,
+                              saved_world_size)
 from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions,  # noqa: E402
                         micro_batch_loader, split_train_eval)
 from train.distributed import (all_reduce_sum, barrier, collective_failed, describe_ranks,  # noqa: E402
@@ -264,7 +265,9 @@ class Trainer:
                  "skipped": 0, "evaluated_epochs": 0, "data": fingerprint, "world_size": self.ctx.world_size,
                  "data_pos": {"epoch": 0, "consumed": 0, "order_step_size": plan.step_size}}
         if self.resume_tag is not None:
-            tag = self.resume_tag
+            tag = self.resume_tag  # another head kind or shape (a rerun with another recipe): one line before torch's
+            check_checkpoint_head(self.ckpt_root / tag, self.engine.module,
+                                  f"recipe {self.cfg.name!r}, head.kind={self.cfg.head.kind}")
             state = load_checkpoint(self.engine, self.ckpt_root, tag, self.ctx.rank, self.resume_from)
             if "data_pos" not in state and state["data"].get("grad_accum") == 1 and \
                     state["data"].get("world_size") == self.ctx.world_size:
