@@ -1,9 +1,9 @@
 """One writer per run directory: an advisory `flock` on a lock file inside it.
 
 The kernel drops an flock when the last process holding the open file exits (or is killed with -9), so a
-dead run never blocks the next one; processes forked by the holder (DataLoader workers, orphaned ranks of a
-killed launcher) keep it while they live, so a second launch cannot write next to them. The file records the
-holder's pid and command for the error message.
+dead run never blocks the next one; processes forked by the holder (DataLoader workers) keep it while they
+live, so a second launch cannot write next to them. The file records the holder's pid and command for the error
+message.
 """
 from __future__ import annotations
 

@@ -113,7 +113,7 @@ def set_scheduled_lr(engine, say) -> None:
 def train(cfg, ctx=None) -> dict:
     """Train a head from a loaded recipe. Returns the run summary (also {output_dir}/train/summary.json).
     One writer per run: each rank holds `{output_dir}/train/.rank{r}.lock`; a second launch on the same folder
-    (or orphaned ranks of a killed launcher still running) makes it stop with RunDirBusyError."""
+    makes it stop with RunDirBusyError (ranks of a killed launcher do not linger: they die with it)."""
     ctx = ctx or init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
     with run_lock(layout.train_dir(cfg), f"rank{ctx.rank}", "training"):
         trainer = Trainer(cfg, ctx)
