@@ -6,7 +6,7 @@
 1. The head is written in the engine's format (train/engine_formats.py; `--engine-format eagle` serves the
    official folder unchanged instead, to show what goes wrong without conversion).
 2. When the engine's CPU attention does not support the model's head_dim (vLLM: 32, 64, 80, ...), target and
-   head are replaced by exactly equivalent zero-padded copies (evaluation/head_dim_pad.py); the copies are
+   head are replaced by exactly equivalent zero-padded copies (eagle/head_dim_pad.py); the copies are
    first shown to decode token-identically to the originals in this project's decoder (vanilla and chain).
 3. The engine (evaluation/engine_vllm.py, in a subprocess under `--engine-python`, so this venv never needs
    vllm) decodes the evaluation prompts greedily without and with speculation (a chain of k drafted tokens).
@@ -110,7 +110,7 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
     """(target folder, draft folder, padded head_dim or None) that the engine will load."""
     from data_prep.target import load_target_config
     from eagle.head import EagleHead
-    from evaluation.head_dim_pad import pad_head, pad_target_folder
+    from eagle.head_dim_pad import pad_head, pad_target_folder
     from train.engine_formats import write_engine_head
 
     tcfg = load_target_config(target_path)

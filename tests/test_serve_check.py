@@ -13,7 +13,7 @@ import torch
 
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
-from evaluation.head_dim_pad import pad_head, pad_target_folder, row_map
+from eagle.head_dim_pad import pad_head, pad_target_folder, padded_head_dim, row_map
 from evaluation.serve_check import Acceptance, strip_stop
 from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
 
@@ -65,6 +65,38 @@ def test_padded_copies_decode_token_identically(tmp_path, bias):
         eb, sb = b.eagenerate(ids, max_new_tokens=30, return_stats=True)
         assert torch.equal(ea, eb)
         assert [r.accept_length for r in sa.rounds] == [r.accept_length for r in sb.rounds]
+
+
+def test_padded_eagle3_head_decodes_token_identically(tmp_path):
+    """EAGLE-3: only the output rows of q/k/v (which read 2H inputs) are padded; greedy chain decoding of the padded
+    target + head equals the original's token for token, with the same per-round acceptance."""
+    target = tiny_target("llama", hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=4)  # head_dim 8
+    head = random_head(target, kind="eagle3", aux_layers=(1, 2, 3), draft_vocab_size=200)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if not n.startswith("embed_tokens"):
+                p.add_(torch.randn_like(p) * 0.05)
+    target.save_pretrained(tmp_path / "t")
+    padded = pad_target_folder(tmp_path / "t", tmp_path / "t32", padded_head_dim(8, (32, 64)))
+    from transformers import AutoModelForCausalLM
+
+    target32 = AutoModelForCausalLM.from_pretrained(padded, dtype=torch.float32).eval()
+    head32 = pad_head(head, 32)
+    assert type(head32) is type(head) and head32.midlayer.self_attn.q_proj.weight.shape == (4 * 32, 64)
+    assert torch.equal(head32.d2t, head.d2t) and head32.config.head_dim == 32
+    with torch.no_grad():  # the same function, every unrolled step
+        aux, x = torch.randn(1, 12, 3 * 32), torch.randint(0, 256, (1, 12))
+        for h, h32 in zip(head.unroll(aux, x, steps=3), head32.bind_target(target).unroll(aux, x, steps=3)):
+            assert torch.allclose(h, h32, atol=1e-5)
+    chain = DecodingConfig(mode="chain", chain_length=4)
+    a, b = EaModel(target, head, chain), EaModel(target32, head32.bind_target(target32), chain)
+    for seed in range(3):
+        ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(seed))
+        ea, sa = a.eagenerate(ids, max_new_tokens=30, return_stats=True)
+        eb, sb = b.eagenerate(ids, max_new_tokens=30, return_stats=True)
+        assert torch.equal(ea, eb)
+        assert [r.accept_length for r in sa.rounds] == [r.accept_length for r in sb.rounds]
+    assert padded_head_dim(16, (32, 64, 80)) == 64 and padded_head_dim(40, (32, 64, 80, 96)) == 80
 
 
 def test_acceptance_in_engine_terms():
