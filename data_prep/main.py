@@ -120,7 +120,7 @@ def generation_settings(run: Run):
                               top_p=d.top_p, seed=run.cfg.seed)
 
 
-def make_backend(run: Run):
+def make_backend(run: Run, api_base: str | None = None):
     from data_prep.chat_template import stop_token_ids
     from data_prep.regenerate import HFBackend, OpenAIBackend
     from data_prep.target import resolve_target_path
@@ -132,29 +132,63 @@ def make_backend(run: Run):
         stops = sorted(set(stop_token_ids(tok, model.generation_config, run.cfg.target.chat_template))
                        | {int(i) for i in d.extra_stop_ids})
         return HFBackend(model, tok, settings, stops, max_prompt_tokens=d.max_length)
-    if d.backend == "openai":
-        return OpenAIBackend(d.api_base, d.api_model or resolve_target_path(run.cfg.target), settings,
+    if d.backend == "openai":  # the same prompts, stop ids and prompt-length rule as the hf backend
+        from transformers import GenerationConfig
+
+        path, tok = resolve_target_path(run.cfg.target), run.tokenizer()
+        try:
+            gen_config = GenerationConfig.from_pretrained(path, revision=run.cfg.target.revision)
+        except OSError:  # no generation_config.json
+            gen_config = None
+        stops = sorted(set(stop_token_ids(tok, gen_config, run.cfg.target.chat_template))
+                       | {int(i) for i in d.extra_stop_ids})
+        return OpenAIBackend(api_base or d.api_base, d.api_model or path, settings,
                              api_key=os.environ.get(d.api_key_env), timeout_s=d.api_timeout_s, retries=d.api_retries,
-                             concurrency=d.gen_batch_size)
+                             concurrency=d.gen_batch_size, endpoint=d.api_endpoint, tokenizer=tok, stop_ids=stops,
+                             max_prompt_tokens=d.max_length, token_ids=d.api_token_ids)
     raise ValueError(f"data.backend must be 'hf' or 'openai', got {d.backend!r}")
+
+
+def regeneration_server(run: Run):
+    """data.serve: the vLLM server this process starts for its regeneration (a context manager), else a null one."""
+    import contextlib
+
+    if not run.cfg.data.serve:
+        return contextlib.nullcontext()
+    from data_prep.target import resolve_target_path
+    from data_prep.vllm_server import recipe_server
+
+    path = resolve_target_path(run.cfg.target)
+    name = f"shard{run.shard}of{run.num_shards}"
+    run.log(f"starting vLLM for {path} (log {run.data_dir / f'vllm_server_{name}.log'}); importing vllm takes minutes")
+    return recipe_server(run.cfg, path, run.cfg.data.api_model or path, run.data_dir / "served_target",
+                         run.data_dir / f"vllm_server_{name}.log")
 
 
 def stage_regenerate(run: Run, conversations: list[dict]) -> None:
     from dataclasses import asdict
 
-    from data_prep.regenerate import check_settings, regenerate_shard
+    from data_prep.regenerate import ServerError, check_settings, regenerate_shard
 
     d = run.cfg.data
     out = run.data_dir / "regenerated"
     check_settings(out, {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template,
                          "backend": d.backend, "max_length": d.max_length,
                          "extra_stop_ids": [int(i) for i in d.extra_stop_ids], **asdict(generation_settings(run))})
-    stats = regenerate_shard(conversations, make_backend(run), out, run.shard, run.num_shards, d.gen_batch_size,
-                             run.cfg.seed, progress=run.progress)
+    with regeneration_server(run) as server:
+        try:
+            stats = regenerate_shard(conversations, make_backend(run, server.url if server else None), out, run.shard,
+                                     run.num_shards, d.gen_batch_size, run.cfg.seed, progress=run.progress)
+        except ServerError as e:
+            died = server.died() if server else None
+            if died:  # the requests failed because the server is gone: say that, not "connection refused"
+                raise ServerError(f"{died}; finished records are kept: rerun the same command to resume") from None
+            raise ServerError(f"{e}; finished records are kept: rerun to resume") from None
     s = stats.as_dict()
     run.update_report(f"regenerate_shard{run.shard}of{run.num_shards}", s)
     run.log(f"regenerate: {s['records_generated']} generated, {s['records_skipped_done']} already done, "
-            f"{s['length_limited']} hit max_new_tokens, {s['stopped_at_max_length']} stopped at max_length; "
+            f"{s['length_limited']} hit max_new_tokens, {s['stopped_at_max_length']} stopped at a prompt too long for "
+            f"max_length or the server (kept up to their last reply; with none: rejected into tokenize_rejects.jsonl); "
             f"{s['records_per_s']:.2f} records/s, {s['tokens_per_s']:.1f} tokens/s")
 
 
