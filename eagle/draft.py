@@ -135,6 +135,45 @@ class Drafter:
             self._layouts[key] = torch.arange(1, depth + 2, device=device).repeat_interleave(sizes)
         return self._layouts[key]
 
+    def _draft_probs(self, feature: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[1, H] -> [1, V] float32 draft distribution over the TARGET vocabulary at `temperature` (temperature only,
+        as vLLM's probabilistic drafting: top-k / top-p shape the target's distribution, never the draft's).
+        EAGLE-3: the draft vocabulary's logits placed at their target ids (d2t), probability 0 elsewhere."""
+        if not self.eagle3:
+            logits = linear_t(feature.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [1, V]
+        else:
+            draft = self.decoder.logits(feature).float()  # [1, Vd]
+            ids = torch.arange(draft.shape[-1], device=draft.device) + self.decoder.d2t  # [Vd] target ids
+            logits = draft.new_full((draft.shape[0], self.head.config.vocab_size), float("-inf"))
+            logits[:, ids] = draft
+        return torch.softmax(logits / temperature, dim=-1)
+
+    @torch.no_grad()
+    def draft_chain_sampled(self, root: torch.Tensor, feature: torch.Tensor, length: int, temperature: float,
+                            generator: torch.Generator | None = None) -> DraftTree:
+        """A chain of `length` tokens, each SAMPLED from the head's distribution q at `temperature` given the chain so
+        far (probabilistic drafting); the tree keeps every q ([N, V], row 0 unused) for `verify_chain_sampling`.
+        root [1] token, feature [1, H] the head's prediction at the root."""
+        committed = self.decoder.length
+        dev = root.device
+        tokens = torch.empty(length + 1, dtype=torch.long, device=dev)  # [N] root, then the chain
+        tokens[0] = root[0]
+        q_rows = []
+        for d in range(1, length + 1):
+            q = self._draft_probs(feature, temperature)  # [1, V]
+            tokens[d : d + 1] = torch.multinomial(q, 1, generator=generator)[0]
+            q_rows.append(q[0])
+            if d < length:  # the head's prediction after this token (position of node d, like draft_static)
+                feature = self.decoder.forward(feature, tokens[d : d + 1], committed + d - 1)
+        self.decoder.truncate(committed)
+        q_all = torch.stack([torch.zeros_like(q_rows[0])] + q_rows)  # [N, V]
+        prob = q_all.gather(1, tokens[:, None])[:, 0]
+        prob[0] = 1.0
+        n = length + 1
+        return DraftTree(tokens=tokens, parents=torch.arange(-1, n - 1, device=dev), depth=torch.arange(n, device=dev),
+                         prob=prob, path_logprob=prob.log().cumsum(0),
+                         ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril(), draft_probs=q_all)
+
     @torch.no_grad()
     def draft_static(self, root: torch.Tensor, feature: torch.Tensor, spec: StaticTreeSpec) -> DraftTree:
         """EAGLE-1 static tree (a chain is the tree [0], [0, 0], ...)."""

@@ -18,6 +18,7 @@ class DraftTree:
     prob: torch.Tensor  # [N] float32, draft prob of the token given its parent (root 1.0)
     path_logprob: torch.Tensor  # [N] float32, cumulative draft log-prob root->node (root 0)
     ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [N, N]; see attention_mask
+    draft_probs: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [N, V] q each token was SAMPLED from (probabilistic chains; row 0 unused)
 
     @property
     def size(self) -> int:
