@@ -32,11 +32,9 @@ from data_prep.chat_template import read_template
 from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env
 from evaluation.serve_check import prepare_engine_models
 from train.engine_formats import VLLM_METHODS, folder_kind
+from train.model_card import SWEEP_DIR
 
 log = logging.getLogger(__name__)
-DEFAULT_CONCURRENCY = (1, 4, 16, 64)
-SWEEP_DIR = "serve_sweep"
-SWEEP_FILES = ("sweep.md", "sweep.json", "throughput.png")  # what the Hub upload copies
 
 
 def parse_int_list(text: str, what: str, minimum: int = 0) -> list[int]:

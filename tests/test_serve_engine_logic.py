@@ -125,3 +125,35 @@ def test_fixed_expand_follows_the_kernel_contract():
     ints = torch.empty(3, dtype=torch.int32)
     fixed_expand(ints, torch.tensor([5, 9], dtype=torch.int32), torch.tensor([1, 3]), 0, 0)
     assert ints.tolist() == [5, 9, 9]
+
+
+def test_the_sweep_reaches_the_model_card_and_the_hub_upload(tmp_path):
+    """serve-sweep's output under the eval folder is staged for the Hub and the card states the draft length per
+    concurrency level; without a sweep the card has no such section."""
+    from recipes import load_recipe
+    from test_engine_formats import perturbed_head
+    from train.hub import push_to_hub
+
+    head, target = perturbed_head("llama", True)
+    target.save_pretrained(tmp_path / "target")
+    head.save_pretrained(tmp_path / "run" / "head")
+    cfg = load_recipe("tiny", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
+                               "export.repo_id=someone/head-x"])
+    push_to_hub(cfg, dry_run=True)
+    assert "Draft length by load" not in (tmp_path / "run" / "hub_upload" / "README.md").read_text()
+    points = [bench_json(tmp_path / f"{k}_{c}.json", k, c, v, 50.0) for (k, c), v in
+              {(0, 1): 100, (3, 1): 180, (0, 64): 900, (3, 64): 600}.items()]
+    sweep_dir = tmp_path / "run" / "eval" / "serve_sweep"
+    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "sweep.json").write_text(json.dumps({"engine_version": "0.32.0", "max_new_tokens": 128,
+                                                      "load_average": [2.0, 2.0, 2.0], "best": best_k(points)}))
+    (sweep_dir / "sweep.md").write_text("# serve-sweep\n")
+    plot(points, sweep_dir / "throughput.png", "t")
+    result = push_to_hub(cfg, dry_run=True)
+    assert {"eval/serve_sweep/sweep.json", "eval/serve_sweep/sweep.md", "eval/serve_sweep/throughput.png"} <= set(
+        result["files"])
+    card = (tmp_path / "run" / "hub_upload" / "README.md").read_text()
+    assert "### Draft length by load" in card and "vLLM 0.32.0" in card
+    assert "| 1 | 3 | 180 | 1.80x | no speculation, 44% slower |" in card
+    assert "| 64 | 0 (no speculation) | 900 | 1.00x | k = 3, 33% slower |" in card
+    assert "![throughput vs concurrency](eval/serve_sweep/throughput.png)" in card

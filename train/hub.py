@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
 from train.export import RECIPE_FILE, SUMMARY_FILE, export_dir
-from train.model_card import model_card, read_json
+from train.model_card import SWEEP_DIR, SWEEP_FILES, model_card, read_json
 
 HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE)
 EVAL_FILES = ("report.md", "report.json")
@@ -58,7 +58,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
         if (head_dir / name).exists():
             shutil.copy2(head_dir / name, staging / name)
     plots: list[str] = []
-    report = None
+    report = sweep = None
     edir = eval_dir(cfg)
     if edir.is_dir():
         (staging / "eval").mkdir()
@@ -69,6 +69,12 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
             shutil.copy2(png, staging / "eval" / png.name)
             plots.append(f"eval/{png.name}")
         report = read_json(edir / "report.json")
+        if (edir / SWEEP_DIR / "sweep.json").exists():  # serve-sweep's draft length per concurrency level
+            (staging / "eval" / SWEEP_DIR).mkdir()
+            for name in SWEEP_FILES:
+                if (edir / SWEEP_DIR / name).exists():
+                    shutil.copy2(edir / SWEEP_DIR / name, staging / "eval" / SWEEP_DIR / name)
+            sweep = read_json(edir / SWEEP_DIR / "sweep.json")
     from train.data import cache_dir
 
     manifest = read_json(cache_dir(cfg) / "manifest.json")
@@ -77,7 +83,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
     # the card describes the recipe the head was trained with (stored at export), not this command's
     trained = OmegaConf.load(head_dir / RECIPE_FILE) if (head_dir / RECIPE_FILE).exists() else cfg
     card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots,
-                      fmt=fmt, head_config=read_json(head_dir / "config.json"))
+                      fmt=fmt, head_config=read_json(head_dir / "config.json"), sweep=sweep)
     (staging / "README.md").write_text(card)
     return sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
 

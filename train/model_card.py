@@ -8,6 +8,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 
+SWEEP_DIR = "serve_sweep"  # under the eval folder: evaluation/main.py serve-sweep writes it, the card and the Hub read it
+SWEEP_FILES = ("sweep.md", "sweep.json", "throughput.png")
+
+
 def _fmt(x, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "–"
 
@@ -53,10 +57,12 @@ def eagle3_intro(head_config: dict, cfg) -> list[str]:
 
 
 def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manifest: dict | None,
-               eval_report: dict | None, plots: list[str], fmt: str = "eagle", head_config: dict | None = None) -> str:
+               eval_report: dict | None, plots: list[str], fmt: str = "eagle", head_config: dict | None = None,
+               sweep: dict | None = None) -> str:
     """README.md text. `cfg`: the recipe the head was TRAINED with; `plots`: repo-relative PNG paths to embed;
     `fmt`: the folder format uploaded (eagle | vllm | sglang), which the serving commands load; `head_config`: the
-    exported config.json (decides the head kind: an EAGLE-3 card states its aux layers and draft vocabulary)."""
+    exported config.json (decides the head kind: an EAGLE-3 card states its aux layers and draft vocabulary);
+    `sweep`: serve-sweep's sweep.json (the draft length to serve per concurrency level)."""
     t = cfg.train
     eagle3 = (head_config or {}).get("draft_vocab_size") is not None
     target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
@@ -102,6 +108,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "folder is what the code above loads.",
         "",
         *serving_section(cfg, target, repo_id, fmt, "eagle3" if eagle3 else "eagle2"),
+        *sweep_section(sweep),
         "## Training",
         "",
         "| setting | value |",
@@ -166,6 +173,27 @@ def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: str = "eagle
               "`--speculative-eagle-topk`, `--speculative-num-draft-tokens`). Check the head in the engine before "
               "deploying: `python evaluation/main.py serve-check --engine vllm --base BASE --head HEAD`.", ""]
     return lines
+
+
+def sweep_section(sweep: dict | None) -> list[str]:
+    """Markdown lines: serve-sweep's best num_speculative_tokens per concurrency level, with its plot."""
+    if not sweep or not sweep.get("best"):
+        return []
+    lines = ["### Draft length by load", "",
+             f"Measured with `python evaluation/main.py serve-sweep` (vLLM {sweep.get('engine_version')}, greedy, "
+             f"{sweep.get('max_new_tokens')} new tokens per request, machine load {sweep.get('load_average')}; "
+             f"[eval/{SWEEP_DIR}/sweep.md](eval/{SWEEP_DIR}/sweep.md)). Throughput-optimal `num_speculative_tokens` per "
+             "number of requests in flight (0 = serve without speculation):", "",
+             "| concurrency | num_speculative_tokens | output tokens/s | vs no speculation | next best |",
+             "|---|---|---|---|---|"]
+    for b in sweep["best"]:
+        runner_k = b.get("runner_up_k")
+        runner = ("–" if runner_k is None else
+                  f"{'no speculation' if runner_k == 0 else f'k = {runner_k}'}, {b['runner_up_slower_by']:.0%} slower")
+        speed = b.get("speedup_vs_no_speculation")
+        lines.append(f"| {b['concurrency']} | {b['best_k']}{' (no speculation)' if b['best_k'] == 0 else ''} | "
+                     f"{b['output_tokens_per_s']:.0f} | {f'{speed:.2f}x' if speed else '–'} | {runner} |")
+    return lines + ["", f"![throughput vs concurrency](eval/{SWEEP_DIR}/throughput.png)", ""]
 
 
 def read_json(path: Path) -> dict | None:
