@@ -211,8 +211,13 @@ class OpenAIBackend:
                 "ids): its chat template is not target.chat_template, so the replies would be off-policy; serve the "
                 "recipe's template (data.serve does) or use data.api_endpoint=completions")
         num = int(usage.get("completion_tokens") or (len(generated) if generated is not None else 0))
-        return TurnResult(text.strip(), num, choice.get("finish_reason") == "length",
-                          [int(t) for t in generated] if generated is not None else None)
+        if generated is not None and self.tokenizer is not None:
+            # the text as the HF backend decodes the same ids: vLLM's incremental detokenizer holds back a trailing
+            # incomplete UTF-8 character, and the next turn's prompt is rendered from this text
+            generated = [int(t) for t in generated]
+            reply = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
+            text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        return TurnResult(text.strip(), num, choice.get("finish_reason") == "length", generated)
 
     def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
         with ThreadPoolExecutor(self.concurrency) as pool:

@@ -158,6 +158,9 @@ def markdown(r: dict) -> str:
                                                   f"{x['tolerance_binomial']:.3f})" for x in c["positions"])
                      + f" | {'yes' if c['agrees'] else 'NO'} |")
     g = r["greedy_vs_probabilistic"]
+    if r["engine_defects"]:
+        return "\n".join(lines + ["", "The engine's numbers above come from the defective sampler: compare the drafting "
+                                   "rules with --patch-engine.", ""])
     lines += ["", f"vLLM's default greedy drafting measures {g:.3f}x the mean acceptance length of probabilistic "
               "drafting for this head at this temperature: "
               + ("trust the probabilistic number (and serve with `\"draft_sample_method\": \"probabilistic\"`)."

@@ -21,7 +21,6 @@ from eagle.cli_errors import is_expected
 from test_data_prep_helpers import build_tokenizer
 
 SETTINGS = GenerationSettings(max_new_tokens=16, do_sample=False, temperature=1.0, top_p=1.0, seed=0)
-REPLY_IDS = [40, 41, 42]
 
 
 class FakeServer(BaseHTTPRequestHandler):
@@ -29,6 +28,7 @@ class FakeServer(BaseHTTPRequestHandler):
 
     mode = "ok"
     tokenizer = None
+    reply_ids: list[int] = []  # what the fake "generated": "a reply é" + the stop id 2
     requests: list = []
 
     def _send(self, code: int, payload: dict) -> None:
@@ -56,9 +56,10 @@ class FakeServer(BaseHTTPRequestHandler):
         if len(ids) > 40:
             return self._send(400, {"error": {"message": f"This model's maximum context length is 40 tokens. However, "
                                                          f"your prompt contains {len(ids)} input tokens.", "code": 400}})
-        choice = {"index": 0, "finish_reason": "stop", "token_ids": REPLY_IDS if body.get("return_token_ids") else None}
-        choice.update({"message": {"role": "assistant", "content": " a reply "}} if chat else {"text": " a reply "})
-        payload = {"choices": [choice], "usage": {"completion_tokens": len(REPLY_IDS)}}
+        choice = {"index": 0, "finish_reason": "stop", "token_ids": self.reply_ids if body.get("return_token_ids") else None}
+        text = " a reply "  # the detokenizer held the incomplete last character back, as vLLM's does
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        payload = {"choices": [choice], "usage": {"completion_tokens": len(self.reply_ids)}}
         if body.get("return_token_ids"):
             if chat:
                 payload["prompt_token_ids"] = ids
@@ -73,6 +74,8 @@ class FakeServer(BaseHTTPRequestHandler):
 @pytest.fixture()
 def server():
     FakeServer.mode, FakeServer.requests, FakeServer.tokenizer = "ok", [], build_tokenizer("chatml")
+    ids = FakeServer.tokenizer(" a reply é", add_special_tokens=False)["input_ids"]
+    FakeServer.reply_ids = ids[:-1] + [2]  # the last byte of "é" cut off by the stop token
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -94,7 +97,10 @@ def history(text="Hi there"):
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_replies_keep_the_generated_token_ids(server, endpoint):
     out = backend(server, endpoint).generate_turn([history()])[0]
-    assert out.token_ids == REPLY_IDS and out.text == "a reply" and out.num_tokens == 3
+    assert out.token_ids == FakeServer.reply_ids and out.num_tokens == len(FakeServer.reply_ids)
+    # the text is decoded from the ids (stop token dropped) as the HF backend decodes them, not the server's text
+    assert out.text == FakeServer.tokenizer.decode(FakeServer.reply_ids[:-1], skip_special_tokens=True).strip()
+    assert out.text.startswith("a reply") and out.text != "a reply"
     body = FakeServer.requests[-1]["body"]
     assert body["return_token_ids"] is True and body["stop_token_ids"] == [2] and body["temperature"] == 0.0
     if endpoint == "completions":  # fed this project's rendering of the prompt, as ids
@@ -106,7 +112,7 @@ def test_replies_keep_the_generated_token_ids(server, endpoint):
 
 def test_without_token_ids_the_vllm_extensions_are_not_sent(server):
     out = backend(server, token_ids=False).generate_turn([history()])[0]
-    assert out.token_ids is None
+    assert out.token_ids is None and out.text == "a reply"  # no ids: the server's text
     assert "return_token_ids" not in FakeServer.requests[-1]["body"]
 
 
@@ -137,7 +143,7 @@ def test_overlong_prompts_are_rejected_records(server):
     recs = regenerate_chunk([{"id": "long", "messages": history(long_text)}, {"id": "ok", "messages": history()}],
                             backend(server))
     assert recs[0]["stopped_at_max_length"] and "maximum context length" in recs[0]["reject_reason"]
-    assert recs[1]["messages"][1]["token_ids"] == REPLY_IDS
+    assert recs[1]["messages"][1]["token_ids"] == FakeServer.reply_ids
     tokenized, stats = tokenize_records(recs, FakeServer.tokenizer, max_length=512)
     assert [r["id"] for r in tokenized] == ["ok"] and stats.from_token_ids == 1
     assert stats.rejects[0]["id"] == "long" and "maximum context length" in stats.rejects[0]["reason"]

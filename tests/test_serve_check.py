@@ -1,5 +1,5 @@
 """serve-check pieces that need no engine (head_dim padding, acceptance accounting), and the engine run itself
-(slow + shared: skipped unless a vLLM interpreter exists, $EAGLE_VLLM_PYTHON or /work/venvs/vllm/bin/python)."""
+(slow + shared: skipped unless $EAGLE_VLLM_PYTHON names a vLLM interpreter, see the `vllm_python` fixture)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,6 @@ from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = os.environ.get("EAGLE_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
 
 
 def test_row_map_keeps_rotary_frequencies():
@@ -109,9 +108,8 @@ def test_acceptance_in_engine_terms():
 
 @pytest.mark.slow
 @pytest.mark.shared
-@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} ($EAGLE_VLLM_PYTHON)")
 @pytest.mark.parametrize("bias", [True, False])
-def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
+def test_serve_check_runs_vllm(tmp_path, shared_dir, vllm_python, bias):
     """The whole check on stories260K in vLLM, with a head fitted in seconds on the target's continuations of
     TinyStories openings (so acceptance is far from 0 and the engine/project comparison means something)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,7 +134,7 @@ def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
     head.save_pretrained(tmp_path / "head")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(REPO / "evaluation" / "main.py"), "serve-check", "--recipe", "stories260k",
-                           "--base", str(base), "--head", str(tmp_path / "head"), "--engine-python", VLLM_PYTHON,
+                           "--base", str(base), "--head", str(tmp_path / "head"), "--engine-python", vllm_python,
                            "--num-prompts", "4", "eval.max_new_tokens=48", "--out", str(tmp_path / "eval")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -150,8 +148,7 @@ def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
 
 @pytest.mark.slow
 @pytest.mark.shared
-@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} ($EAGLE_VLLM_PYTHON)")
-def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir):
+def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir, vllm_python):
     """A hand-written released-layout EAGLE-3 folder and its vLLM speculators conversion load in vLLM on a
     head_dim-32 copy of stories260K (vLLM finds the speculators config and the verifier), decode unchanged by
     speculation, and report the same draft statistics. Random weights accept almost nothing, so this shows
@@ -174,7 +171,7 @@ def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir):
     convert_eagle3_folder(tmp_path / "released", tmp_path / "spec", "vllm", verifier=str(target),
                           verifier_architectures=["LlamaForCausalLM"], num_speculative_tokens=3)
     spec = lambda d: {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}  # noqa: E731
-    res = engine_run("vllm", VLLM_PYTHON, {
+    res = engine_run("vllm", vllm_python, {
         "model": str(target), "dtype": "float32", "max_model_len": 512, "prompts": [[1, 400, 300, 200], [1, 50, 60]],
         "max_tokens": 32, "stop_token_ids": [1, 2], "seed": 0,
         "runs": [{"name": "plain", "speculative_config": None},
