@@ -11,6 +11,7 @@ head_dim with exactly equivalent copies), the engine's environment, and the chec
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -21,6 +22,10 @@ import urllib.request
 from pathlib import Path
 
 from data_prep.regenerate import ServerError
+from eagle.head import text_config
+from eagle.head_dim_pad import pad_target_folder, padded_head_dim
+
+log = logging.getLogger(__name__)
 
 VLLM_CLI = Path(__file__).resolve().parent / "vllm_cli.py"
 ENGINE_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # e.g. /work/venvs/vllm/bin/python (README "Serving the head")
@@ -70,7 +75,7 @@ def engine_env(engine_python: str) -> dict[str, str]:
 
 
 def target_head_dim(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
@@ -78,12 +83,13 @@ def servable_target(target_path: str, work: Path) -> tuple[str, int | None]:
     """(folder vLLM's CPU build can serve, padded head_dim or None): the target itself, or an exactly equivalent
     copy with a supported head_dim (eagle/head_dim_pad.py) written under `work` once and reused."""
     from data_prep.target import load_target_config
-    from eagle.head_dim_pad import pad_target_folder, padded_head_dim
 
     D = target_head_dim(load_target_config(target_path))
     if D in SUPPORTED_HEAD_DIMS:
         return target_path, None
     D2 = padded_head_dim(D, SUPPORTED_HEAD_DIMS)
+    log.info("head_dim %d is not supported by vLLM's CPU attention: serving an exactly equivalent head_dim-%d copy",
+             D, D2)
     out = Path(work) / f"{Path(target_path).name}-head_dim{D2}"
     if not (out / "config.json").exists():
         pad_target_folder(target_path, out, D2)
@@ -216,30 +222,40 @@ class VLLMServer:
         self.stop()
 
 
-def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log_path: Path) -> VLLMServer:
-    """The server `data.serve` starts for regeneration: the target (padded when vLLM's CPU attention needs it) at
-    the recipe's dtype and seed, the recipe's chat template, model defaults off (`--generation-config vllm`: the
-    request's sampling settings are the whole story), a context of data.max_length + data.max_new_tokens (capped at
-    the target's max_position_embeddings), then data.serve_args."""
+def serve_args(dtype: str, seed: int, max_model_len: int, chat_template: str | None, work: Path) -> list[str]:
+    """`vllm serve` arguments this project always passes: dtype and seed, the model's generation defaults off
+    (`--generation-config vllm`: a request's sampling settings are the whole story), eager mode (vLLM's CPU
+    build; torch.compile would only lengthen start-up), the context, and the recipe's chat template (a shipped
+    name or a .jinja path, written to `work`) when it sets one."""
     from data_prep.chat_template import read_template
+
+    args = ["--dtype", str(dtype), "--seed", str(seed), "--generation-config", "vllm", "--enforce-eager",
+            "--max-model-len", str(max_model_len)]
+    if chat_template:
+        path = Path(work) / "chat_template.jinja"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(read_template(str(chat_template)))
+        args += ["--chat-template", str(path)]
+    return args
+
+
+def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log_path: Path) -> VLLMServer:
+    """The server `data.serve` starts for regeneration: the target (padded when vLLM's CPU attention needs it),
+    `serve_args` with a context of data.max_length + data.max_new_tokens (capped at the target's
+    max_position_embeddings), then data.serve_args."""
     from data_prep.target import load_target_config
 
     d = cfg.data
     engine_python = resolve_engine_python(d.engine_python)
     model, _ = servable_target(target_path, work)
-    config = load_target_config(target_path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(load_target_config(target_path))
     limit = int(getattr(text, "max_position_embeddings", 0) or 0)
     context = d.max_length + d.max_new_tokens
-    args = ["--dtype", str(cfg.target.dtype), "--seed", str(cfg.seed), "--generation-config", "vllm",
-            "--max-model-len", str(min(context, limit) if limit else context), "--enforce-eager"]
-    if cfg.target.chat_template:
-        template = Path(work) / "chat_template.jinja"
-        template.write_text(read_template(str(cfg.target.chat_template)))
-        args += ["--chat-template", str(template)]
+    args = serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, cfg.target.chat_template,
+                      work)
     return VLLMServer(engine_python, model, log_path, served_model_name=served_model_name,
                       args=args + [str(a) for a in d.serve_args])
 
 
 __all__ = ["VLLM_CLI", "ENGINE_PYTHON_ENV", "SUPPORTED_HEAD_DIMS", "EngineServerError", "resolve_engine_python",
-           "check_engine", "engine_env", "servable_target", "free_port", "VLLMServer", "recipe_server"]
+           "check_engine", "engine_env", "servable_target", "free_port", "VLLMServer", "serve_args", "recipe_server"]

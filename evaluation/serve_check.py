@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from data_prep.target import load_target_config
-from data_prep.vllm_server import SUPPORTED_HEAD_DIMS, check_engine, engine_env, target_head_dim
+from data_prep.vllm_server import check_engine, engine_env, servable_target
 from eagle.decoding_config import DecodingConfig
 from eagle.head import load_head
-from eagle.head_dim_pad import pad_head, pad_target_folder, padded_head_dim
+from eagle.head_dim_pad import pad_head
 from train.engine_formats import VLLM_METHODS, check_vllm_method, folder_kind, write_engine_head
 
 log = logging.getLogger(__name__)
@@ -112,17 +112,11 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
     """(target folder, draft folder, padded head_dim or None) that the engine will load. EAGLE-3 heads go to vLLM as
     its speculators config naming the (padded) target as verifier, or as the released folder (`engine_format`
     eagle)."""
-    tcfg = load_target_config(target_path)
-    D = target_head_dim(tcfg)
-    padded = None
-    if D not in SUPPORTED_HEAD_DIMS:
-        padded = padded_head_dim(D, SUPPORTED_HEAD_DIMS)
-        log.info("head_dim %d is not supported by %s's CPU attention: using exactly equivalent head_dim-%d copies",
-                 D, engine, padded)
-        target_path = str(pad_target_folder(target_path, work / "target_padded", padded))
+    target_path, padded = servable_target(target_path, work)
+    if padded:  # the head gets the same head_dim as the padded target
         head = pad_head(load_head(head_path, dtype=torch.float32), padded)
         head_path = str(head.save_pretrained(work / "head_padded", dtype=torch.float32))
-        tcfg = load_target_config(target_path)
+    tcfg = load_target_config(target_path)
     if engine_format == "eagle":
         return target_path, head_path, padded  # the official / released folder, unchanged
     draft = write_engine_head(head_path, work / f"head_{engine}", engine, tcfg, verifier=target_path,

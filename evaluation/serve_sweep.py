@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from data_prep.chat_template import read_template
-from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env
+from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env, serve_args
 from evaluation.serve_check import prepare_engine_models
 from train.engine_formats import VLLM_METHODS, folder_kind
 from train.model_card import SWEEP_DIR
@@ -212,12 +211,8 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format or "vllm", work,
                                                   max(ks) or 1)
     method = VLLM_METHODS[folder_kind(json.loads((Path(draft) / "config.json").read_text()))]
-    base_args = ["--dtype", str(s.cfg.target.dtype), "--seed", str(s.cfg.seed), "--generation-config", "vllm",
-                 "--max-model-len", str(s.gen.max_length), "--enforce-eager", "--no-enable-prefix-caching",
-                 "--max-num-seqs", str(max(concurrency))]
-    if chat and s.cfg.target.chat_template:
-        (work / "chat_template.jinja").write_text(read_template(str(s.cfg.target.chat_template)))
-        base_args += ["--chat-template", str(work / "chat_template.jinja")]
+    base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
+                           work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
     version = None
     for k in ks:
         args = list(base_args)
