@@ -239,7 +239,8 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
                 log.info("serve-sweep: k = %d, concurrency %d: %.0f tokens/s, p90 %.2f s", k, c,
                          point["output_tokens_per_s"] or 0, (point["latency_p90_ms"] or 0) / 1000)
             version = version or _engine_version(out / f"server_k{k}.log")
-    report = {"title": f"{Path(s.head_path).name} on {Path(s.target_path).name}", "target": s.target_path,
+    head = Path(s.head_path)
+    report = {"title": f"{head.parent.name}/{head.name} on {Path(s.target_path).name}", "target": s.target_path,
               "head": s.head_path, "method": method, "engine_version": version, "padded_head_dim": padded,
               "ks": ks, "concurrency": concurrency, "prompts_available": len(fits),
               "requests_per_level": {str(c): prompts_per_level(c, len(fits), min_prompts) for c in concurrency},
