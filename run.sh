@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 VENV=${EAGLE_VENV:-.venv}
 TORCH_PIN="torch==2.13.0"
 
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import eagle, torch, transformers, deepspeed" 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import eagle, torch, transformers, deepspeed, importlinter" 2>/dev/null; then
     echo "[run.sh] creating $VENV and installing dependencies (offline-capable, CPU torch)" >&2
     "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_PIN"

@@ -38,7 +38,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder  # noqa: E402
+from eagle.attention import sdpa_attention  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_ROUND_MS = 6.6
@@ -59,6 +63,7 @@ def p10(xs):
 
 # ----------------------------------------------------------------------------- models
 def random_tiny_llama(seed: int = 0):
+    # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
@@ -72,9 +77,8 @@ def random_tiny_llama(seed: int = 0):
 
 def load_stories(shared: Path, head_arg: str | None, fused: bool | None = None):
     """(EaModel on stories260K, tokenizer, head description)."""
+    # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eagle import EaModel, EagleHead
 
     path = shared / "models" / "stories260K"
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -146,10 +150,6 @@ def attention_floor_ms(config, context: int, fused: bool = True, repeats: int = 
     step MUST spend more at a longer context, whatever the cache bookkeeping does. The kernel is the one the
     step runs: `eagle.attention.sdpa_attention` on the fused path, sdpa with `enable_gqa` (as transformers'
     sdpa layers call it) on the HF layers path."""
-    import torch.nn.functional as F
-
-    from eagle.attention import sdpa_attention
-
     layers, kv, d = kv_layout(config)
     heads = config.num_attention_heads
     buf = torch.randn(layers, 2, 1, kv, context + 64, d)  # capacity > context, like the cache
@@ -189,8 +189,6 @@ def attention_capped(keys: int):
     """Control experiment: one-query attention in the fused forward reads only the first `keys` cached positions
     (outputs become wrong; costs do not depend on token values). Everything else in the step still runs at the
     full context, so a step that stays flat under the cap has no context-dependent cost besides attention."""
-    import eagle.fused_decoder as fused_decoder
-
     full = fused_decoder.sdpa_attention
 
     def capped(q, k, v, mask):
@@ -368,8 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    from eagle import DecodingConfig, EaModel, EagleHead
-
     results = {"threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
                "machine": platform.processor() or platform.machine(), "loadavg_start": os.getloadavg()}
     shared = Path(args.shared)

@@ -12,6 +12,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from recipes import load_config  # noqa: E402
+from train.plan import GB, Hardware, build_plan  # noqa: E402
+
 RECIPES = [("llama3-8b", []), ("llama2-chat-7b", []), ("vicuna-7b", []), ("qwen2-7b", []), ("mixtral-8x7b", []),
            ("mixtral-8x7b", ["train.mode=online"]), ("llama3-8b", ["train.loss_chunk=0"]),
            ("llama3-8b-eagle3", []), ("llama2-chat-7b-eagle3", []), ("vicuna-7b-eagle3", []), ("qwen2-7b-eagle3", []),
@@ -30,8 +33,6 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem-gb", type=float, default=24.0)
     args = p.parse_args(argv)
-    from train.main import load_config
-    from train.plan import GB, Hardware, build_plan
 
     print("| recipe | head params | " + " | ".join(COLUMNS) + " | peak GB (phase) | fits? | cache GB (bf16) | prep h | "
           "train h |")

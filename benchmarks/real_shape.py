@@ -36,16 +36,21 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
+from data_prep.feature_cache import bytes_per_token  # noqa: E402
+from data_prep.tokenized import write_tokenized  # noqa: E402
+from recipes import load_config  # noqa: E402
+from train.plan import Hardware, KNOWN_TARGETS, build_plan, format_plan, phase_bytes, plan_shape  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
 
 
 def build_target(recipe_cfg, layers: int, out: Path) -> Path:
     """Random-weight HF folder with the recipe target's real shapes and `layers` decoder layers."""
-    import torch
+    # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from train.plan import KNOWN_TARGETS
 
     if (out / "config.json").exists():
         return out
@@ -68,8 +73,6 @@ def build_target(recipe_cfg, layers: int, out: Path) -> Path:
 
 
 def write_records(path: Path, n: int, seq: int, vocab: int, loss_fraction: float) -> None:
-    from data_prep.tokenized import write_tokenized
-
     rng = random.Random(0)
     start = int(seq * (1 - loss_fraction))
     recs = [{"id": f"r{i}", "input_ids": [rng.randrange(vocab) for _ in range(seq)],
@@ -125,9 +128,6 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="extra recipe overrides for both stages")
     args = p.parse_args(argv)
 
-    from train.main import load_config
-    from train.plan import Hardware, build_plan, format_plan, phase_bytes, plan_shape
-
     work = Path(args.work) / args.recipe
     target = work / "target"
     out_dir = work / "run"
@@ -164,7 +164,6 @@ def main(argv=None) -> int:
     shape = plan_shape(cfg)
     host = build_plan(cfg, Hardware(host=True, gpu_mem_gb=24.0), shape)
     gpu = build_plan(load_config(args.recipe, common), Hardware(), shape)
-    from data_prep.feature_cache import bytes_per_token
 
     bpt_pred = bytes_per_token(shape.hidden, manifest["dtype"])
     result["plan_host"] = {i.name: i.bytes for i in host.memory}

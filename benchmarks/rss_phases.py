@@ -8,7 +8,7 @@ each phase boundary of the training loop and writes one JSON line per phase: the
 at its end and its own peak. Phases: `setup` (until the first batch), `forward` (features + the head's forward +
 the token loss, the graph held for backward), `backward` (engine.backward: gradients into DeepSpeed's buckets),
 `step` (engine.step: the optimizer; AdamW allocates its moments at the first one) and `other` (metrics, logging,
-checkpoints until the next batch). It patches DeepSpeedEngine.backward / .step and the head kinds' `loss` at
+checkpoints until the next batch). It patches DeepSpeedEngine.backward / .step and the head kinds' `loss` (train/head_kinds.py) at
 class level, in this process only; the trainer is otherwise unchanged.
 """
 from __future__ import annotations
@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+
+from train import head_kinds  # noqa: E402
 
 
 def _kb(fields: dict, key: str) -> int:
@@ -51,9 +55,8 @@ class PhaseLog:
 
 
 def install(log: PhaseLog) -> None:
+    # lazy: deepspeed prints its accelerator line on stdout at import; the trainer run below imports it anyway
     from deepspeed.runtime.engine import DeepSpeedEngine
-
-    from train import head_kind
 
     started = [False]
 
@@ -68,8 +71,7 @@ def install(log: PhaseLog) -> None:
             return out
         cls.loss = loss
 
-    for cls in (head_kind.Eagle2Kind, head_kind.Eagle3Kind):
-        wrap_loss(cls)
+    wrap_loss(head_kinds.TrainingKind)  # the one training step of every head kind
     backward, step = DeepSpeedEngine.backward, DeepSpeedEngine.step
 
     def probed_backward(self, *args, **kwargs):
@@ -89,7 +91,6 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise SystemExit(__doc__)
     out, script, *args = argv
-    sys.path.insert(0, str(REPO))
     install(PhaseLog(Path(out)))
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

@@ -11,6 +11,7 @@ than tau single-token steps.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -23,6 +24,10 @@ if __package__ in (None, ""):
 import torch
 
 from decode_bench import STOP_IDS, corpus_context, load_stories, story_prompts
+
+from data_prep.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target
+from eagle import DecodingConfig, EaModel, EagleHead
+from eagle.verify import verify_greedy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,9 +63,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args) -> int:
-    from eagle import DecodingConfig
-    from eagle.verify import verify_greedy
-
     shared = Path(args.shared)
     if args.default_target:
         model, head_what, prompt, prompts, stop_ids, name = load_default_target(args.head, args.context)
@@ -139,12 +141,8 @@ def measure(args) -> int:
 
 def load_default_target(head_arg: str | None, context: int):
     """(EaModel, head description, a [1, context] token context, 10 held-out chat prompts, stop ids, name)."""
-    import json
-
+    # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eagle import EaModel, EagleHead
-    from quickstart.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target
 
     path = ensure_default_target()
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()

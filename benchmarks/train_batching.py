@@ -21,6 +21,13 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
+from recipes import load_config  # noqa: E402
+from recipes.layout import cache_dir  # noqa: E402
+from train.distributed import init_distributed, shutdown_distributed  # noqa: E402
+from train.main import train  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,14 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
-
-    import torch
-
-    from train.distributed import init_distributed, shutdown_distributed
-    from train.main import load_config, train
-
-    from train.data import cache_dir
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     ctx = init_distributed("cpu")
     features = cache_dir(load_config(args.recipe, args.overrides))  # before output_dir is moved to a temp dir

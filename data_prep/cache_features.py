@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from data_prep.feature_cache import FeatureCacheWriter, bytes_per_token
 from data_prep.feature_layers import target_features
@@ -78,8 +79,6 @@ def final_hidden_states(model, input_ids: list[int], layers: list[int] | None = 
 def cache_shard(model, records: list[dict], writer: FeatureCacheWriter, shard: int, num_shards: int,
                 progress: bool = True, layers: list[int] | None = None) -> CacheStats:
     """Cache this shard's records (index % num_shards == shard), skipping ids the cache already holds."""
-    from tqdm import tqdm
-
     mine = [r for i, r in enumerate(records) if i % num_shards == shard]
     stats = CacheStats(records_total=len(mine))
     todo = [r for r in mine if r["id"] not in writer]

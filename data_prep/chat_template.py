@@ -1,30 +1,11 @@
-"""Shipped chat templates (data_prep/chat_templates/*.jinja) for tokenizers that lack one.
-
-Every shipped template marks assistant replies with ``{% generation %}`` so that
-``apply_chat_template(..., return_assistant_tokens_mask=True)`` gives the exact loss mask.
-"""
+"""The recipe's chat template on the target's tokenizer, and the tokens that end an assistant turn (the shipped
+templates themselves: recipes/chat_templates.py)."""
 from __future__ import annotations
 
-from pathlib import Path
+from recipes.chat_templates import read_template, shipped_templates
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "chat_templates"
 # the token that closes an assistant turn, when it is not the tokenizer's eos token
 END_OF_TURN = {"llama-3": "<|eot_id|>", "chatml": "<|im_end|>"}
-
-
-def shipped_templates() -> list[str]:
-    return sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja"))
-
-
-def read_template(name_or_path: str) -> str:
-    """Template text for a shipped name (llama-2-chat, llama-3, vicuna, chatml, plain) or a .jinja path."""
-    path = Path(name_or_path)
-    if path.suffix == ".jinja" and path.is_file():
-        return path.read_text()
-    shipped = TEMPLATE_DIR / f"{name_or_path}.jinja"
-    if not shipped.is_file():
-        raise ValueError(f"unknown chat template {name_or_path!r}: shipped ones are {shipped_templates()} (or give a .jinja path)")
-    return shipped.read_text()
 
 
 def setup_chat_template(tokenizer, name_or_path: str | None, where: str = "the tokenizer") -> str:

@@ -75,7 +75,8 @@ def iter_raw_records(source: str, hf_subset: str | None = None, hf_split: str = 
         if not path.exists() and (path.suffix in (".json", ".jsonl", ".parquet", ".csv", ".arrow")
                                   or source.startswith((".", "/", "~"))):
             raise ValueError(f"data.source {source!r} does not exist")
-        import datasets  # local parquet/csv/arrow files or a hub dataset id
+        # lazy: datasets costs over a second at import; only parquet/csv/arrow files and hub datasets need it
+        import datasets
 
         if path.exists():
             kind = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".json": "json"}.get(path.suffix)

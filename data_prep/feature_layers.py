@@ -13,29 +13,20 @@ from __future__ import annotations
 
 import torch
 
-
-def text_num_layers(target_config) -> int:
-    from eagle.head import text_config
-
-    return int(text_config(target_config).num_hidden_layers)
+from eagle.head_kinds import HeadConfigError, head_kind, text_config
+from recipes import RecipeError
 
 
 def feature_layers(head_cfg, target_config) -> list[int] | None:
-    """The hidden-state ids a recipe's head needs: None for eagle2 (final state only, the legacy layout),
-    [a, b, c, L] for eagle3 (aux ids resolved against the target; a bad id raises RecipeError naming head.aux_layers)."""
-    if head_cfg.kind != "eagle3":
-        return None
-    from eagle.head import HeadConfigError, check_aux_layers, default_aux_layers
-    from recipes import RecipeError
-
-    L = text_num_layers(target_config)
-    ids = list(head_cfg.aux_layers) or default_aux_layers(L)
+    """The hidden-state ids a recipe's head needs, from its kind (eagle/head_kinds.py): None for eagle2 (final state
+    only, the legacy layout), [a, b, c, L] for eagle3 (aux ids resolved against the target; a bad id raises
+    RecipeError naming head.aux_layers)."""
+    aux = list(head_cfg.aux_layers)
     try:
-        aux = check_aux_layers(ids, L)
+        return head_kind(head_cfg.kind).feature_layers(aux, int(text_config(target_config).num_hidden_layers))
     except HeadConfigError as e:
-        hint = "" if head_cfg.aux_layers else " (the default (2, L//2, L-3)); set head.aux_layers explicitly"
-        raise RecipeError(f"head.aux_layers={ids}{hint}: {e}") from None
-    return [*aux, L]
+        hint = "" if aux else " (the default (2, L//2, L-3)); set head.aux_layers explicitly"
+        raise RecipeError(f"head.aux_layers={aux}{hint}: {e}") from None
 
 
 def width(hidden_size: int, layers: list[int] | None) -> int:
@@ -53,11 +44,3 @@ def target_features(decoder, input_ids: torch.Tensor, attention_mask: torch.Tens
     if layers is None:
         return out.last_hidden_state  # [B, T, H]
     return torch.cat([out.hidden_states[j] for j in layers], dim=-1)  # [B, T, len(layers) * H]
-
-
-def split_features(features: torch.Tensor, layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[..., W] cached features -> (final state [..., H], aux states [..., 3H] or None for eagle2)."""
-    if layers is None:
-        return features, None
-    H = features.shape[-1] // len(layers)
-    return features[..., -H:], features[..., :-H]

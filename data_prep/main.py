@@ -17,18 +17,35 @@ regenerate/cache; tokenize runs once all regeneration shards are done).
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
+
+import torch.distributed as dist
+from huggingface_hub.utils import disable_progress_bars
 
 if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from data_prep.cache_features import cache_shard, check_disk  # noqa: E402
+from data_prep.chat_template import stop_token_ids  # noqa: E402
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
-from data_prep.tokenized import TOKENIZED_FILE, load_tokenized, write_tokenized  # noqa: E402
+from data_prep.feature_cache import FeatureCacheWriter, _write_json_atomic, merge_manifests, sha256_file  # noqa: E402
+from data_prep.feature_layers import feature_layers  # noqa: E402
+from data_prep.loss_mask import render_masked, tokenize_records  # noqa: E402
+from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,  # noqa: E402
+                                  read_parts, regenerate_shard)
+from data_prep.target import (load_target_model, load_target_tokenizer, pick_device, resolve_target_path,  # noqa: E402
+                              target_config_hash)
+from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
+from data_prep.vllm_server import recipe_server  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.head_kinds import text_config  # noqa: E402
+from eagle.run_lock import run_lock  # noqa: E402
+from recipes import add_print_config, command_config, layout  # noqa: E402
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
 
@@ -39,7 +56,7 @@ class Run:
 
     def __init__(self, cfg, shard: int, num_shards: int, distributed: bool, progress: bool):
         self.cfg = cfg
-        self.data_dir = Path(cfg.output_dir) / "data"
+        self.data_dir = layout.data_dir(cfg)
         self.shard, self.num_shards = shard, num_shards
         self.distributed = distributed
         self.progress = progress
@@ -52,21 +69,15 @@ class Run:
 
     def barrier(self) -> None:
         if self.distributed:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from data_prep.target import load_target_tokenizer
-
             self._tokenizer = load_target_tokenizer(self.cfg.target)
         return self._tokenizer
 
     def model(self):
         if self._model is None:
-            from data_prep.target import load_target_model, pick_device
-
             self._model = load_target_model(self.cfg.target, pick_device(self.cfg.data.device))
         return self._model
 
@@ -113,18 +124,12 @@ def stage_load(run: Run) -> list[dict]:
 
 
 def generation_settings(run: Run):
-    from data_prep.regenerate import GenerationSettings
-
     d = run.cfg.data
     return GenerationSettings(max_new_tokens=d.max_new_tokens, do_sample=d.do_sample, temperature=d.temperature,
                               top_p=d.top_p, seed=run.cfg.seed)
 
 
 def make_backend(run: Run, api_base: str | None = None):
-    from data_prep.chat_template import stop_token_ids
-    from data_prep.regenerate import HFBackend, OpenAIBackend
-    from data_prep.target import resolve_target_path
-
     d = run.cfg.data
     settings = generation_settings(run)
     if d.backend == "hf":
@@ -133,6 +138,7 @@ def make_backend(run: Run, api_base: str | None = None):
                        | {int(i) for i in d.extra_stop_ids})
         return HFBackend(model, tok, settings, stops, max_prompt_tokens=d.max_length)
     if d.backend == "openai":  # the same prompts, stop ids and prompt-length rule as the hf backend
+        # lazy: transformers costs over a second at import; only the openai backend's stop ids need it here
         from transformers import GenerationConfig
 
         path, tok = resolve_target_path(run.cfg.target), run.tokenizer()
@@ -151,13 +157,8 @@ def make_backend(run: Run, api_base: str | None = None):
 
 def regeneration_server(run: Run):
     """data.serve: the vLLM server this process starts for its regeneration (a context manager), else a null one."""
-    import contextlib
-
     if not run.cfg.data.serve:
         return contextlib.nullcontext()
-    from data_prep.target import resolve_target_path
-    from data_prep.vllm_server import recipe_server
-
     path = resolve_target_path(run.cfg.target)
     name = f"shard{run.shard}of{run.num_shards}"
     run.log(f"starting vLLM for {path} (log {run.data_dir / f'vllm_server_{name}.log'}); importing vllm takes minutes")
@@ -166,10 +167,6 @@ def regeneration_server(run: Run):
 
 
 def stage_regenerate(run: Run, conversations: list[dict]) -> None:
-    from dataclasses import asdict
-
-    from data_prep.regenerate import ServerError, check_settings, regenerate_shard
-
     d = run.cfg.data
     out = run.data_dir / "regenerated"
     check_settings(out, {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template,
@@ -194,8 +191,6 @@ def stage_regenerate(run: Run, conversations: list[dict]) -> None:
 
 def regenerated_records(run: Run, conversations: list[dict]) -> tuple[list[dict], list[str]]:
     """Regenerated records in conversation order, and the ids not regenerated yet."""
-    from data_prep.regenerate import read_parts
-
     done = read_parts(run.data_dir / "regenerated")
     ordered = [done[c["id"]] for c in conversations if c["id"] in done]
     missing = [c["id"] for c in conversations if c["id"] not in done]
@@ -203,8 +198,6 @@ def regenerated_records(run: Run, conversations: list[dict]) -> tuple[list[dict]
 
 
 def stage_tokenize(run: Run, conversations: list[dict]) -> None:
-    from data_prep.loss_mask import tokenize_records
-
     d = run.cfg.data
     if d.regenerate:
         records, missing = regenerated_records(run, conversations)
@@ -217,7 +210,7 @@ def stage_tokenize(run: Run, conversations: list[dict]) -> None:
         raise ValueError(f"data.on_length_limit must be 'keep' or 'drop', got {d.on_length_limit!r}")
     tokenized, stats = tokenize_records(records, run.tokenizer(), d.max_length, d.overlong,
                                         drop_length_limited=d.on_length_limit == "drop")
-    write_tokenized(run.data_dir / TOKENIZED_FILE, tokenized)
+    write_tokenized(run.data_dir / layout.TOKENIZED_FILE, tokenized)
     write_jsonl(run.data_dir / "tokenize_rejects.jsonl", stats.rejects)
     report = stats.report()
     report["length_limited_kept"] = sum(bool(r.get("length_limited")) for r in records) - stats.dropped_length_limited
@@ -230,10 +223,8 @@ def stage_tokenize(run: Run, conversations: list[dict]) -> None:
 
 
 def stage_inspect(run: Run, n: int) -> None:
-    from data_prep.loss_mask import render_masked
-
     tok = run.tokenizer()
-    for k, rec in enumerate(load_tokenized(run.data_dir / TOKENIZED_FILE)):
+    for k, rec in enumerate(load_tokenized(run.data_dir / layout.TOKENIZED_FILE)):
         if k >= n:
             break
         trained = sum(rec["loss_mask"])
@@ -242,31 +233,20 @@ def stage_inspect(run: Run, n: int) -> None:
         print()
 
 
-def file_sha256(path: Path) -> str:
-    from data_prep.feature_cache import sha256_file
-
-    return sha256_file(path)
-
-
 def stage_cache(run: Run) -> None:
-    from data_prep.cache_features import cache_shard, check_disk
-    from data_prep.feature_cache import FeatureCacheWriter, merge_manifests
-    from data_prep.feature_layers import feature_layers
-    from data_prep.target import resolve_target_path, target_config_hash
-
     d = run.cfg.data
-    tok_path = run.data_dir / TOKENIZED_FILE
+    tok_path = run.data_dir / layout.TOKENIZED_FILE
     records = list(load_tokenized(tok_path))
     model = run.model()
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal wrappers
+    text = text_config(config)  # multimodal wrappers: the language model's config
     meta = {"target": resolve_target_path(run.cfg.target), "config_hash": target_config_hash(config),
             "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
-            "target_dtype": run.cfg.target.dtype, "tokenized_sha256": file_sha256(tok_path)}
+            "target_dtype": run.cfg.target.dtype, "tokenized_sha256": sha256_file(tok_path)}
     layers = feature_layers(run.cfg.head, config)  # None for eagle2: the legacy meta, byte for byte
     if layers is not None:
         meta["feature_layers"] = layers
-    out = run.data_dir / "features"
+    out = run.data_dir / layout.FEATURES_DIR
     writer = FeatureCacheWriter(out, meta, dtype=d.cache_dtype, part=f"shard{run.shard:05d}-of-{run.num_shards:05d}",
                                 max_shard_bytes=d.cache_shard_mb * 2**20)
     remaining = sum(len(r["input_ids"]) for r in records if r["id"] not in writer)
@@ -280,8 +260,6 @@ def stage_cache(run: Run) -> None:
     run.barrier()
     if run.is_main:
         manifest = merge_manifests(out)
-        from data_prep.feature_cache import _write_json_atomic
-
         _write_json_atomic(out / "manifest.json", manifest)
         summary = {k: manifest[k] for k in ("dtype", "num_records", "num_tokens", "num_loss_tokens", "bytes_on_disk",
                                              "bytes_per_token", "reference_bytes_per_token") if k in manifest}
@@ -302,21 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=parse_shard, default=None, help="i/n: do the i-th of n shares of regenerate/cache")
     p.add_argument("--inspect", type=int, default=0, metavar="N", help="print N tokenised records, trained-on tokens highlighted")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    add_print_config(p)
     p.add_argument("rest", nargs="*", help=f"key=value recipe overrides and at most one stage of {STAGES}")
     return p
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import load_recipe
-
     args = build_parser().parse_args(argv)
     overrides = [a for a in args.rest if "=" in a]
     stages = [a for a in args.rest if "=" not in a]
     if len(stages) > 1 or (stages and stages[0] not in STAGES):
         raise SystemExit(f"expected at most one stage out of {STAGES} besides key=value overrides, got {stages}")
     stage = stages[0] if stages else "all"
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = command_config(args, overrides)
 
     distributed = False
     if args.shard is not None:
@@ -324,28 +301,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shard, num_shards = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if num_shards > 1:
-            import torch.distributed as dist
-
             dist.init_process_group("gloo")
             distributed = True
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))
     if args.no_progress:  # also the libraries' bars (model loading), so stderr holds only warnings and errors
-        from huggingface_hub.utils import disable_progress_bars
+        # lazy: transformers costs over a second at import; only this flag needs its logging switch
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         disable_progress_bars()
     run = Run(cfg, shard, num_shards, distributed, progress=not args.no_progress)
     run.data_dir.mkdir(parents=True, exist_ok=True)
-    from eagle.run_lock import run_lock
-
     try:
         with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):
             run_stages(run, stage, args.inspect)
     finally:
         if distributed:
-            import torch.distributed as dist
-
             dist.barrier()
             dist.destroy_process_group()
     return 0

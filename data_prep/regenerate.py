@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from data_prep.token_ids import chat_messages, prompt_ids
 from eagle.cli_errors import UserError
@@ -75,6 +76,7 @@ class HFBackend:
     @torch.inference_mode()
     def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
         """One reply per history (which ends with a user turn); Rejected = prompt not shorter than max_prompt_tokens."""
+        # lazy: transformers costs over a second at import; only the hf backend's generation needs it
         from transformers import GenerationConfig
 
         prompts = [self.prompt_ids(h) for h in histories]
@@ -345,8 +347,6 @@ class RegenerateStats:
 def regenerate_shard(records: list[dict], backend, out_dir: Path, shard: int, num_shards: int, batch_size: int,
                      seed: int, progress: bool = True) -> RegenerateStats:
     """Regenerate this shard's records (index % num_shards == shard), appending to its part file."""
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     own = part_path(out_dir, shard, num_shards)

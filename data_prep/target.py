@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from data_prep.chat_template import setup_chat_template
+from data_prep.default_target import ensure_default_target
 from eagle.cli_errors import UserError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,13 +28,6 @@ def resolve_target_path(target_cfg) -> str:
             raise UserError(f"target.path {path} does not exist (relative paths are read from the current directory, "
                             f"{Path.cwd()}); give a local folder or a hub id like owner/name")
         return path
-    try:
-        from quickstart.default_target import ensure_default_target
-    except ImportError as e:
-        raise RuntimeError(
-            "target.path is empty, which means the embedded default target, but quickstart.default_target is not "
-            f"available ({e}); set target.path=<HF id or local folder>"
-        ) from None
     return str(ensure_default_target())
 
 
@@ -50,6 +45,7 @@ def naming_target(path, what: str = "target"):
 
 def load_target_config(path, revision=None):
     """AutoConfig of the target, load errors naming it."""
+    # lazy: transformers costs over a second at import; commands that never read a target (--help) skip it
     from transformers import AutoConfig
 
     with naming_target(path, "target config of"):
@@ -71,9 +67,8 @@ def target_config_hash(config) -> str:
 def load_target_tokenizer(target_cfg, path: str | None = None, need_template: bool = True):
     """Tokenizer of the target, with `target.chat_template` installed when set (conversations need a template;
     raw-text corpora pass need_template=False)."""
+    # lazy: transformers costs over a second at import; commands that never read a target (--help) skip it
     from transformers import AutoTokenizer
-
-    from data_prep.chat_template import setup_chat_template
 
     path = path or resolve_target_path(target_cfg)
     with naming_target(path, "tokenizer of"):
@@ -93,6 +88,7 @@ def pick_device(device: str) -> torch.device:
 
 def load_target_model(target_cfg, device: torch.device, path: str | None = None):
     """The frozen causal LM in eval mode on `device`, in `target.dtype`."""
+    # lazy: transformers' model classes cost seconds at import; only loading the target needs them
     from transformers import AutoModelForCausalLM
 
     if target_cfg.dtype not in TORCH_DTYPES:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-TOKENIZED_FILE = "tokenized.jsonl"
+from recipes.layout import TOKENIZED_FILE
 
 
 def tokenized_path(path: str | Path) -> Path:

@@ -26,7 +26,7 @@ def _vllm_version(name: str) -> str:
 
 if __name__ == "__main__":  # vLLM starts worker processes (spawn): the guard is required
     metadata.version = _vllm_version
-    from vllm.entrypoints.cli.main import main
+    from vllm.entrypoints.cli.main import main  # lazy: after the version patch above; vllm is the engine venv's
 
     sys.argv[0] = "vllm"
     sys.exit(main())

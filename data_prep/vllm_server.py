@@ -22,8 +22,10 @@ import urllib.request
 from pathlib import Path
 
 from data_prep.regenerate import ServerError
-from eagle.head import text_config
+from data_prep.target import load_target_config
 from eagle.head_dim_pad import pad_target_folder, padded_head_dim
+from eagle.head_kinds import text_config
+from recipes.chat_templates import read_template
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +84,6 @@ def target_head_dim(config) -> int:
 def servable_target(target_path: str, work: Path) -> tuple[str, int | None]:
     """(folder vLLM's CPU build can serve, padded head_dim or None): the target itself, or an exactly equivalent
     copy with a supported head_dim (eagle/head_dim_pad.py) written under `work` once and reused."""
-    from data_prep.target import load_target_config
-
     D = target_head_dim(load_target_config(target_path))
     if D in SUPPORTED_HEAD_DIMS:
         return target_path, None
@@ -227,8 +227,6 @@ def serve_args(dtype: str, seed: int, max_model_len: int, chat_template: str | N
     (`--generation-config vllm`: a request's sampling settings are the whole story), eager mode (vLLM's CPU
     build; torch.compile would only lengthen start-up), the context, and the recipe's chat template (a shipped
     name or a .jinja path, written to `work`) when it sets one."""
-    from data_prep.chat_template import read_template
-
     args = ["--dtype", str(dtype), "--seed", str(seed), "--generation-config", "vllm", "--enforce-eager",
             "--max-model-len", str(max_model_len)]
     if chat_template:
@@ -243,8 +241,6 @@ def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log
     """The server `data.serve` starts for regeneration: the target (padded when vLLM's CPU attention needs it),
     `serve_args` with a context of data.max_length + data.max_new_tokens (capped at the target's
     max_position_embeddings), then data.serve_args."""
-    from data_prep.target import load_target_config
-
     d = cfg.data
     engine_python = resolve_engine_python(d.engine_python)
     model, _ = servable_target(target_path, work)

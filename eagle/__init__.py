@@ -1,13 +1,18 @@
 """EAGLE-2 speculative decoding: draft head, target adapter, draft trees, lossless verification."""
 from eagle.decoding_config import DecodingConfig
-from eagle.head import (Eagle3Head, EagleHead, HeadConfig, HeadConfigError, head_config_from_target, load_head,
-                        load_target_embedding_and_lm_head)
+from eagle.eagle2 import EagleHead
+from eagle.eagle3 import Eagle3Head
+from eagle.head_config import HeadConfig, head_config_from_target
+from eagle.head_files import load_head
+from eagle.head_kinds import HeadConfigError
+from eagle.target_weights import load_target_embedding_and_lm_head
 
 __all__ = ["DecodingConfig", "EagleHead", "Eagle3Head", "HeadConfig", "HeadConfigError", "load_head", "head_config_from_target", "load_target_embedding_and_lm_head", "EaModel"]
 
 
-def __getattr__(name):  # EaModel pulls in transformers model code; import it on first use
+def __getattr__(name):
     if name == "EaModel":
+        # lazy: EaModel's target adapter imports transformers (seconds); `import eagle` stays as light as the heads
         from eagle.ea_model import EaModel
 
         return EaModel

@@ -22,6 +22,10 @@ import pickle
 import sys
 from pathlib import Path
 
+import yaml
+from omegaconf.errors import OmegaConfBaseException
+from safetensors import SafetensorError
+
 EXIT_USER_ERROR = 2
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "EAGLE_DEBUG"
@@ -39,32 +43,14 @@ class RunDirBusyError(UserError):
     """Another process holds the run directory's lock."""
 
 
-def _expected_types() -> tuple[type, ...]:
-    types: list[type] = [UserError, ValueError, OSError, pickle.UnpicklingError]  # KeyError etc. are bugs
-    try:
-        from omegaconf.errors import OmegaConfBaseException
-
-        types.append(OmegaConfBaseException)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    try:
-        from safetensors import SafetensorError
-
-        types.append(SafetensorError)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import yaml
-
-        types.append(yaml.YAMLError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types)
+# Library errors that are a user's to fix: a bad recipe override (omegaconf), a damaged weights file (safetensors),
+# malformed YAML. KeyError etc. are bugs.
+EXPECTED = (UserError, ValueError, OSError, pickle.UnpicklingError, OmegaConfBaseException, SafetensorError, yaml.YAMLError)
 
 
 def is_expected(exc: BaseException) -> bool:
     """True for errors a user can fix from the message alone."""
-    return isinstance(exc, _expected_types())
+    return isinstance(exc, EXPECTED)
 
 
 def one_line(exc: BaseException) -> str:

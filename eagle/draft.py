@@ -1,32 +1,30 @@
 """Drafting: run the head on committed positions, then grow a draft tree from its own guesses.
 
-`Drafter` owns the head's `HeadDecoder` (its decoding forward and preallocated KV cache). Committed
+`Drafter` owns the head's decoder (`head.decoder(...)`: its decoding forward and preallocated KV cache). Committed
 positions stay in the cache across rounds; tree nodes are appended while drafting and rolled back
 afterwards (`truncate`).
 
-EAGLE-3 heads differ in two places only, both chosen once in `__init__`: `extend` fuses the target's aux states
-(fc) before committing them, and `_topk` scores with the head's own lm_head over the draft vocabulary and maps the
-chosen draft ids to target ids (d2t). Tree building is shared.
+Head kinds differ in two places only, both answered by the decoder their head builds: what a committed position
+feeds the head (`decoder.fuse`: EAGLE-2 the target's final state as it is, EAGLE-3 fc over its aux states) and how
+drafts are scored (`decoder.topk`: EAGLE-2 through the target's lm_head, EAGLE-3 through its own over the draft
+vocabulary, mapped to target ids). Tree building is shared.
 """
 from __future__ import annotations
 
 import torch
 
-from eagle.head import Eagle3Head, EagleHead, linear_t
 from eagle.head_decoder import HeadDecoder
+from eagle.head_module import HeadModule
 from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree
 
 
 class Drafter:
-    def __init__(self, head: "EagleHead | Eagle3Head", lm_head: torch.nn.Module, capacity: int):
-        """lm_head: the target's (scores EAGLE-1/2 drafts; an EAGLE-3 head has its own)."""
+    def __init__(self, head: HeadModule, lm_head: torch.nn.Module, capacity: int):
+        """lm_head: the target's (EAGLE-2 drafts are scored through it; an EAGLE-3 head has its own)."""
         self.head = head
         self.lm_head = lm_head
         self.decoder: HeadDecoder | None = None  # built by the first reset, under the caller's grad mode
         self._layouts: dict[tuple, object] = {}  # per (k, depth, device): constant candidate layouts
-        self.eagle3 = isinstance(head, Eagle3Head)
-        if self.eagle3:
-            self._topk, self.extend = self._topk_draft_vocab, self._extend_aux
 
     @property
     def length(self) -> int:
@@ -36,43 +34,21 @@ class Drafter:
         """Empty the draft cache (at least `capacity` positions) and re-take the head's and lm_head's weights
         (they may have changed between generations)."""
         if self.decoder is None:
-            self.decoder = self.head.decoder(capacity)
+            self.decoder = self.head.decoder(capacity, lm_head=self.lm_head)
         else:
             self.decoder.reset(capacity)
-        if self.eagle3:
-            return
-        self._lm_t = self.lm_head.weight.detach().t()  # [H, V]
-        self._lm_b = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
-
-    def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        """[n, H] predicted features -> [n, V] float32 draft log-probs through the target's lm_head."""
-        return torch.log_softmax(linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float(), dim=-1)
 
     def _topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, H] -> (log-probs [n, k], target token ids [n, k]) of the k best draft tokens."""
-        return self._logprobs(features).topk(k, dim=-1)
-
-    def _topk_draft_vocab(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """EAGLE-3: [n, H] output hiddens -> the k best of the draft vocabulary, mapped to target ids."""
-        lp, draft_ids = torch.log_softmax(self.decoder.logits(hidden).float(), dim=-1).topk(k, dim=-1)  # [n, k]
-        return lp, draft_ids + self.decoder.d2t[draft_ids]
-
-    @torch.no_grad()
-    def _extend_aux(self, aux: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """EAGLE-3 `extend`: aux [1, n, 3H] the target's aux-layer states, next_ids [1, n]. Returns the output
-        hidden after the last one, [1, H]."""
-        pos = range(self.decoder.length, self.decoder.length + next_ids.shape[1])
-        out = self.decoder.forward(self.decoder.fuse(aux[0]), next_ids[0], pos)
-        return out[-1:]  # [1, H]
+        return self.decoder.topk(features, k)
 
     @torch.no_grad()
     def extend(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """Commit n positions (target features [1, n, H], the tokens that follow them [1, n]).
-
-        Returns the predicted feature after the last one, [1, H]: it scores the root's children.
-        """
+        """Commit n positions (what the target hands the drafter [1, n, W]: its final states, or an EAGLE-3 head's
+        aux states; the tokens that follow them [1, n]). Returns the head's output after the last one, [1, H]: it
+        scores the root's children."""
         pos = range(self.decoder.length, self.decoder.length + next_ids.shape[1])
-        out = self.decoder.forward(features[0], next_ids[0], pos)
+        out = self.decoder.forward(self.decoder.fuse(features[0]), next_ids[0], pos)
         return out[-1:]  # [1, H]
 
     @torch.no_grad()
@@ -135,19 +111,6 @@ class Drafter:
             self._layouts[key] = torch.arange(1, depth + 2, device=device).repeat_interleave(sizes)
         return self._layouts[key]
 
-    def _draft_probs(self, feature: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[1, H] -> [1, V] float32 draft distribution over the TARGET vocabulary at `temperature` (temperature only,
-        as vLLM's probabilistic drafting: top-k / top-p shape the target's distribution, never the draft's).
-        EAGLE-3: the draft vocabulary's logits placed at their target ids (d2t), probability 0 elsewhere."""
-        if not self.eagle3:
-            logits = linear_t(feature.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [1, V]
-        else:
-            draft = self.decoder.logits(feature).float()  # [1, Vd]
-            ids = torch.arange(draft.shape[-1], device=draft.device) + self.decoder.d2t  # [Vd] target ids
-            logits = draft.new_full((draft.shape[0], self.head.config.vocab_size), float("-inf"))
-            logits[:, ids] = draft
-        return torch.softmax(logits / temperature, dim=-1)
-
     @torch.no_grad()
     def draft_chain_sampled(self, root: torch.Tensor, feature: torch.Tensor, length: int, temperature: float,
                             generator: torch.Generator | None = None) -> DraftTree:
@@ -160,7 +123,7 @@ class Drafter:
         tokens[0] = root[0]
         q_rows = []
         for d in range(1, length + 1):
-            q = self._draft_probs(feature, temperature)  # [1, V]
+            q = self.decoder.probs(feature, temperature)  # [1, V] (temperature only, as vLLM's probabilistic drafting)
             tokens[d : d + 1] = torch.multinomial(q, 1, generator=generator)[0]
             q_rows.append(q[0])
             if d < length:  # the head's prediction after this token (position of node d, like draft_static)

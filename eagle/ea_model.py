@@ -15,8 +15,10 @@ from torch import nn
 
 from eagle.decoding_config import DecodingConfig
 from eagle.draft import Drafter
-from eagle.head import (Eagle3Head, EagleHead, _resolve_head_files, check_head_fits_target, load_head,
-                        read_head_config, text_config)
+from eagle.head_config import check_head_fits_target
+from eagle.head_files import head_config_of, load_head
+from eagle.head_kinds import text_config
+from eagle.head_module import HeadModule
 from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
@@ -57,7 +59,7 @@ class StopRule:
 class EaModel(nn.Module):
     """Target + draft head. `eagenerate` is lossless w.r.t. `naivegenerate` (same target code path)."""
 
-    def __init__(self, base_model: nn.Module, ea_layer: "EagleHead | Eagle3Head", decoding: DecodingConfig | None = None,
+    def __init__(self, base_model: nn.Module, ea_layer: HeadModule, decoding: DecodingConfig | None = None,
                  static_tree: list[list[int]] | None = None, fused_target: bool | None = None):
         """static_tree: a custom EAGLE-1 choice list, used instead of `decoding.static_choices` in mode "static".
         fused_target: run the target through `FusedDecoder` (None = when it supports the target and it is small;
@@ -66,28 +68,15 @@ class EaModel(nn.Module):
         self.static_tree = static_tree
         self.base_model = base_model.eval()
         self.ea_layer = ea_layer.eval()
-        self.eagle3 = isinstance(ea_layer, Eagle3Head)
-        # tokens a draft step chooses from: the draft vocabulary of an EAGLE-3 head, else the target's
-        self.draft_vocab_size = ea_layer.config.draft_vocab_size if self.eagle3 else ea_layer.config.vocab_size
+        self.kind = ea_layer.kind  # the head kind (eagle/head_kinds.py)
+        self.draft_vocab_size = self.kind.draft_vocab_size(ea_layer.config)  # tokens a draft step chooses from
         self.decoding = (decoding or DecodingConfig()).validate(vocab_size=self.draft_vocab_size)
-        self._check_compatible()
-        # EAGLE-3: the target hands these hidden states (HF hidden_states ids) to the drafter; EAGLE-2: its final ones
-        self.aux_layers = tuple(ea_layer.config.aux_layers) if self.eagle3 else None
+        self.ea_layer.bind_target(self.base_model)  # fits the target (hidden size, vocabulary, layers); EAGLE-3: its embedding
+        # the hidden states the target hands the drafter: None = its final ones (EAGLE-2), else HF hidden_states ids
+        self.aux_layers = self.kind.draft_inputs(ea_layer.config)
         self.target = Target(base_model, capacity=0, fused=fused_target)
         self.drafter = Drafter(ea_layer, self.target.lm_head, capacity=0)
         self.tokenizer = None
-
-    def _check_compatible(self) -> None:
-        if self.eagle3:  # layer count, hidden size, vocabulary; copies the target's embedding into the head
-            self.ea_layer.bind_target(self.base_model)
-            return
-        t = text_config(self.base_model.config)
-        h = self.ea_layer.config
-        if h.hidden_size != t.hidden_size:
-            raise ValueError(f"head hidden_size={h.hidden_size} does not match the target's hidden_size={t.hidden_size}")
-        vocab = self.base_model.get_output_embeddings().weight.shape[0]
-        if h.vocab_size != vocab:
-            raise ValueError(f"head vocab_size={h.vocab_size} does not match the target's vocabulary ({vocab})")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -101,10 +90,11 @@ class EaModel(nn.Module):
         Tree settings: explicit arguments > `tree_config.json` saved next to the head by the
         auto-tuner > DecodingConfig defaults (60 / 5 / 10).
         """
+        # lazy: transformers' model classes cost seconds at import; only loading from a folder or the Hub needs them
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         # a head that cannot fit the target fails before the target's weights load (one line, no loading output)
-        head_config = read_head_config(_resolve_head_files(str(ea_model_path), None)[0])
+        head_config = head_config_of(ea_model_path)
         config_kw = {k: model_kwargs[k] for k in ("revision", "trust_remote_code") if k in model_kwargs}
         check_head_fits_target(head_config, AutoConfig.from_pretrained(base_model_path, **config_kw))
         base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch_dtype, device_map=device_map,
@@ -219,8 +209,7 @@ class EaModel(nn.Module):
                                                                       and not v.is_floating_point())
         if not is_int(max_new_tokens) or int(max_new_tokens) < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 0")
-        config = self.base_model.config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = text_config(self.base_model.config)
         limit = getattr(config, "max_position_embeddings", None)
         if max_length is None:
             return min(DEFAULT_MAX_LENGTH, int(limit)) if limit else DEFAULT_MAX_LENGTH

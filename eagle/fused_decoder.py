@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.attention import bmm_attention, sdpa_attention, use_bmm_attention
-from eagle.head import linear_t, rms_norm, rotate_rolled, rows_at, signed_sin, text_config
+from eagle.head_kinds import text_config
+from eagle.layers import linear_t, rms_norm, rotate_rolled, rows_at, signed_sin
 from eagle.kv_cache import PreallocatedKVCache
 
 FUSED_MAX_BYTES = 256 * 2**20  # decoder parameter bytes up to which the fused copy is worth its memory

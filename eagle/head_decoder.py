@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle.attention import sdpa_attention
-from eagle.head import EagleHead, linear_t, positions_end, rms_norm, rotate_rolled, rows_at, signed_sin
+from eagle.layers import (accumulation_dtype, linear_t, positions_end, rms_norm, rotate_rolled, rows_at,
+                          signed_sin)
 
 FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
 # The copies are re-taken at every reset (every generation, so weights edited in between are used); building
@@ -44,10 +45,12 @@ class HeadDecoder:
     written outside it).
     """
 
-    def __init__(self, head: EagleHead, capacity: int, fast: bool | None = None):
-        """fast: the small-head path (None = when its copies are small and quick to rebuild, see `_fast_fits`)."""
+    def __init__(self, head, capacity: int, fast: bool | None = None, lm_head: torch.nn.Module | None = None):
+        """head: an `EagleHead`; fast: the small-head path (None = when its copies are small and quick to rebuild, see
+        `_fast_fits`); lm_head: the target's, which scores the drafts (`topk`)."""
         c = head.config
         self.head = head
+        self.lm_head = lm_head
         self.n_heads, self.n_kv, self.head_dim, self.hidden = (c.num_attention_heads, c.num_key_value_heads,
                                                                c.head_dim, c.hidden_size)
         self.eps = c.rms_norm_eps
@@ -97,6 +100,9 @@ class HeadDecoder:
         head, layer = self.head, self.head.layers[0]
         a, m = layer.self_attn, layer.mlp
         H, D = self.hidden, self.head_dim
+        if self.lm_head is not None:  # the target's lm_head scores the drafts
+            self._lm_t = self.lm_head.weight.detach().t()  # [H, V]
+            self._lm_b = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
         self.o_t = a.o_proj.weight.detach().t()  # [h D, H]
         self.down_t = m.down_proj.weight.detach().t()  # [I, H]
         if not self.fast:
@@ -178,13 +184,30 @@ class HeadDecoder:
         if self.fast:
             rows = self._scratch(n)
             x = torch.addmm(x, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj, into the scratch rows
-            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(H (mean(x^2) + eps))
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True,
+                                            dtype=accumulation_dtype(rows.dtype))  # sqrt(H (mean(x^2) + eps))
             gate, up = torch.mm(x, self.gate_up_t).div_(norm).chunk(2, -1)
         else:
             x = torch.addmm(x, att, self.o_t)  # residual + o_proj
             normed = rms_norm(x, self.ln, self.eps)
             gate, up = torch.mm(normed, self.gate_t), torch.mm(normed, self.up_t)
         return torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """What a committed position feeds the head: the target's final hidden state [n, H] as it is."""
+        return features
+
+    def topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H] predicted features -> (float32 log-probs [n, k], target token ids [n, k]) of the k best draft tokens,
+        through the target's lm_head."""
+        logits = linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [n, V]
+        return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+
+    def probs(self, features: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[n, H] predicted features -> [n, V] float32 draft distribution over the target vocabulary at `temperature`
+        (probabilistic drafting, eagle/draft.py `draft_chain_sampled`)."""
+        logits = linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [n, V]
+        return torch.softmax(logits / temperature, dim=-1)
 
     def _append_bounds(self, n: int, mask: torch.Tensor | None, device) -> tuple[int, torch.Tensor | None]:
         """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1)."""
@@ -269,6 +292,21 @@ class Eagle3HeadDecoder(HeadDecoder):
         """[n, H] output hidden -> [n, Vd] draft-vocabulary logits (lm_head(norm(hidden)))."""
         return torch.mm(rms_norm(hidden, self.norm_w, self.eps), self.lm_t)
 
+    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H] output hiddens -> the k best of the draft vocabulary (float32 log-probs [n, k]), mapped to target
+        ids [n, k] (d2t)."""
+        lp, draft_ids = torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)  # [n, k]
+        return lp, draft_ids + self.d2t[draft_ids]
+
+    def probs(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[n, H] output hiddens -> [n, V] float32 draft distribution over the TARGET vocabulary at `temperature`: the
+        draft vocabulary's probabilities at their target ids (d2t), 0 elsewhere."""
+        draft = self.logits(hidden).float()  # [n, Vd]
+        ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t  # [Vd] target ids
+        logits = draft.new_full((draft.shape[0], self.head.config.vocab_size), float("-inf"))
+        logits[:, ids] = draft
+        return torch.softmax(logits / temperature, dim=-1)
+
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: "torch.Tensor | range | int",
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """As `HeadDecoder.forward`: features [n, H] (fused aux states or the head's own output hiddens), next_ids [n],
@@ -280,7 +318,8 @@ class Eagle3HeadDecoder(HeadDecoder):
         if self.fast:
             rows = self._scratch(n)
             rows[:, : self.hidden] = features
-            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)  # sqrt(H (mean(f^2) + eps))
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True,
+                                            dtype=accumulation_dtype(rows.dtype))  # sqrt(H (mean(f^2) + eps))
             y = torch.addcdiv(F.embedding(next_ids, self.tok_qkv), torch.mm(features, self.feat_qkv_t), norm.to(features.dtype))
             y, y_rolled = y.view(n, 2, h_ + 2 * kv_, d_).unbind(1)  # q|k|v, then rolled
             cos, sin = self._rotary(positions)  # [n | 1, h + 2 kv, D]
@@ -301,7 +340,7 @@ class Eagle3HeadDecoder(HeadDecoder):
         att = sdpa_attention(q.unsqueeze(0), keys, values, mask)  # [n, h D]
         if self.fast:
             x = torch.addmm(features, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj
-            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=accumulation_dtype(rows.dtype))
             gate, up = torch.mm(x, self.gate_up_t).div_(norm).chunk(2, -1)
         else:
             x = torch.addmm(features, att, self.o_t)  # residual + o_proj

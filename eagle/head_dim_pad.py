@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.head import Eagle3Head, EagleHead, HeadConfig, head_class
+from eagle.head_config import HeadConfig
+from eagle.head_module import HeadModule
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -84,21 +85,22 @@ def _check_rope(rope: dict | None) -> None:
         raise ValueError(f"head_dim padding keeps only default RoPE exact; this model has rope_type {rope_type!r}")
 
 
-def pad_head(head: "EagleHead | Eagle3Head", head_dim: int) -> "EagleHead | Eagle3Head":
+def pad_head(head: HeadModule, head_dim: int) -> HeadModule:
     """A head of the same kind computing the same function with attention head_dim `head_dim`."""
     c = head.config
     _check_rope(c.rope_scaling if c.rope_scaling and c.rope_scaling.get("rope_type", "default") != "default" else None)
     cfg = HeadConfig(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "head_dim": head_dim})
-    layer = "midlayer." if isinstance(head, Eagle3Head) else "layers.0."
-    sd = pad_attention(head.state_dict(), f"{layer}self_attn.", c.num_attention_heads, c.num_key_value_heads,
-                       c.head_dim, head_dim)
-    out = head_class(cfg)(cfg)
+    sd = head.state_dict()
+    attn = next(k for k in sd if k.endswith("self_attn.q_proj.weight"))[: -len("q_proj.weight")]  # its one layer
+    sd = pad_attention(sd, attn, c.num_attention_heads, c.num_key_value_heads, c.head_dim, head_dim)
+    out = type(head)(cfg)
     out.load_state_dict(sd, strict=True)
     return out.to(head.dtype).eval()
 
 
 def pad_target_folder(src: str | Path, dst: str | Path, head_dim: int) -> Path:
     """Write a copy of the HF Llama folder `src` with attention head_dim `head_dim` (tokenizer files copied)."""
+    # lazy: transformers' model classes cost seconds at import; only padding a target folder needs them
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src, dst = Path(src), Path(dst)

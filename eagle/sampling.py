@@ -5,6 +5,7 @@ Order follows transformers' `generate`: temperature, then top-k, then top-p.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,6 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
 
     def __post_init__(self):
-        import math
-
         for name in ("temperature", "top_p", "top_k"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from eagle.fused_decoder import FusedDecoder, fused_unsupported_reason
-from eagle.head import text_config
+from eagle.head_kinds import text_config
 from eagle.kv_cache import PreallocatedKVCache
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as sps
 
 
 @dataclass
@@ -43,6 +42,9 @@ def paired_bootstrap(columns: list[np.ndarray], statistic: Callable[..., np.ndar
     value = float(on_sums(*cols))
     if n < 2:
         return Estimate(value, None, None, n)
+    # lazy: scipy.stats costs over a second at import; only the statistics need it, not a command's --help
+    from scipy import stats as sps
+
     res = sps.bootstrap(tuple(cols), on_sums, n_resamples=n_resamples, paired=True, vectorized=True,
                         confidence_level=confidence_level, method="percentile", rng=np.random.default_rng(seed))
     return Estimate(value, float(res.confidence_interval.low), float(res.confidence_interval.high), n)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import stats as sps
 
 QUANTITIES = ("path_prob", "node_prob")
 
@@ -74,6 +73,9 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float:
     """Pearson r, NaN when undefined (fewer than 2 points or a constant input)."""
     if len(x) < 2 or np.all(x == x[0]) or np.all(y == y[0]):
         return float("nan")
+    # lazy: scipy.stats costs over a second at import; only the statistics need it, not a command's --help
+    from scipy import stats as sps
+
     return float(sps.pearsonr(x, y).statistic)
 
 

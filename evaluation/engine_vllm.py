@@ -57,7 +57,7 @@ def request_acceptance(result) -> dict | None:
 def fixed_expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
     """expand_kernel's contract (rejection_sampler.py): request i's value (replace_from -> replace_to) written to
     output[cu[i-1]:cu[i]], in output's own dtype."""
-    import torch
+    import torch  # lazy: this file's top stays stdlib (the engine's venv brings torch with vllm)
 
     cu = cu_num_tokens.long()
     counts = torch.diff(cu, prepend=cu.new_zeros(1))
@@ -68,6 +68,7 @@ def fixed_expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX
 def engine_defects() -> list[str]:
     """Self-test of the code path a speculative request at temperature > 0 takes (call after an LLM exists, when
     the platform's kernel overrides are registered)."""
+    # lazy: vllm (and its torch) live in the engine's own venv; this script runs under that interpreter only
     import torch
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
@@ -86,12 +87,13 @@ def main(request_path: str, result_path: str) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: one import of vllm
+    # lazy: vllm lives in the engine's own venv; this script runs under that interpreter only
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     if req.get("patch_cpu_expand"):
-        from vllm.utils import cpu_triton_utils
+        from vllm.utils import cpu_triton_utils  # lazy: as above
 
         cpu_triton_utils._expand_kernel_impl = fixed_expand  # read when the worker registers its kernel overrides
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from scipy import stats as sps
 
 from evaluation.methods import Method
 from evaluation.runner import GenerationArgs, TurnResult, generate
@@ -159,6 +158,9 @@ def chi2_homogeneity(a: np.ndarray, b: np.ndarray, min_expected: float = 5.0) ->
         table = table[:, table.sum(0) > 0]
     if table.shape[1] < 2:
         return 0.0, 0, 1.0, table.shape[1]
+    # lazy: scipy.stats costs over a second at import; only the statistics need it, not a command's --help
+    from scipy import stats as sps
+
     stat, p, dof, _ = sps.chi2_contingency(table, correction=False)
     return float(stat), int(dof), float(p), table.shape[1]
 

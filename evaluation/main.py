@@ -12,7 +12,7 @@ bench: every method of `eval.methods` (vanilla, chain, eagle1, eagle2, tuned; an
 "eagle2:total_token=30,depth=4,top_k=8") runs on every prompt, interleaved, after a warm-up; the
 report (report.json, report.md, PNGs, answers.jsonl) goes to eval.output_dir (default
 {output_dir}/eval). At T = 0 every output is compared with vanilla's token by token; the exit code
-is 1 on a mismatch (eval.fail_on_mismatch). Keys: `eval.*` (evaluation/settings.py), `decoding.*`
+is 1 on a mismatch (eval.fail_on_mismatch). Keys: `eval.*` (recipes/eval.py), `decoding.*`
 (the base tree of every method), `target.*`.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import logging
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,12 +31,29 @@ if __package__ in (None, ""):  # `python evaluation/main.py`: import the evaluat
 
 import torch  # noqa: E402
 
-from eagle.decoding_config import DecodingConfig  # noqa: E402
+from data_prep.chat_template import stop_token_ids  # noqa: E402
+from data_prep.default_target import QUESTIONS_FILE, ensure_default_target  # noqa: E402
+from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.decoding_config import DecodingConfig  # noqa: E402
+from eagle.ea_model import EaModel, save_tree_config  # noqa: E402
+from eagle.head_config import check_head_fits_target  # noqa: E402
+from eagle.head_files import check_head_files, head_config_of, load_head  # noqa: E402
+from eagle.head_kinds import text_config  # noqa: E402
+from evaluation.autotune import autotune_tree, grid  # noqa: E402
+from evaluation.calibration import calibrate  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
+from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
+from evaluation.metrics import compare_all_pairs, summarize  # noqa: E402
 from evaluation.questions import QuestionError, load_questions  # noqa: E402
-from evaluation.runner import GenerationArgs  # noqa: E402
+from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,  # noqa: E402
+                               write_report)
+from evaluation.runner import GenerationArgs, run_benchmark  # noqa: E402
+from evaluation.serve_check import ServeCheckError, serve_check  # noqa: E402
+from evaluation.serve_sweep import parse_int_list, serve_sweep  # noqa: E402
+from recipes import add_print_config, command_config, layout  # noqa: E402
+from recipes.chat_templates import read_template  # noqa: E402
 
 COMMANDS = ("bench", "autotune", "chi2", "serve-check", "serve-sweep")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,6 +87,7 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     p.add_argument("--questions", default=None, help="prompt source (overrides eval.questions)")
     p.add_argument("--out", default=None, help="report folder (overrides eval.output_dir)")
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value, e.g. eval.max_new_tokens=128")
+    add_print_config(p)
     sc = p.add_argument_group("serve-check (evaluation/serve_check.py)")
     sc.add_argument("--engine", default="vllm", help="serving engine to run the head in (vllm)")
     sc.add_argument("--engine-python", default=None,
@@ -95,37 +114,21 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     return command, p.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
 
-def load_config(args: argparse.Namespace):
-    from omegaconf.errors import ValidationError
-
-    from recipes import RecipeError, load_recipe
-
+def config_from_args(args: argparse.Namespace):
+    """The recipe with the command-line flags applied as overrides (--base = target.path, --head = eval.head_path...)."""
     overrides = list(args.overrides)
     for flag, key in (("base", "target.path"), ("head", "eval.head_path"), ("compare_head", "eval.compare_head"),
                       ("questions", "eval.questions"), ("out", "eval.output_dir")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
-    try:
-        return load_recipe(args.recipe, overrides)
-    except ValidationError as e:  # a value of the wrong type: name the key
-        raise RecipeError(f"recipe {args.recipe}: {e.msg} (key {e.full_key})") from None
-
-
-def target_folder(cfg) -> str:
-    if cfg.target.path:
-        return str(cfg.target.path)
-    from quickstart.default_target import ensure_default_target
-
-    return str(ensure_default_target())
+    return command_config(args, overrides)
 
 
 def question_source(cfg) -> str:
     if cfg.eval.questions:
         return str(cfg.eval.questions)
     if not cfg.target.path:
-        from quickstart.default_target import QUESTIONS_FILE, ensure_default_target
-
         return str(ensure_default_target() / QUESTIONS_FILE)
     raise QuestionError("set eval.questions (or --questions): a .jsonl question file, a .txt prompt file, "
                      "paragraphs:FILE or hf:DATASET")
@@ -146,30 +149,18 @@ def load_all_questions(cfg) -> list:
 def build_setup(cfg, check_methods: bool = True) -> Setup:
     """Load the target, head(s) and tokenizer once; every command shares them. check_methods: parse eval.methods
     before loading anything (bench, chi2; autotune writes the tree that the `tuned` method reads)."""
-    from eagle.ea_model import EaModel
-    from eagle.head import load_head
-
     if cfg.eval.threads > 0:
         torch.set_num_threads(int(cfg.eval.threads))
-    target_path = target_folder(cfg)
-    head_path = str(cfg.eval.head_path or Path(cfg.output_dir) / "head")
+    target_path = resolve_target_path(cfg.target)
+    head_path = layout.eval_head(cfg)
     if Path(head_path).is_dir() or Path(head_path).exists():  # a bad head folder fails before the target loads
-        from eagle.head import check_head_files
-
         check_head_files(head_path)
     if cfg.eval.compare_head:  # so does a bad or ill-fitting second head
-        from transformers import AutoConfig
-
-        from eagle.head import check_head_files, check_head_fits_target
-
         if Path(str(cfg.eval.compare_head)).exists():
             check_head_files(str(cfg.eval.compare_head))
-        check_head_fits_target(read_head_config_of(str(cfg.eval.compare_head)),
-                               AutoConfig.from_pretrained(target_path, revision=cfg.target.revision))
+        check_head_fits_target(head_config_of(str(cfg.eval.compare_head)),
+                               load_target_config(target_path, cfg.target.revision))
     if cfg.eval.max_length:  # a length the target was never trained for fails before the target loads
-        from data_prep.target import load_target_config
-        from eagle.head import text_config
-
         limit = getattr(text_config(load_target_config(target_path, cfg.target.revision)),
                         "max_position_embeddings", None)
         if limit and int(cfg.eval.max_length) > int(limit):
@@ -194,35 +185,22 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
         raise ValueError(f"{target_path} has no tokenizer: evaluation needs one to encode prompts")
     template = None
     if cfg.target.chat_template:
-        from data_prep.chat_template import read_template
-
         template = read_template(str(cfg.target.chat_template))
     fmt = ChatFormat(tokenizer, template, str(cfg.eval.turn_separator))
     eos = list(cfg.eval.eos_token_ids)
     if not eos:
-        from data_prep.chat_template import stop_token_ids
-
         eos = stop_token_ids(tokenizer, model.base_model.generation_config, cfg.target.chat_template)
     max_length = int(cfg.eval.max_length) or int(model.base_model.config.max_position_embeddings)
     gen = GenerationArgs(max_new_tokens=int(cfg.eval.max_new_tokens), max_length=max_length,
                          temperature=float(cfg.eval.temperature), top_p=float(cfg.eval.top_p),
                          top_k=int(cfg.eval.top_k), eos_token_id=[int(e) for e in eos])
-    out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / "eval")
+    out_dir = layout.eval_dir(cfg)
     return Setup(cfg, models, fmt, gen, base_decoding, target_path, head_path, out_dir)
-
-
-def read_head_config_of(head: str):
-    """The HeadConfig of a head folder or hub id (config.json only)."""
-    from eagle.head import _resolve_head_files, read_head_config
-
-    return read_head_config(_resolve_head_files(head, None)[0])
 
 
 def with_head_kinds(methods: list[Method], models: dict) -> list[Method]:
     """Each speculative method annotated with its head's kind (eagle2 / eagle3) for the report."""
-    import dataclasses
-
-    return [m if m.is_vanilla else dataclasses.replace(m, head_kind="eagle3" if models[m.head].eagle3 else "eagle2")
+    return [m if m.is_vanilla else dataclasses.replace(m, head_kind=models[m.head].kind.name)
             for m in methods]
 
 
@@ -249,8 +227,6 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
 
 def code_version() -> str:
     """The repository commit the numbers were measured with ("+dirty" with uncommitted changes)."""
-    import subprocess
-
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -263,12 +239,6 @@ def code_version() -> str:
 
 
 def bench(s: Setup, questions: list) -> int:
-    from evaluation.calibration import calibrate
-    from evaluation.losslessness import check_greedy, explain_mismatches
-    from evaluation.metrics import compare_all_pairs, summarize
-    from evaluation.report import EvalReport, markdown, write_answers, write_report
-    from evaluation.runner import run_benchmark
-
     ev = s.cfg.eval
     methods = with_head_kinds(parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path),
                                             "B" in s.models), s.models)
@@ -309,10 +279,6 @@ def bench(s: Setup, questions: list) -> int:
 
 
 def autotune(s: Setup, questions: list) -> int:
-    from eagle.ea_model import save_tree_config
-    from evaluation.autotune import autotune_tree, grid
-    from evaluation.report import write_autotune_report
-
     ev = s.cfg.eval
     # tune on prompts the benchmark does not use (those after the first num_questions) when there are enough
     bench_n = ev.num_questions if ev.num_questions > 0 else len(questions)
@@ -350,9 +316,6 @@ def autotune(s: Setup, questions: list) -> int:
 
 
 def chi2(s: Setup, questions: list) -> int:
-    from evaluation.losslessness import distribution_test
-    from evaluation.report import write_chi2_report
-
     ev = s.cfg.eval
     methods = with_head_kinds(parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path),
                                             "B" in s.models), s.models)
@@ -384,17 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, args = parse_args(argv)
     if command == "serve-sweep":  # bad lists fail before anything loads
-        from evaluation.serve_sweep import parse_int_list
-
         args.concurrency = parse_int_list(args.concurrency, "--concurrency", minimum=1)
         args.ks = parse_int_list(args.ks, "--ks") if args.ks else None
-    cfg = load_config(args)
+    cfg = config_from_args(args)
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv
     if command == "serve-check":
-        from evaluation.serve_check import ServeCheckError, serve_check
-
         try:
             return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
                                k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
@@ -404,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if command == "serve-sweep":
-        from evaluation.serve_sweep import serve_sweep
-
         return serve_sweep(setup, questions, args.engine_python, args.concurrency, args.ks,
                            engine_format=args.engine_format, min_prompts=args.min_prompts)
     return {"bench": bench, "autotune": autotune, "chi2": chi2}[command](setup, questions)

@@ -1,6 +1,6 @@
 """Acceptance length, per-depth acceptance, tokens/s and speedup from TurnResults.
 
-Counting is identical for every method:
+Counting is identical for every method (tau and alpha_d are counted by eagle/stats.py, as the trainer's live tau):
   tau          = sum over rounds of tokens committed in the round / number of rounds, where a
                  round is one target verification forward after prefill (vanilla: 1 token per
                  forward, tau = 1.00). The token the prefill forward produces belongs to no round.
@@ -16,24 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eagle.stats import DepthAcceptance, acceptance_by_depth, committed_tokens
 from evaluation.bootstrap import Estimate, ratio_ci, ratio_difference_ci, ratio_of_ratios_ci
 from evaluation.runner import TurnResult
 
 OVERALL = "overall"
-
-
-@dataclass
-class DepthAcceptance:
-    depth: int
-    reached: int  # rounds whose draft had a depth-d node and whose depths 1..d-1 were all accepted
-    accepted: int  # of those, rounds that accepted a depth-d token
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.reached if self.reached else float("nan")
-
-    def to_dict(self) -> dict:
-        return {"depth": self.depth, "reached": self.reached, "accepted": self.accepted, "rate": self.rate}
 
 
 @dataclass
@@ -83,24 +70,12 @@ def rounds_of(r: TurnResult) -> list:
 
 
 def committed_in_rounds(r: TurnResult) -> int:
-    return sum(int(x.new_tokens) for x in rounds_of(r))
+    return committed_tokens(rounds_of(r))
 
 
 def depth_acceptance(results: list[TurnResult]) -> list[DepthAcceptance]:
-    """alpha_d for d = 1..deepest drafted node (empty for vanilla)."""
-    accept, tree_depth = [], []
-    for r in results:
-        for rd in rounds_of(r):
-            accept.append(int(rd.accept_length))
-            tree_depth.append(int(rd.node_depth.max()) if rd.node_depth.numel() else 0)
-    if not accept:
-        return []
-    accept_a, depth_a = np.array(accept), np.array(tree_depth)  # [R], [R]
-    out = []
-    for d in range(1, int(depth_a.max()) + 1):
-        reached = (accept_a >= d - 1) & (depth_a >= d)
-        out.append(DepthAcceptance(d, int(reached.sum()), int((reached & (accept_a >= d)).sum())))
-    return out
+    """alpha_d for d = 1..deepest drafted node over every round of `results` (empty for vanilla)."""
+    return acceptance_by_depth(rd for r in results for rd in rounds_of(r))
 
 
 def _per_question(results: list[TurnResult], keys: set | None = None) -> "OrderedDict[str, np.ndarray]":

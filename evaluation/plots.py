@@ -4,15 +4,22 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from evaluation.autotune import TuneResult
+from evaluation.calibration import Calibration
+from evaluation.metrics import OVERALL, MethodSummary
 
-from evaluation.autotune import TuneResult  # noqa: E402
-from evaluation.calibration import Calibration  # noqa: E402
-from evaluation.metrics import OVERALL, MethodSummary  # noqa: E402
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    # lazy: matplotlib costs about a second at import; only drawing a report's figures needs it (not --help)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def safe_name(label: str) -> str:
@@ -27,6 +34,7 @@ def _grouped_bars(summaries: list[MethodSummary], metric: str, title: str, ylabe
     by = {(s.method, s.category): getattr(s, metric) for s in summaries}
     width = 0.8 / len(methods)
     x = np.arange(len(categories))
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) * max(1, len(methods)) / 2 + 2), 4.2))
     for i, m in enumerate(methods):
         vals, lo, hi = [], [], []
@@ -61,6 +69,7 @@ def plot_speedup(summaries: list[MethodSummary], path: Path) -> Path:
 
 
 def plot_depth_acceptance(summaries: list[MethodSummary], path: Path) -> Path:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in summaries:
         if s.category != OVERALL or not s.depth_acceptance:
@@ -87,6 +96,7 @@ def plot_depth_acceptance(summaries: list[MethodSummary], path: Path) -> Path:
 def plot_calibration(calibrations: dict[str, Calibration], title: str, path: Path) -> Path:
     """Reliability diagram (top) and node counts per bin (bottom) for each quantity."""
     qs = list(calibrations)
+    plt = pyplot()
     fig, axes = plt.subplots(2, len(qs), figsize=(5 * len(qs), 6), height_ratios=[3, 1], squeeze=False)
     for j, q in enumerate(qs):
         cal = calibrations[q]
@@ -123,6 +133,7 @@ def plot_autotune(result: TuneResult, path: Path) -> Path:
     top_ks = sorted({p.top_k for p in result.points})
     depths = sorted({p.depth for p in result.points})
     totals = sorted({p.total_token for p in result.points})
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(top_ks), figsize=(3.6 * len(top_ks) + 1, 3.6), squeeze=False)
     vmax = max(p.speedup for p in result.points)
     vmin = min(p.speedup for p in result.points)

@@ -133,7 +133,8 @@ def paragraph_openings(path: Path, sentences: int = 1, from_end: bool = True) ->
 
 
 def _load_hf(spec: str, split: str, column: str, category_column: str) -> list[Question]:
-    import datasets  # imported lazily: only this source needs it
+    # lazy: datasets costs over a second at import; only hf: question sources need it
+    import datasets
 
     name, _, config = spec.partition(":")
     try:

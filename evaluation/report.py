@@ -11,6 +11,8 @@ from evaluation import plots
 from evaluation.autotune import TuneResult
 from evaluation.bootstrap import Estimate
 from evaluation.calibration import Calibration
+from evaluation.headline import headline_text
+from evaluation.headline import number_text as _num
 from evaluation.losslessness import DistributionTest, GreedyCheck
 from evaluation.metrics import OVERALL, Comparison, MethodSummary, committed_in_rounds, rounds_of
 from evaluation.runner import BenchmarkRun
@@ -41,10 +43,6 @@ class EvalReport:
         }
 
 
-def _num(x: float | None, digits: int = 2) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
 def _ci(e: Estimate | None, digits: int = 2) -> str:
     if e is None:
         return "–"
@@ -66,15 +64,6 @@ def headline(summaries: list[MethodSummary], greedy: GreedyCheck | None, methods
             "speedup_high": best.speedup.high, "faster": best.speedup.low is not None and best.speedup.low > 1.0,
             "mismatches": None if greedy is None else len(greedy.mismatches),
             "compared": None if greedy is None else greedy.compared}
-
-
-def headline_text(h: dict) -> str:
-    """One sentence: 'fastest: tuned (dynamic ...): tau 3.10, speedup 1.62x [1.55, 1.70] over vanilla, 0 mismatches'."""
-    ci = f" [{_num(h['speedup_low'])}, {_num(h['speedup_high'])}]" if h.get("speedup_low") is not None else ""
-    lossless = "" if h.get("mismatches") is None else \
-        f", {h['mismatches']} mismatches with vanilla greedy over {h['compared']} outputs"
-    return (f"fastest: {h['method']} ({h['describe']}): tau {h['tau']:.2f}, speedup {h['speedup']:.2f}x{ci} "
-            f"over vanilla{lossless}")
 
 
 def markdown(report: EvalReport, figures: dict[str, str]) -> str:

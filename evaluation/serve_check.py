@@ -4,7 +4,7 @@
         [--engine-python /work/venvs/vllm/bin/python] [--num-speculative-tokens 4] [--tolerance 0.05] \
         [--temperature 1.0]          # T > 0: evaluation/serve_check_sampling.py
 
-1. The head (EAGLE-1/2 or EAGLE-3) is written in the engine's format (train/engine_formats.py; `--engine-format
+1. The head (EAGLE-1/2 or EAGLE-3) is written in the engine's format (export/head_kinds.py; `--engine-format
    eagle` serves the official / released-layout folder unchanged instead). The vLLM method follows the folder's
    head kind (eagle / eagle3); `--engine-method` serves it with another, which the check refuses with one line
    naming the mismatch (the trap that otherwise shows up as acceptance 1.0 or a loader error).
@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,20 +33,17 @@ from pathlib import Path
 import torch
 
 from data_prep.target import load_target_config
-from data_prep.vllm_server import check_engine, engine_env, servable_target
+from data_prep.vllm_server import check_engine, servable_target
 from eagle.decoding_config import DecodingConfig
-from eagle.head import load_head
+from eagle.ea_model import EaModel
 from eagle.head_dim_pad import pad_head
-from train.engine_formats import VLLM_METHODS, check_vllm_method, folder_kind, write_engine_head
+from eagle.head_files import load_head
+from evaluation import serve_check_sampling
+from evaluation.engine_process import ENGINES, ServeCheckError, engine_runs
+from export.head_kinds import check_vllm_method, export_kind, served_kind, write_engine_head
 
 log = logging.getLogger(__name__)
-ENGINES = ("vllm",)
-ENGINE_SCRIPTS = {"vllm": Path(__file__).resolve().parent / "engine_vllm.py"}
 DEFAULT_TOLERANCE = 0.05  # relative difference of mean acceptance lengths (T = 0)
-
-
-class ServeCheckError(RuntimeError):
-    """The engine could not run (the message holds the end of its log)."""
 
 
 @dataclasses.dataclass
@@ -93,20 +89,6 @@ def project_run(model, prompts: list[list[int]], k: int, max_new_tokens: int, ma
     return vanilla, spec, Acceptance.from_rounds(lengths, k), time.perf_counter() - start
 
 
-def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeout: float = 3600) -> dict:
-    """Run the engine script under `engine_python`; returns its RESULT json (see evaluation/engine_vllm.py)."""
-    req, res, logf = work / f"{engine}_request.json", work / f"{engine}_result.json", work / f"{engine}.log"
-    req.write_text(json.dumps(request))
-    env = engine_env(engine_python)
-    with open(logf, "w") as f:
-        proc = subprocess.run([engine_python, str(ENGINE_SCRIPTS[engine]), str(req), str(res)], stdout=f,
-                              stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout)
-    if proc.returncode != 0 or not res.exists():
-        tail = "\n".join(logf.read_text(errors="replace").splitlines()[-25:])
-        raise ServeCheckError(f"{engine} exited with {proc.returncode} (log {logf}):\n{tail}")
-    return json.loads(res.read_text())
-
-
 def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_format: str, work: Path,
                           k: int = 4) -> tuple[str, str, int | None]:
     """(target folder, draft folder, padded head_dim or None) that the engine will load. EAGLE-3 heads go to vLLM as
@@ -127,8 +109,6 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
 def padded_equivalence(ours: tuple, dtype, padded_target: str, padded_head_dir: str, prompts, k, gen) -> dict:
     """The padded copies decode token-identically to the originals (`ours` = project_run of the originals) in
     this project's decoder, vanilla and chain, with identical acceptance."""
-    from eagle.ea_model import EaModel
-
     padded = EaModel.from_pretrained(base_model_path=padded_target, ea_model_path=padded_head_dir, torch_dtype=dtype)
     pad = project_run(padded, prompts, k, gen.max_new_tokens, gen.max_length, list(gen.eos_token_id or []))
     same_v = sum(a == b for a, b in zip(ours[0], pad[0]))
@@ -147,23 +127,12 @@ def evaluation_prompts(s, questions: list, num_prompts: int | None) -> list[list
     return prompts
 
 
-def engine_runs(engine: str, engine_python: str, request: dict, work: Path) -> dict:
-    """engine_run, with a run vLLM refused (its "error") raised as one line naming the run."""
-    result = engine_run(engine, engine_python, request, work)
-    for name, run in result["runs"].items():
-        if "error" in run:
-            raise ServeCheckError(f"{engine} refused the {name!r} run: {run['error']}")
-    return result
-
-
 def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str | None = None, k: int = 4,
                 tolerance: float = DEFAULT_TOLERANCE, num_prompts: int | None = None,
                 engine_format: str | None = None, engine_method: str | None = None, temperature: float = 0.0,
                 alpha: float | None = None, patch_engine: bool = False) -> int:
     """Run the check (module docstring; temperature > 0: evaluation/serve_check_sampling.py, `alpha` its error
     rate); writes serve_check/report.{json,md} under the eval output folder. Exit code 0 = pass, 1 = fail."""
-    from evaluation import serve_check_sampling
-
     if engine not in ENGINES:
         raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
                               "its export format is checked by tests/test_engine_formats.py)")
@@ -179,7 +148,7 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
         work = Path(tmp)
         target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
         draft_config = json.loads((Path(draft) / "config.json").read_text())
-        method = engine_method or VLLM_METHODS[folder_kind(draft_config)]
+        method = engine_method or export_kind(served_kind(draft_config)).vllm_method
         check_vllm_method(method, draft_config, s.head_path)  # the trap, named before any engine time is spent
         request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(s.gen.max_length),
                    "prompts": prompts, "max_tokens": int(s.gen.max_new_tokens),

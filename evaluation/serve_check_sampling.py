@@ -25,9 +25,9 @@ import math
 import time
 
 import torch
-from scipy.stats import norm
 
 from eagle.decoding_config import DecodingConfig
+from evaluation.engine_process import engine_runs
 
 DEFAULT_ALPHA = 0.01
 RULES = ("probabilistic", "greedy")
@@ -82,6 +82,9 @@ def acceptance(per_prompt: list[dict], k: int) -> dict:
 
 def compare(engine: dict, project: dict, k: int, alpha: float) -> dict:
     """Per position: difference, tolerance z * combined se (cluster-robust; and the binomial one), agreement."""
+    # lazy: scipy.stats costs over a second at import; only the statistics need it, not a command's --help
+    from scipy.stats import norm
+
     z = float(norm.ppf(1 - alpha / (2 * k)))
     rows = []
     for i in range(k):
@@ -95,8 +98,6 @@ def compare(engine: dict, project: dict, k: int, alpha: float) -> dict:
 
 def check(s, prompts, k, temperature, engine, engine_python, work, request, spec_config, alpha) -> dict:
     """Both drafting rules in the engine and in this project's decoder; the serve-check report's body."""
-    from evaluation.serve_check import engine_runs
-
     gen, seed = s.gen, int(s.cfg.seed)
     runs = [{"name": rule, "speculative_config": {**spec_config, "draft_sample_method": rule}} for rule in RULES]
     result = engine_runs(engine, engine_python, {**request, "temperature": temperature, "top_p": gen.top_p or 1.0,

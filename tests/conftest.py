@@ -1,8 +1,11 @@
 """Test-wide settings: CPU only, no network services, ../shared optional."""
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 os.environ.setdefault("WANDB_MODE", "disabled")  # online wandb hangs ~90 s without network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,3 +43,15 @@ def vllm_python() -> str:
     if not Path(path).exists():
         pytest.skip(f"EAGLE_VLLM_PYTHON={path} does not exist")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def arithmetic_variant():
+    """The in-process switches of tests/float_variants.py: EAGLE_TEST_SDPA=math runs every
+    scaled_dot_product_attention through its math kernel; EAGLE_TEST_MKLDNN=0 turns oneDNN off."""
+    with contextlib.ExitStack() as stack:
+        if os.environ.get("EAGLE_TEST_SDPA") == "math":
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        if os.environ.get("EAGLE_TEST_MKLDNN") == "0":
+            stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+        yield

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import TEST_THREADS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared"
@@ -26,7 +27,7 @@ def build_tokenizer(chat_template: str | None = "chatml"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from data_prep.chat_template import read_template
+    from recipes.chat_templates import read_template
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -78,6 +79,6 @@ def write_sharegpt(path: Path, n: int, multi_turn_every: int = 3) -> Path:
 def one_torch_thread():
     """Tiny models run fastest single-threaded, and 2 busy cores make multi-threaded torch crawl."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(before)

@@ -1,7 +1,8 @@
 """Exact assistant-only loss masks for every shipped template, both mask paths, truncation/drop counts."""
 import pytest
 
-from data_prep.chat_template import END_OF_TURN, read_template, setup_chat_template, shipped_templates
+from data_prep.chat_template import END_OF_TURN, setup_chat_template
+from recipes.chat_templates import read_template, shipped_templates
 from data_prep.loss_mask import TemplateMaskError, render_masked, tokenize_records, tokenize_with_mask
 from test_data_prep_helpers import build_tokenizer
 

@@ -9,7 +9,7 @@ import torch
 from eagle import DecodingConfig, EaModel, EagleHead, HeadConfig
 from tiny_models import family_setup, hf_greedy, random_head, single_thread, tiny_target  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 from test_evaluation_questions import TEMPLATE, char_tokenizer
-from tiny_models import random_head, tiny_llama
+from tiny_models import TEST_THREADS, random_head, tiny_llama
 
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
+from eagle.tau import measure_tau
 from evaluation.chat_format import ChatFormat
-from evaluation.live import measure_tau
 from evaluation.losslessness import check_greedy, distribution_test
 from evaluation.main import main
 from evaluation.methods import Method, parse_methods
@@ -27,7 +27,7 @@ VOCAB = 258  # char_tokenizer: <s>, </s> + 256 byte symbols
 def one_thread():
     """One intra-op thread: tiny forwards are dominated by thread hand-off on a busy 2-core machine."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(before)
 

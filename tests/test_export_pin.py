@@ -63,7 +63,7 @@ def card_inputs():
 
 def test_eagle2_model_card_is_unchanged():
     """sha256 of the card main's model_card (468af37) wrote for these inputs (the `head` section is new and unread)."""
-    from train.model_card import model_card
+    from export.model_card import model_card
 
     cfg, summary, manifest, report = card_inputs()
     sd, config = fixed_head(False, False)
@@ -85,7 +85,7 @@ def test_eagle3_export_is_the_released_layout_and_loads_back(tmp_path):
     from eagle.head import Eagle3Head, load_head
     from tiny_models import hf_greedy, random_prompts, tiny_target
     from train.export import full_state_dict
-    from train.model_card import model_card
+    from export.model_card import model_card
 
     target = tiny_target("llama", num_layers=4, seed=1)
     torch.manual_seed(0)

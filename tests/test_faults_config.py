@@ -12,7 +12,7 @@ CLIS = {  # name -> (module, extra argv every call needs)
     "train": ("train.main", []),
     "data_prep": ("data_prep.main", []),
     "evaluation": ("evaluation.main", []),
-    "hub": ("train.hub", ["--dry-run"]),
+    "hub": ("export.hub", ["--dry-run"]),
     "corpus_cache": ("train.corpus_cache", ["--text", "unused.txt"]),
     "eval_head": ("train.eval_head", ["--head", "unused"]),
     "quickstart": ("quickstart.demo", []),
@@ -132,11 +132,11 @@ def test_debug_flag_and_env_show_the_traceback(monkeypatch, capsys):
 
 
 def test_every_shipped_recipe_and_schema_edge_values_validate():
-    from recipes import list_recipes, load_recipe
+    from recipes import list_recipes, load_config
 
     for name in list_recipes():
-        load_recipe(name)
-    load_recipe("tiny", ["train.warmup_steps=0", "train.max_loss_ratio=0", "data.max_records=null", "eval.top_p=1",
+        load_config(name)
+    load_config("tiny", ["train.warmup_steps=0", "train.max_loss_ratio=0", "data.max_records=null", "eval.top_p=1",
                          "train.eval_fraction=0", "train.num_workers=0", "eval.max_length=0", "data.top_p=1"])
 
 

@@ -339,7 +339,7 @@ HUB_FAULTS = [  # (id, setup(head dir) -> extra argv, needles)
 
 @pytest.mark.parametrize("name,setup,needles", HUB_FAULTS, ids=[h[0] for h in HUB_FAULTS])
 def test_hub_push_faults_are_one_line(toy, tmp_path, capsys, name, setup, needles):
-    from train.hub import main
+    from export.hub import main
 
     head = copy(toy["head"], tmp_path / "head")
     extra = setup(head)

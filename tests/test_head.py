@@ -12,9 +12,16 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
 from eagle.head import EagleHead, HeadConfig, head_config_from_target, load_target_embedding_and_lm_head
+from float_tolerance import LAYER_REDUCTIONS, assert_same_function
 from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
+# a head forward: fc over [embedding, feature] (2H = 128 terms, the longest reduction), then one decoder layer
+HEAD_TERMS, HEAD_REDUCTIONS = 2 * 64, 1 + LAYER_REDUCTIONS
+
+
+def same_head_output(actual, expected, msg=""):
+    assert_same_function(actual, expected, terms=HEAD_TERMS, chained=HEAD_REDUCTIONS, msg=msg)
 
 LAYER_KEYS = [
     "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
@@ -117,7 +124,7 @@ def test_forward_is_fc_then_one_llama_layer_without_input_layernorm(family, bias
         layer_cls, rotary_cls, cfg_cls = ((LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaConfig) if family == "llama"
                                           else (Qwen2DecoderLayer, Qwen2RotaryEmbedding, Qwen2Config))
         want = reference_forward(head, features, next_ids, layer_cls, rotary_cls, cfg_cls)
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    same_head_output(got, want)
 
 
 def test_forward_is_causal_and_ignores_padding():
@@ -130,17 +137,17 @@ def test_forward_is_causal_and_ignores_padding():
         f2, ids2 = f.clone(), ids.clone()
         f2[:, 6:] += 1.0
         ids2[:, 6:] = (ids2[:, 6:] + 1) % 256
-        assert torch.allclose(head(f2, ids2)[:, :6], full[:, :6], atol=1e-6)  # future does not leak
+        same_head_output(head(f2, ids2)[:, :6], full[:, :6], "future leaks")
         # right padding
         pad_f = torch.cat([f, torch.randn(1, 4, 64)], 1)
         pad_ids = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1)
         am = torch.tensor([[1] * 10 + [0] * 4])
-        assert torch.allclose(head(pad_f, pad_ids, am)[:, :10], full, atol=1e-5)
+        same_head_output(head(pad_f, pad_ids, am)[:, :10], full, "right padding")
         # left padding (positions restart at the first real token)
         lf = torch.cat([torch.randn(1, 3, 64), f], 1)
         lids = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
         lam = torch.tensor([[0] * 3 + [1] * 10])
-        assert torch.allclose(head(lf, lids, lam)[:, 3:], full, atol=1e-5)
+        same_head_output(head(lf, lids, lam)[:, 3:], full, "left padding")
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -162,7 +169,7 @@ def test_head_decoder_matches_the_training_forward(family, kwargs, fast):
                 dec.forward(f[0, 70:71], ids[0, 70:71], 70),
                 dec.forward(f[0, 71:79], ids[0, 71:79], range(71, 79)),
                 dec.forward(f[0, 79:], ids[0, 79:], torch.tensor([79]))]
-    assert torch.allclose(torch.cat(outs)[None], full, atol=1e-5)
+    same_head_output(torch.cat(outs)[None], full)
 
 
 @pytest.mark.parametrize("k,kwargs", [(3, {}), (10, {"num_heads": 8, "num_kv_heads": 4})])
@@ -182,10 +189,10 @@ def test_head_decoder_fast_and_plain_paths_agree_on_a_tree_level(k, kwargs):
             assert dec.length == 20 + k
             additive = torch.zeros(k, 20 + k).masked_fill_(~mask, torch.finfo(torch.float32).min)
             dec.truncate(20)  # the same level with an additive mask (what draft_dynamic passes)
-            assert torch.allclose(dec.forward(level_f, level_ids, 20, additive), outs[-1], atol=1e-6)
+            same_head_output(dec.forward(level_f, level_ids, 20, additive), outs[-1], "additive mask")
             dec.truncate(20)  # the level is rolled back; the prefix stays
-            assert torch.allclose(dec.forward(level_f, level_ids, 20, mask), outs[-1])
-    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+            same_head_output(dec.forward(level_f, level_ids, 20, mask), outs[-1], "rolled back")
+    same_head_output(outs[0], outs[1], "fast vs plain")
 
 
 def test_head_decoder_overflow_is_a_clear_error():
@@ -211,7 +218,7 @@ def test_drafter_retakes_the_head_weights_every_generation():
         drafter.reset(16)
         after = drafter.decoder.forward(f[0], ids[0], range(6))
         assert not torch.allclose(before, after, atol=1e-4)
-        assert torch.allclose(after, head(f, ids)[0], atol=1e-5)
+        same_head_output(after, head(f, ids)[0])
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -416,7 +423,7 @@ def test_no_grad_forward_sees_weight_updates_made_through_data():
     with torch.no_grad():
         fast = head(f, ids)
     slow = head(f, ids).detach()  # grad-enabled path: plain per-projection matmuls
-    assert torch.allclose(fast, slow, atol=1e-5), f"stale weights in the no-grad path: max diff {(fast - slow).abs().max():.3g}"
+    same_head_output(fast, slow, "stale weights in the no-grad path")
 
 
 def test_head_built_and_run_under_inference_mode():
@@ -481,7 +488,7 @@ def test_head_decoder_fast_path_in_bfloat16():
         assert dec.fast
         out = dec.forward(f[0], ids[0], range(9))
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2)
+    same_head_output(out, ref)  # bf16 vs float32: bf16's unit roundoff per step (float_tolerance.rounding_bound)
 
 
 def test_head_decoder_follows_the_head_to_another_dtype():

@@ -1,6 +1,7 @@
 """The EAGLE-3 head: config, training-time-test unroll (== decoding a drafted chain), draft vocabulary, errors."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -16,10 +17,13 @@ from eagle.head import (
     head_config_from_target,
     load_head,
 )
+from float_tolerance import LAYER_REDUCTIONS, assert_same_function, float64
 from tiny_models import single_thread, tiny_target  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
 AUX = [1, 2, 3]
+# one head step: fc over the 3 aux states, then a decoder layer; its longest reduction is fc's 3H = 192 terms
+STEP_REDUCTIONS, STEP_TERMS = 1 + LAYER_REDUCTIONS, 3 * 64
 
 
 def e3_head(target, seed: int = 0, std: float = 0.2, draft_vocab_size=None, aux=AUX) -> Eagle3Head:
@@ -144,32 +148,39 @@ def test_unroll_shapes(setup):
 
 
 def test_unroll_step1_is_a_plain_causal_forward(setup):
+    """Two code paths of one function: compared in float64, where their rounding differences are ~1e-14."""
     target, head, ids, aux = setup
-    (h1,) = head.unroll(aux, ids, steps=1)
-    for t in (0, 5, 11):
-        for b in range(3):
-            ref = reference_chain(head, aux[b], ids[b], t, 1)[0]
-            torch.testing.assert_close(h1[b, t], ref, rtol=1e-5, atol=1e-5)
-    # causal: changing the future does not change the past
-    ids2 = ids.clone()
-    ids2[:, 8:] = 0
-    torch.testing.assert_close(head.unroll(aux, ids2, steps=1)[0][:, :8], h1[:, :8])
+    head, aux = float64(copy.deepcopy(head), aux)
+    with torch.no_grad():
+        (h1,) = head.unroll(aux, ids, steps=1)
+        for t in (0, 5, 11):
+            for b in range(3):
+                ref = reference_chain(head, aux[b], ids[b], t, 1)[0]
+                assert_same_function(h1[b, t], ref, terms=STEP_TERMS, chained=STEP_REDUCTIONS, msg=f"b={b} t={t}")
+        # causal: changing the future does not change the past
+        ids2 = ids.clone()
+        ids2[:, 8:] = 0
+        assert_same_function(head.unroll(aux, ids2, steps=1)[0][:, :8], h1[:, :8], terms=STEP_TERMS,
+                             chained=STEP_REDUCTIONS)
 
 
 def test_unroll_step_j_is_what_decoding_computes_for_a_drafted_chain(setup):
     target, head, ids, aux = setup
+    head, aux = float64(copy.deepcopy(head), aux)
     steps = 5
-    hs = head.unroll(aux, ids, steps=steps)
-    rows = torch.tensor([1, 4, 6])
-    sub = head.unroll(aux, ids, steps=steps, rows=rows)
+    with torch.no_grad():
+        hs = head.unroll(aux, ids, steps=steps)
+        rows = torch.tensor([1, 4, 6])
+        sub = head.unroll(aux, ids, steps=steps, rows=rows)
     for b in range(3):
         for t in range(12 - steps + 1):
             ref = reference_chain(head, aux[b], ids[b], t, steps)
             for j in range(steps):
-                tol = 1e-5 * float(ref[j].abs().max())  # float32 noise grows with the hidden's magnitude
-                torch.testing.assert_close(hs[j][b, t], ref[j], rtol=0, atol=tol, msg=f"b={b} t={t} step {j + 1}")
+                chained = (j + 1) * STEP_REDUCTIONS  # step j + 1 reads step j's output
+                assert_same_function(hs[j][b, t], ref[j], terms=STEP_TERMS, chained=chained,
+                                     msg=f"b={b} t={t} step {j + 1}")
                 if t in rows.tolist() and j:
-                    torch.testing.assert_close(sub[j][b, rows.tolist().index(t)], ref[j], rtol=0, atol=tol)
+                    assert_same_function(sub[j][b, rows.tolist().index(t)], ref[j], terms=STEP_TERMS, chained=chained)
     # the steps really differ (a test that could not fail otherwise)
     assert (hs[1][:, :6] - hs[0][:, :6]).abs().max() > 1e-2
 
@@ -188,7 +199,8 @@ def test_unroll_with_padding_equals_the_unpadded_sequence(setup, side):
         ref = head.unroll(aux[:1, :n], ids[:1, :n], steps=steps)
     for j in range(steps):
         valid = n - j  # indices whose step-j token is inside the real sequence
-        torch.testing.assert_close(hs[j][0, sl][:valid], ref[j][0, :valid], rtol=0, atol=1e-5 * float(ref[j].abs().max()))
+        assert_same_function(hs[j][0, sl][:valid], ref[j][0, :valid], terms=STEP_TERMS,
+                             chained=(j + 1) * STEP_REDUCTIONS, msg=f"step {j + 1}")
 
 
 def test_unroll_backward_reaches_every_trained_parameter(setup):
@@ -399,13 +411,14 @@ def test_decoder_commits_and_drafted_chains_equal_the_unroll(family, kwargs, fas
         for t in (0, 7, 21):
             dec.truncate(0)
             committed = dec.forward(dec.fuse(aux[0, : t + 1]), ids[0, : t + 1], range(t + 1))  # [t + 1, H]
-            torch.testing.assert_close(committed, hs[0][0, : t + 1], rtol=0, atol=1e-5 * float(hs[0].abs().max()))
+            assert_same_function(committed, hs[0][0, : t + 1], terms=STEP_TERMS, chained=STEP_REDUCTIONS,
+                                 magnitude=float(hs[0].abs().max()))
             h = committed[-1:]
             for j in range(2, steps + 1):
                 h = dec.forward(h, ids[0, t + j - 1 : t + j], t + j - 1)  # one drafted node
-                torch.testing.assert_close(h[0], hs[j - 1][0, t], rtol=0, atol=1e-5 * float(hs[j - 1].abs().max()),
-                                           msg=f"t={t} step {j}")
-        torch.testing.assert_close(dec.logits(h), head.draft_logits(h), rtol=1e-5, atol=1e-5)
+                assert_same_function(h[0], hs[j - 1][0, t], terms=STEP_TERMS, chained=j * STEP_REDUCTIONS,
+                                     magnitude=float(hs[j - 1].abs().max()), msg=f"t={t} step {j}")
+        assert_same_function(dec.logits(h), head.draft_logits(h), terms=64, chained=2)  # final norm, lm_head
 
 
 def test_decoder_fast_and_plain_paths_agree_on_a_tree_level():
@@ -430,8 +443,9 @@ def test_decoder_fast_and_plain_paths_agree_on_a_tree_level():
             dec.forward(f, ids, range(20))
             outs.append(dec.forward(level_f, level_ids, 20, mask))
             dec.truncate(20)
-            torch.testing.assert_close(dec.forward(level_f, level_ids, 20, mask), outs[-1])
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+            assert_same_function(dec.forward(level_f, level_ids, 20, mask), outs[-1], terms=2 * 64,
+                                 chained=LAYER_REDUCTIONS)  # rolled back and redone: the same level
+    assert_same_function(outs[0], outs[1], terms=2 * 64, chained=LAYER_REDUCTIONS)
 
 
 def test_decoder_fast_path_in_bfloat16():
@@ -445,4 +459,5 @@ def test_decoder_fast_path_in_bfloat16():
         assert dec.fast
         out = dec.forward(dec.fuse(aux[0]), ids[0], range(9))
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2 * float(ref.abs().max()))
+    # bf16 against float32: the bound of bf16's unit roundoff (weights and activations rounded at every step)
+    assert_same_function(out, ref, terms=STEP_TERMS, chained=STEP_REDUCTIONS)

@@ -12,7 +12,7 @@ from eagle import EaModel
 from eagle.head import EagleHead
 from tiny_models import fit_good_head, hf_greedy, random_prompts, single_thread, tiny_llama  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
 
 
 def with_positions(head: EagleHead, positions: int, tmp_path) -> EagleHead:
@@ -97,7 +97,7 @@ def test_long_records_policy():
 
 def test_long_records_key_is_validated():
     from recipes import RecipeError
-    from train.main import load_config
+    from recipes import load_config
 
     with pytest.raises(RecipeError, match="train.long_records"):
         load_config("tiny", ["train.long_records=wrap"])

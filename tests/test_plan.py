@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from recipes import load_config
 from test_train_helpers import REPO, subprocess_env
-from train.main import load_config
 from train.plan import GB, Hardware, build_plan, memory_items, model_states, plan_shape
 
 SEVEN_B = ("llama3-8b", "llama2-chat-7b", "vicuna-7b", "qwen2-7b",

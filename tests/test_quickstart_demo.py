@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from quickstart import default_target as dt
+from data_prep import default_target as dt
 from quickstart import demo
 
 

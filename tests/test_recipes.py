@@ -2,13 +2,13 @@
 DeepSpeed config is generated from the recipe (one home for lr / batch sizes)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from recipes import RecipeError, list_recipes, recipe_path
+from recipes import RecipeError, list_recipes, load_config, recipe_path
 from train.ds_config import deepspeed_config
-from train.main import load_config
 
 PUBLISHED = {  # recipe -> (target, fc bias of the released heads)
     "llama3-8b": ("meta-llama/Meta-Llama-3-8B-Instruct", False),
@@ -37,7 +37,7 @@ def test_every_recipe_names_its_head_kind(name):
 def test_published_eagle3_settings(name):
     """SpecForge's / the reference EAGLE-3 settings: lr 1e-4, 10 epochs, batch 1, 2048 tokens, cosine after warm-up,
     clip 0.5, ttt 7 steps weighted 0.8^j, token loss only, 32k draft vocabulary for the 128k/152k-vocabulary targets."""
-    from train.settings import ttt_weights
+    from recipes.head import ttt_weights
 
     cfg = load_config(f"{name}-eagle3", [])
     h, t = cfg.head, cfg.train
@@ -50,7 +50,7 @@ def test_published_eagle3_settings(name):
 
 @pytest.mark.parametrize("name", list_recipes())
 def test_recipe_validates_against_the_code(name):
-    from data_prep.chat_template import shipped_templates
+    from recipes.chat_templates import shipped_templates
     from eagle.decoding_config import DecodingConfig
     from omegaconf import OmegaConf
 
@@ -127,6 +127,93 @@ def test_overrides_and_extra_deepspeed_keys():
                                        "reduce_bucket_size": 1000}
     with pytest.raises(ValueError, match="fp16 on CPU"):
         deepspeed_config(load_config("tiny", ["train.precision=fp16"]).train, 10, 1, on_cpu=True)
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def resolved(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return flat(OmegaConf.to_container(load_config(name, []), resolve=True))
+
+
+PINNED = json.loads((Path(__file__).parent / "data" / "recipes_resolved.json").read_text())
+
+
+def test_every_shipped_recipe_resolves_as_pinned():
+    """Recipes built on recipes (`base:`) resolve to exactly the config each recipe had before (tests/data: every
+    key of main 7d6a95f's resolved recipes); a new recipe is pinned here too."""
+    assert sorted(PINNED["recipes"]) == list_recipes()
+    assert resolved("tiny").keys() == PINNED["defaults"].keys()  # no key appeared or vanished
+    for name in list_recipes():
+        want, got = {**PINNED["defaults"], **PINNED["recipes"][name]}, resolved(name)
+        bad = sorted(k for k in want if got[k] != want[k] or type(got[k]) is not type(want[k]))
+        assert not bad, (name, [(k, got[k], want[k]) for k in bad])
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED) + ["stories260k"])
+def test_eagle3_recipes_build_on_their_eagle2_sibling(name):
+    """An EAGLE-3 recipe states its base and only what differs: no section it would merely repeat."""
+    import yaml
+
+    own = yaml.safe_load(recipe_path(f"{name}-eagle3").read_text())
+    assert own["base"] == name and "target" not in own and "data" not in own
+    base = {**PINNED["defaults"], **PINNED["recipes"][name]}
+    repeated = [k for k, v in flat({k: v for k, v in own.items() if k != "base"}).items() if base.get(k) == v]
+    assert not repeated, repeated
+
+
+def test_base_recipes_merge_key_by_key(tmp_path):
+    (tmp_path / "parent.yaml").write_text("name: parent\ntrain:\n  lr: 0.002\n  betas: [0.8, 0.9]\ndata:\n  max_length: 64\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\nname: child\ntrain:\n  betas: [0.5, 0.6]\n")
+    (tmp_path / "shipped.yaml").write_text("base: tiny\nname: on-tiny\n")
+    cfg = load_config(str(tmp_path / "child.yaml"), ["train.grad_clip=0.1"])
+    assert (cfg.name, cfg.output_dir, cfg.train.lr, list(cfg.train.betas), cfg.data.max_length, cfg.train.grad_clip) == \
+        ("child", "runs/child", 0.002, [0.5, 0.6], 64, 0.1)  # a list replaces the base's; interpolations see the child
+    tiny = load_config("tiny", [])
+    on_tiny = load_config(str(tmp_path / "shipped.yaml"), [])
+    assert on_tiny.name == "on-tiny" and on_tiny.train == tiny.train and on_tiny.eval == tiny.eval
+
+
+@pytest.mark.parametrize("files, needle", [
+    ({"a.yaml": "base: a.yaml\nname: a\n"}, "builds on itself (a -> a)"),
+    ({"a.yaml": "base: b.yaml\nname: a\n", "b.yaml": "base: a.yaml\nname: b\n"}, "builds on itself (a -> b -> a)"),
+    ({"a.yaml": "base: no-such-recipe\nname: a\n"}, "recipe 'no-such-recipe' not found"),
+    ({"a.yaml": "base: [tiny]\nname: a\n"}, "base=['tiny']: expected the name or path"),
+    ({"a.yaml": "base: b.yaml\nname: a\n", "b.yaml": "name: b\ntrain:\n  learning_rate: 1\n"}, "train.learning_rate"),
+])
+def test_bad_base_recipes_are_one_line_errors(tmp_path, files, needle):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises((RecipeError, FileNotFoundError)) as e:
+        load_config(str(tmp_path / "a.yaml"), [])
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_print_config_shows_the_whole_resolved_recipe(capsys):
+    """--print-config on a command prints every key of the recipe, its base merged and overrides applied."""
+    import yaml
+
+    from recipes import config_yaml
+    from train.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--recipe", "llama3-8b-eagle3", "train.lr=3e-4", "--print-config"])
+    assert e.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed == config_yaml(load_config("llama3-8b-eagle3", ["train.lr=3e-4"]))
+    shown = flat(yaml.safe_load(printed))
+    assert shown.keys() == PINNED["defaults"].keys()
+    assert (shown["target.path"], shown["head.kind"], shown["train.lr"]) == \
+        ("meta-llama/Meta-Llama-3-8B-Instruct", "eagle3", 3e-4)  # from the base, the recipe, the override
 
 
 def test_recipe_path_resolution(tmp_path):

@@ -15,22 +15,28 @@ from evaluation.engine_vllm import fixed_expand
 from evaluation.serve_check_sampling import acceptance, compare, per_prompt_counts
 from evaluation.serve_sweep import (best_k, markdown, parse_int_list, plot, prompts_per_level, read_bench_result,
                                     recommendation_lines, sharegpt_dataset)
-from train.engine_formats import EngineFormatError, check_vllm_method, folder_kind
+from eagle.head_kinds import HEAD_KINDS
+from export.engine_formats import EngineFormatError
+from export.head_kinds import check_vllm_method, served_kind
+from export.hub import push_to_hub
+from recipes import load_config
+from test_engine_formats import perturbed_head
 
 RELEASED_EAGLE3 = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}
 SPECULATORS_EAGLE3 = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3"}
 EAGLE2 = {"architectures": ["LlamaForCausalLM"], "bias": False}
 
 
-def test_folder_kind_and_the_method_trap():
-    assert [folder_kind(c) for c in (RELEASED_EAGLE3, SPECULATORS_EAGLE3, EAGLE2)] == ["eagle3", "eagle3", "eagle2"]
+def test_served_kind_and_the_method_trap():
+    assert [served_kind(c) for c in (RELEASED_EAGLE3, SPECULATORS_EAGLE3, EAGLE2)] == [
+        HEAD_KINDS["eagle3"], HEAD_KINDS["eagle3"], HEAD_KINDS["eagle2"]]
     check_vllm_method("eagle3", SPECULATORS_EAGLE3, "H")
     check_vllm_method("eagle", EAGLE2, "H")
     with pytest.raises(EngineFormatError, match=r"H holds an EAGLE-3 head .*speculators_model_type eagle3.* method "
-                                                r"'eagle', which is for EAGLE-1/2 heads: use \"method\": \"eagle3\"") as e:
+                                                r"'eagle', which is for EAGLE-2 heads: use \"method\": \"eagle3\"") as e:
         check_vllm_method("eagle", SPECULATORS_EAGLE3, "H")
     assert is_expected(e.value)  # one line at the CLI, exit 2
-    with pytest.raises(EngineFormatError, match=r"EAGLE-1/2 head .* method 'eagle3'.*use \"method\": \"eagle\""):
+    with pytest.raises(EngineFormatError, match=r"holds an EAGLE-2 head .* method 'eagle3'.*use \"method\": \"eagle\""):
         check_vllm_method("eagle3", EAGLE2, "H")
 
 
@@ -130,14 +136,10 @@ def test_fixed_expand_follows_the_kernel_contract():
 def test_the_sweep_reaches_the_model_card_and_the_hub_upload(tmp_path):
     """serve-sweep's output under the eval folder is staged for the Hub and the card states the draft length per
     concurrency level; without a sweep the card has no such section."""
-    from recipes import load_recipe
-    from test_engine_formats import perturbed_head
-    from train.hub import push_to_hub
-
     head, target = perturbed_head("llama", True)
     target.save_pretrained(tmp_path / "target")
     head.save_pretrained(tmp_path / "run" / "head")
-    cfg = load_recipe("tiny", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
+    cfg = load_config("tiny", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
                                "export.repo_id=someone/head-x"])
     push_to_hub(cfg, dry_run=True)
     assert "Draft length by load" not in (tmp_path / "run" / "hub_upload" / "README.md").read_text()

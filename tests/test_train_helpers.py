@@ -10,7 +10,7 @@ import torch
 
 from data_prep.feature_cache import FeatureCacheWriter
 from data_prep.target import target_config_hash
-from tiny_models import tiny_llama
+from tiny_models import TEST_THREADS, tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 256
@@ -25,7 +25,7 @@ def gloo_world():
 
     saved = {k: os.environ.pop(k, None) for k in DIST_ENV}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention
+    torch.set_num_threads(TEST_THREADS)  # tiny models: threads only add contention
     try:
         yield init_distributed("cpu")
     finally:

@@ -14,6 +14,7 @@ needs 3 distinct aux layers, so its family setups use `EAGLE3_LAYERS`-layer targ
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -49,6 +50,7 @@ TINY_VOCAB = 256
 KINDS = ("eagle2", "eagle3")
 EAGLE3_LAYERS = 4  # tiny targets for EAGLE-3 heads: ids 1, 2, 3 (the default (2, L//2, L-3) needs L >= 7)
 EAGLE3_AUX = (1, 2, 3)
+TEST_THREADS = int(os.environ.get("EAGLE_TEST_THREADS", "1"))
 
 
 def tiny_target(
@@ -306,10 +308,11 @@ def single_thread():
 
     Tiny matmuls gain nothing from a second thread, and on a busy 2-core machine OpenMP spin-waits made
     a decoding round ~50x slower in CPU time. Use: `pytestmark = pytest.mark.usefixtures("single_thread")`
-    after `from tiny_models import single_thread`.
+    after `from tiny_models import single_thread`. `EAGLE_TEST_THREADS=N` runs them on N threads instead
+    (tests/float_variants.py: another thread count splits reductions differently).
     """
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(before)
 

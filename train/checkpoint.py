@@ -30,6 +30,7 @@ class CheckpointError(UserError, RuntimeError):
 
 def safe_globals() -> list:
     """The non-tensor classes DeepSpeed writes into its checkpoints (ZeRO 0-3, fp32/bf16/fp16): plain data."""
+    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only a resume needs these
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -50,10 +51,6 @@ def weights_only_load(path, map_location=None):
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"checkpoint file {path} is unreadable ({' '.join(str(e).split())[:200]}); delete its folder "
                               "and rerun to resume from the previous checkpoint, or set train.resume=false") from None
-
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "train" / "checkpoints"
 
 
 def tag_for(step: int) -> str:

@@ -27,8 +27,16 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from data_prep.cache_features import check_disk
+from data_prep.chat_template import stop_token_ids
+from data_prep.feature_cache import FeatureCacheWriter
+from data_prep.feature_layers import feature_layers, target_features
+from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
 from eagle.cli_errors import ArgumentParser, one_line_errors
+from eagle.run_lock import run_lock
+from recipes import add_print_config, command_config, layout
 
 
 def read_paragraphs(path: str | Path, first: int = 0) -> list[str | None]:
@@ -81,15 +89,6 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
                        continue_tokens: int = 0, temperature: float = 0.0) -> dict:
     """Cache the target's final hidden states for every paragraph (continue_tokens > 0: for its opening
     sentence + the target's own continuation, loss on the continuation); returns the cache manifest."""
-    from tqdm.auto import tqdm
-
-    from data_prep.chat_template import stop_token_ids
-    from data_prep.cache_features import check_disk
-    from data_prep.feature_cache import FeatureCacheWriter
-    from data_prep.feature_layers import feature_layers, target_features
-    from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
-    from train.data import cache_dir
-
     target_path = resolve_target_path(cfg.target)
     tokenizer = load_target_tokenizer(cfg.target, target_path, need_template=False)  # raw text
     model = load_target_model(cfg.target, pick_device(cfg.data.device), target_path)
@@ -104,7 +103,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     if continue_tokens:
         meta["source"] += f" openings + target continuations ({continue_tokens} tokens, T={temperature})"
         stop_ids = sorted(set(stop_token_ids(tokenizer, model.generation_config)) | {int(i) for i in cfg.data.extra_stop_ids})
-    writer = FeatureCacheWriter(cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
+    writer = FeatureCacheWriter(layout.cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
     paragraphs = read_paragraphs(text_file, first)
     rejected = [f"p{i:06d}" for i, p in enumerate(paragraphs) if p is None]
     if rejected:
@@ -115,7 +114,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     todo = [(f"p{i:06d}", p) for i, p in enumerate(paragraphs) if p is not None and f"p{i:06d}" not in writer]
     rough = sum(min(len(tokenizer(opening_sentence(p) if continue_tokens else p)["input_ids"]) + continue_tokens,
                     cfg.data.max_length) for _, p in todo)  # upper bound with continuations
-    check_disk(cache_dir(cfg), rough, meta["hidden_size"], cfg.data.cache_dtype, cfg.data.disk_headroom_gb, layers)
+    check_disk(layout.cache_dir(cfg), rough, meta["hidden_size"], cfg.data.cache_dtype, cfg.data.disk_headroom_gb, layers)
     start = time.perf_counter()
     for k in tqdm(range(0, len(todo), batch_size), desc="cache", disable=not progress):
         chunk = todo[k : k + batch_size]
@@ -146,8 +145,6 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from train.main import load_config
-
     p = ArgumentParser(prog="python -m train.corpus_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True)
@@ -158,12 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--continue-with-target", type=int, default=0, metavar="N",
                    help="on-policy records: opening sentence + the target's own continuation of up to N tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="continuations: 0 = greedy, else sampled")
+    add_print_config(p)
     args = p.parse_args(argv)
-    cfg = load_config(args.recipe, args.overrides)
-    from eagle.run_lock import run_lock
-    from train.data import cache_dir
-
-    with run_lock(cache_dir(cfg).parent, "shard0of1", "data prep"):  # the lock data_prep/main.py takes there
+    cfg = command_config(args)
+    with run_lock(layout.cache_dir(cfg).parent, "shard0of1", "data prep"):  # the lock data_prep/main.py takes there
         m = build_corpus_cache(cfg, args.text, args.first, args.batch_size, continue_tokens=args.continue_with_target,
                                temperature=args.temperature)
     print(f"cache: {m['num_records']} records, {m['num_tokens']} tokens, {m['bytes_on_disk']:,} bytes "

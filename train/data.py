@@ -12,26 +12,14 @@ from pathlib import Path
 
 import torch
 
-FEATURES_SUBDIR = "data/features"  # where data_prep writes the cache under output_dir
-TOKENIZED_SUBDIR = "data/tokenized.jsonl"  # where data_prep writes tokenised conversations under output_dir
-
-
-def cache_dir(cfg) -> Path:
-    """train.cache_dir, or the data_prep output {output_dir}/data/features."""
-    return Path(cfg.train.cache_dir or Path(cfg.output_dir) / FEATURES_SUBDIR)
-
-
-def tokenized_file(cfg) -> Path:
-    """train.tokenized, or the data_prep output {output_dir}/data/tokenized.jsonl."""
-    return Path(cfg.train.tokenized or Path(cfg.output_dir) / TOKENIZED_SUBDIR)
-
+from data_prep.tokenized import load_tokenized
+from eagle.head_config import head_config_from_target
+from eagle.head_files import head_config_of
 
 class TokenizedRecords:
     """Online-mode records: tokenised conversations held in memory (features are computed in the loop)."""
 
     def __init__(self, path: str | Path, max_length: int):
-        from data_prep.tokenized import load_tokenized
-
         self.path = Path(path)
         self._records = []
         for rec in load_tokenized(path):
@@ -76,13 +64,8 @@ class LongRecordError(ValueError):
 
 def head_positions(cfg, target_config) -> int:
     """max_position_embeddings of the head this run trains: head.init_from's config, else the target's."""
-    from eagle.head import HeadConfig, _resolve_head_files, head_config_from_target
-
     if cfg.head.init_from:
-        import json
-
-        config_file, _ = _resolve_head_files(str(cfg.head.init_from), None)
-        return int(HeadConfig.from_dict(json.loads(Path(config_file).read_text())).max_position_embeddings)
+        return int(head_config_of(cfg.head.init_from).max_position_embeddings)
     return int(head_config_from_target(target_config, bias=cfg.head.bias).max_position_embeddings)
 
 

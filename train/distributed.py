@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -38,8 +39,8 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 def init_distributed(device: str = "auto") -> DistContext:
     """Join (or create) the process group; idempotent, so several runs can share one process (tests)."""
+    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only training needs it
     import deepspeed
-    import torch.distributed as dist
 
     if "RANK" not in os.environ:  # plain `python train/main.py`: a world of one on a free local port
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -63,10 +64,9 @@ def destroy_process_groups() -> None:
     """Destroy every process group and DeepSpeed's cached references to them. torch's `destroy_process_group`
     alone leaves `deepspeed.utils.groups` pointing at the destroyed groups, and a world created later in the same
     process (tests) then fails inside DeepSpeed with "Group ... is not registered"."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return
+    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout
     from deepspeed import comm as ds_comm
 
     if ds_comm.is_initialized():
@@ -77,8 +77,6 @@ def destroy_process_groups() -> None:
 
 def shutdown_distributed() -> None:
     """Barrier then destroy every process group (exiting with one alive aborts some gloo ranks)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
         destroy_process_groups()
@@ -100,16 +98,12 @@ def exit_process(code: int) -> None:
 
 
 def barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum floats over ranks (identity for one rank)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(values)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

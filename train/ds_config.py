@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from omegaconf import OmegaConf
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # train.precision -> torch
 
 
 def _merge(base: dict, extra: dict) -> dict:

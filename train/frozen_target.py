@@ -8,7 +8,10 @@ from pathlib import Path
 
 import torch
 
-from eagle.head import load_target_embedding_and_lm_head, text_config
+from data_prep.feature_layers import target_features
+from data_prep.target import base_decoder, load_target_model, target_config_hash
+from eagle.head_kinds import text_config
+from eagle.target_weights import load_target_embedding_and_lm_head
 
 
 class CacheMismatchError(ValueError):
@@ -24,8 +27,6 @@ def check_cache_matches_target(manifest: dict, cache_path: Path, target_path: st
                                layers: list[int] | None = None) -> None:
     """Raise CacheMismatchError, naming both sides, unless the cache's meta fits the recipe's target and holds the
     hidden states the head needs (`layers`: data_prep.feature_layers.feature_layers; None = final state only)."""
-    from data_prep.target import target_config_hash
-
     text = text_config(target_config)
     problems = []
     if int(manifest.get("hidden_size", -1)) != int(text.hidden_size):
@@ -63,8 +64,6 @@ class OnlineTarget:
     EAGLE-3 the aux-layer states + that final state concatenated (`layers`), exactly what the cache would hold."""
 
     def __init__(self, model, lm_head: torch.Tensor, layers: list[int] | None = None):
-        from data_prep.target import base_decoder
-
         self.model = model
         self.decoder = base_decoder(model)
         self.lm_head = lm_head
@@ -72,8 +71,6 @@ class OnlineTarget:
 
     @torch.no_grad()
     def features(self, batch) -> torch.Tensor:
-        from data_prep.feature_layers import target_features
-
         return target_features(self.decoder, batch.input_ids, batch.attention_mask, self.layers)  # [B, T, W]
 
 
@@ -87,7 +84,6 @@ def load_frozen_target(mode: str, target_cfg, target_path: str, device: torch.de
     if mode == "offline":
         embedding, lm_head = load_target_embedding_and_lm_head(target_path, revision=target_cfg.revision)
         return OfflineTarget(lm_head.to(device=device, dtype=dtype)), embedding
-    from data_prep.target import load_target_model
 
     model = load_target_model(target_cfg, device, path=target_path)
     embedding = model.get_input_embeddings().weight.detach()

@@ -1,7 +1,7 @@
 """Real speculative decoding during training: `eval/live_tau` next to the simulated acceptance length.
 
 At every evaluation, rank 0 decodes the prompts of a few held-out records with the head being trained and the
-recipe's `decoding` tree (EAGLE-2 by default), through `evaluation.live.measure_tau` - the same decoder and
+recipe's `decoding` tree (EAGLE-2 by default), through `eagle.tau.measure_tau` - the same decoder and
 token counting as `evaluation/main.py`. The simulated rollout metrics only see chains; this sees the tree.
 
 Prompt of a record = its tokens before the first trained-on token (the user turn of a conversation). Raw-text
@@ -13,6 +13,9 @@ from __future__ import annotations
 from copy import deepcopy
 
 import torch
+
+from data_prep.target import load_target_model
+from eagle.decoding_config import DecodingConfig
 
 RAW_TEXT_PROMPT_TOKENS = 16
 
@@ -46,16 +49,14 @@ class LiveTau:
         if self.model is None:
             model = getattr(self.frozen, "model", None)  # online mode: the target already runs in the loop
             if model is None:
-                from data_prep.target import load_target_model
-
                 model = load_target_model(self.cfg.target, self.device, path=self.target_path)
             self.model = model.eval()
         return self.model
 
     def measure(self, head) -> dict:
-        """eval/live_tau, eval/live_alpha_d, eval/live_prompts, eval/live_seconds for `head` (an EagleHead)."""
-        from eagle.decoding_config import DecodingConfig
-        from evaluation.live import measure_tau
+        """eval/live_tau, eval/live_alpha_d, eval/live_prompts, eval/live_seconds for `head`."""
+        # lazy: EaModel's target adapter imports transformers (over a second); only runs with live tau need it, not --help
+        from eagle.tau import measure_tau
 
         t = self.cfg.train
         if self.prompts is None:

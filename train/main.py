@@ -1,4 +1,6 @@
-"""Train an EAGLE-2 or EAGLE-3 draft head (recipe `head.kind`) on a frozen target with DeepSpeed. One explicit script: setup -> loop -> save -> cleanup.
+"""Train an EAGLE-2 or EAGLE-3 draft head (recipe `head.kind`) on a frozen target with DeepSpeed, as a recipe:
+setup (config, data, head, engine, resume) -> the loop of train steps, evaluating and checkpointing as scheduled ->
+save (summary, export) -> cleanup.
 
     python train/main.py --recipe tiny [key=value ...]                    # one CPU process
     torchrun --nproc_per_node 2 train/main.py --recipe tiny               # several processes (gloo on CPU)
@@ -22,29 +24,35 @@ if __package__ in (None, ""):  # `python train/main.py`: import the train packag
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
+from data_prep.feature_cache import FeatureCacheReader  # noqa: E402
+from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
-from train.settings import describe_recipe_keys, validate_train_sections  # noqa: E402
-
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from eagle.run_lock import run_lock  # noqa: E402
+from recipes import add_print_config, command_config, layout, list_recipes  # noqa: E402
+from recipes.schema import describe_recipe_keys  # noqa: E402
+from train import metrics  # noqa: E402
+from train.batching import MicroBatchPlan  # noqa: E402
+from train.checkpoint import (CheckpointError, commit_checkpoint, discard_uncommitted, latest_tag,  # noqa: E402
+                              load_checkpoint, save_checkpoint)
+from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions,  # noqa: E402
+                        micro_batch_loader, split_train_eval)
+from train.distributed import (all_reduce_sum, destroy_process_groups, exit_process, init_distributed,  # noqa: E402
+                               shutdown_distributed)
+from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember  # noqa: E402
+from train.ds_config import COMPUTE_DTYPES, deepspeed_config  # noqa: E402
+from train.export import export_head, full_state_dict, push_exported_head, standalone_head  # noqa: E402
+from train.frozen_target import check_cache_matches_target, load_frozen_target  # noqa: E402
+from train.head_kinds import training_kind  # noqa: E402
+from train.live_tau import LiveTau  # noqa: E402
+from train.loss import LossOutput  # noqa: E402
+from train.plan import print_run_plan  # noqa: E402
+from train.tracking import Tracker  # noqa: E402
 
 
 class NonFiniteLossError(UserError, RuntimeError):
     """Too many non-finite losses in a row: the run diverged or the data holds NaN/inf features."""
-
-
-def load_config(recipe: str, overrides: list[str]):
-    """The recipe with overrides applied and the train-owned sections validated (RecipeError on bad input)."""
-    from omegaconf.errors import ValidationError
-
-    from recipes import RecipeError, load_recipe
-
-    try:
-        cfg = load_recipe(recipe, overrides)
-    except ValidationError as e:  # a value of the wrong type: name the key
-        raise RecipeError(f"recipe {recipe}: {e.msg} (key {e.full_key})") from None
-    validate_train_sections(cfg)
-    return cfg
 
 
 def seed_everything(seed: int) -> None:
@@ -55,10 +63,13 @@ def seed_everything(seed: int) -> None:
 
 def all_ranks_finite(loss: torch.Tensor, world_size: int) -> bool:
     """True when the loss is finite on every rank (ranks must skip a micro-batch together)."""
-    from train.distributed import all_reduce_sum
-
     bad = 0.0 if bool(torch.isfinite(loss.detach())) else 1.0
     return all_reduce_sum([bad])[0] == 0 if world_size > 1 else bad == 0
+
+
+def any_rank(flag: bool, world_size: int) -> bool:
+    """True when `flag` is set on some rank."""
+    return all_reduce_sum([float(flag)])[0] > 0 if world_size > 1 else flag
 
 
 def set_scheduled_lr(engine, say) -> None:
@@ -79,281 +90,330 @@ def train(cfg, ctx=None) -> dict:
     """Train a head from a loaded recipe. Returns the run summary (also {output_dir}/train/summary.json).
     One writer per run: each rank holds `{output_dir}/train/.rank{r}.lock`; a second launch on the same folder
     (or orphaned ranks of a killed launcher still running) makes it stop with RunDirBusyError."""
-    from eagle.run_lock import run_lock
-    from train.distributed import init_distributed
-
-    validate_train_sections(cfg)
     ctx = ctx or init_distributed(cfg.train.device)
-    with run_lock(Path(cfg.output_dir) / "train", f"rank{ctx.rank}", "training"):
-        return _train_locked(cfg, ctx)
+    with run_lock(layout.train_dir(cfg), f"rank{ctx.rank}", "training"):
+        trainer = Trainer(cfg, ctx)
+        trainer.setup()
+        trainer.train()
+        summary = trainer.save()
+        trainer.cleanup()
+        return summary
 
 
-def _train_locked(cfg, ctx) -> dict:
-    import deepspeed
-    from tqdm.auto import tqdm
+class Trainer:
+    """One training run: `setup`, then `train` (the loop: `train_step` per micro-batch; at each optimizer step the
+    logging, `evaluate` and `checkpoint` their schedules ask for), `save`, `cleanup`."""
 
-    from data_prep.target import load_target_config, resolve_target_path
-    from train.batching import MicroBatchPlan
-    from train.checkpoint import (CheckpointError, checkpoint_root, commit_checkpoint, discard_uncommitted, latest_tag,
-                                  load_checkpoint, save_checkpoint)
-    from train.data import (Subset, TokenizedRecords, apply_long_records, cache_dir, head_positions, micro_batch_loader,
-                            split_train_eval, tokenized_file)
-    from train.distributed import all_reduce_sum
-    from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
-    from train.ds_config import deepspeed_config
-    from train.export import export_dir, export_head, full_state_dict, standalone_head
-    from train.frozen_target import check_cache_matches_target, load_frozen_target
-    from train.head_kind import head_kind
-    from train.plan import print_run_plan
-    from train.tracking import Tracker
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx, self.t = cfg, ctx, cfg.train
+        self.say = (lambda msg: print(f"[train] {msg}", flush=True)) if ctx.is_main else (lambda msg: None)
+        self.dtype = COMPUTE_DTYPES[self.t.precision]
+        self.train_dir, self.ckpt_root = layout.train_dir(cfg), layout.checkpoint_dir(cfg)
+        self.pending = None  # a checkpoint saved but not yet named by `latest`: committed once the next loss is sane
+        self.eval_metrics: dict = {}
+        self.last_eval_step, self.stopped_early = -1, False
+        self.loader_epoch, self.loader, self.epoch_batches = -1, None, []
+        self.at_boundary = False
 
     # ================================================================== setup
-    validate_train_sections(cfg)
-    t = cfg.train
-    say = (lambda msg: print(f"[train] {msg}", flush=True)) if ctx.is_main else (lambda msg: None)
-    dtype = COMPUTE_DTYPES[t.precision]
-    out_dir = Path(cfg.output_dir)
-    train_dir = out_dir / "train"
-    train_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
+    def setup(self) -> None:
+        self.train_dir.mkdir(parents=True, exist_ok=True)
+        seed_everything(self.cfg.seed)
+        self.setup_data()
+        self.setup_model()
+        self.setup_resume()
+        self.tracker = Tracker(self.cfg, self.train_dir, enabled=self.ctx.is_main, resumed_step=self.step)
+        live = self.t.live_tau_prompts and self.ctx.is_main and len(self.eval_set)
+        self.live = LiveTau(self.cfg, self.target_path, self.frozen, self.eval_set, self.ctx.device) if live else None
+        self.window = self.empty_window()
 
-    # -- target and data (mismatches fail here, before anything is trained)
-    target_path = resolve_target_path(cfg.target)
-    target_config = load_target_config(target_path, cfg.target.revision)
-    kind = head_kind(cfg, target_config)  # what differs between EAGLE-2 and EAGLE-3 (train/head_kind.py)
-    if t.mode == "offline":
-        from data_prep.feature_cache import FeatureCacheReader
+    def setup_data(self) -> None:
+        """The target's config, the head kind, the records and their train/eval split, the micro-batch plan.
+        Mismatches (cache vs target, records too long) fail here, before anything is trained."""
+        cfg, t, ctx = self.cfg, self.t, self.ctx
+        self.target_path = resolve_target_path(cfg.target)
+        self.target_config = load_target_config(self.target_path, cfg.target.revision)
+        self.part = training_kind(cfg, self.target_config)  # what differs between head kinds (train/head_kinds.py)
+        if t.mode == "offline":
+            cdir = layout.cache_dir(cfg)
+            self.source = FeatureCacheReader(cdir, verify=t.verify_cache)
+            check_cache_matches_target(self.source.manifest, cdir, self.target_path, self.target_config, self.part.layers)
+        else:
+            self.source = TokenizedRecords(layout.tokenized_file(cfg), cfg.data.max_length)
+        train_idx, eval_idx = split_train_eval(self.source.ids, t.eval_fraction, cfg.seed)
+        positions = head_positions(cfg, self.target_config)  # records beyond them: train.long_records
+        lengths, max_length = self.source.lengths, cfg.data.max_length
+        train_idx, limit = apply_long_records(t.long_records, positions, lengths, train_idx, max_length)
+        eval_idx, _ = apply_long_records(t.long_records, positions, lengths, eval_idx, max_length)
+        self.train_set, self.eval_set = Subset(self.source, train_idx, limit), Subset(self.source, eval_idx, limit)
+        self.plan = MicroBatchPlan(self.train_set.lengths, t.micro_batch_size, cfg.seed, t.batching, t.group_size,
+                                   ctx.world_size, ctx.rank)
+        self.total_steps = t.max_steps or max(1, int(t.epochs * self.plan.per_epoch) // t.grad_accum)
+        self.say(f"target {self.target_path} ({t.mode}); {len(self.train_set)} train / {len(self.eval_set)} eval "
+                 f"records; {self.plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; "
+                 f"{self.total_steps} optimizer steps; batching={t.batching} (padding {self.plan.padding_fraction():.1%})")
+        print_run_plan(cfg, ctx, self.target_config)  # rank 0: memory / disk / time plan of this run (train/plan.py)
 
-        cdir = cache_dir(cfg)
-        source = FeatureCacheReader(cdir, verify=t.verify_cache)
-        check_cache_matches_target(source.manifest, cdir, target_path, target_config, kind.layers)
-    else:
-        source = TokenizedRecords(tokenized_file(cfg), cfg.data.max_length)
-    train_idx, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
-    positions = head_positions(cfg, target_config)  # records beyond them: train.long_records
-    train_idx, limit = apply_long_records(t.long_records, positions, source.lengths, train_idx, cfg.data.max_length)
-    eval_idx, _ = apply_long_records(t.long_records, positions, source.lengths, eval_idx, cfg.data.max_length)
-    train_set = Subset(source, train_idx, limit)
-    eval_set = Subset(source, eval_idx, limit)
-    plan = MicroBatchPlan(train_set.lengths, t.micro_batch_size, cfg.seed, t.batching, t.group_size,
-                          ctx.world_size, ctx.rank)
-    total_steps = t.max_steps or max(1, int(t.epochs * plan.per_epoch) // t.grad_accum)
-    say(f"target {target_path} ({t.mode}); {len(train_set)} train / {len(eval_set)} eval records; "
-        f"{plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; {total_steps} optimizer steps; "
-        f"batching={t.batching} (padding {plan.padding_fraction():.1%})")
-    print_run_plan(cfg, ctx, target_config)  # rank 0: memory / disk / time plan of this run (train/plan.py)
+    def setup_model(self) -> None:
+        """A fresh (or given) head with the target's frozen embedding, in a DeepSpeed engine; the target's frozen
+        lm_head (and online, the target) beside it."""
+        # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only training needs it
+        import deepspeed
 
-    # -- model: a fresh (or given) head + the target's frozen embedding and lm_head
-    frozen, embedding = load_frozen_target(t.mode, cfg.target, target_path, ctx.device, dtype, kind.layers)
-    head = kind.new_head(target_config, source, train_set.indices, frozen.lm_head)  # eagle3: + the draft vocabulary of the train split
-    if kind.name == "eagle3":
-        say(f"EAGLE-3 head: aux layers {kind.layers[:-1]}, {kind.steps} unrolled steps (weights "
-            f"{', '.join(f'{w:.2f}' for w in kind.step_weights)}), row stride {kind.stride}; draft vocabulary "
-            + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in kind.vocab_info.items()))
-    if tuple(embedding.shape) != tuple(head.embed_tokens.weight.shape):
-        raise ValueError(f"target embedding {tuple(embedding.shape)} does not fit the head's {tuple(head.embed_tokens.weight.shape)}")
-    head.embed_tokens.weight.data.copy_(embedding)
-    head.embed_tokens.weight.requires_grad_(False)  # frozen: the target's embedding
-    ds_config = deepspeed_config(t, total_steps, ctx.world_size, on_cpu=ctx.device.type == "cpu")
-    if ctx.is_main:
-        (train_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-    engine, _, _, _ = deepspeed.initialize(
-        model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=ds_config)
-    seed_everything(cfg.seed * 1000 + 1 + ctx.rank)  # noise stream: differs per rank, restored on resume
+        cfg, t, ctx, part = self.cfg, self.t, self.ctx, self.part
+        self.frozen, embedding = load_frozen_target(t.mode, cfg.target, self.target_path, ctx.device, self.dtype,
+                                                    part.layers)
+        head = part.new_head(self.target_config, self.source, self.train_set.indices, self.frozen.lm_head)
+        if part.describe() is not None:
+            self.say(part.describe())
+        if tuple(embedding.shape) != tuple(head.embed_tokens.weight.shape):
+            raise ValueError(f"target embedding {tuple(embedding.shape)} does not fit the head's "
+                             f"{tuple(head.embed_tokens.weight.shape)}")
+        head.embed_tokens.weight.data.copy_(embedding)
+        head.embed_tokens.weight.requires_grad_(False)  # frozen: the target's embedding
+        ds_config = deepspeed_config(t, self.total_steps, ctx.world_size, on_cpu=ctx.device.type == "cpu")
+        if ctx.is_main:
+            (self.train_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=ds_config)
+        seed_everything(cfg.seed * 1000 + 1 + ctx.rank)  # noise stream: differs per rank, restored on resume
 
-    # -- resume: weights, optimizer, scheduler, data position and RNG
-    fingerprint = {"world_size": ctx.world_size, "train_records": len(train_set), "per_epoch": plan.per_epoch,
-                   "batching": t.batching, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum}
-    state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "train_cpu": 0.0, "bad_in_row": 0, "skipped": 0,
-             "evaluated_epochs": 0, "data": fingerprint}
-    ckpt_root = checkpoint_root(out_dir)
-    tag = latest_tag(ckpt_root) if t.resume else None
-    if tag is not None:
-        state = load_checkpoint(engine, ckpt_root, tag, ctx.rank)
-        if state["data"] != fingerprint:
-            raise CheckpointError(f"checkpoint {ckpt_root / tag} was made with data/batching {state['data']}, "
-                                  f"this run has {fingerprint}; exact resume needs the same ones (or train.resume=false)")
-        say(f"resumed from {ckpt_root / tag} at step {state['step']}")
-        set_scheduled_lr(engine, say)  # a rerun with another train.lr (e.g. after a divergence) uses the new one
-    state.setdefault("loss_watch", {})  # recent finite micro-batch losses and the run's best level (divergence)
+    def setup_resume(self) -> None:
+        """The trainer's state, from the latest checkpoint when there is one: weights, optimizer, scheduler, data
+        position and RNG."""
+        t, plan = self.t, self.plan
+        fingerprint = {"world_size": self.ctx.world_size, "train_records": len(self.train_set),
+                       "per_epoch": plan.per_epoch, "batching": t.batching, "micro_batch_size": t.micro_batch_size,
+                       "grad_accum": t.grad_accum}
+        state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "train_cpu": 0.0, "bad_in_row": 0,
+                 "skipped": 0, "evaluated_epochs": 0, "data": fingerprint}
+        tag = latest_tag(self.ckpt_root) if t.resume else None
+        if tag is not None:
+            state = load_checkpoint(self.engine, self.ckpt_root, tag, self.ctx.rank)
+            if state["data"] != fingerprint:
+                raise CheckpointError(f"checkpoint {self.ckpt_root / tag} was made with data/batching {state['data']}, "
+                                      f"this run has {fingerprint}; exact resume needs the same ones (or "
+                                      "train.resume=false)")
+            self.say(f"resumed from {self.ckpt_root / tag} at step {state['step']}")
+            set_scheduled_lr(self.engine, self.say)  # a rerun with another train.lr (after a divergence) uses the new one
+        state.setdefault("loss_watch", {})  # recent finite micro-batch losses and the run's best level (divergence)
+        self.state, self.step, self.micro = state, state["step"], state["micro_step"]
 
-    def any_rank(flag: bool) -> bool:
-        return all_reduce_sum([float(flag)])[0] > 0 if ctx.world_size > 1 else flag
+    # ================================================================== the loop
+    def train(self) -> None:
+        """Micro-batch after micro-batch: one train step each; at every optimizer step, log, evaluate and checkpoint
+        when their schedules say so; stop at the last step (or train.stop_after, as if interrupted)."""
+        t, log_every = self.t, self.cfg.logging.log_every
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                   disable=not (self.ctx.is_main and self.cfg.logging.progress))
+        self.engine.train()
+        while self.step < self.total_steps:
+            tic, cpu_tic = time.perf_counter(), time.process_time()
+            batch = self.next_batch()
+            out = self.train_step(batch)
+            if out is None:  # a non-finite loss on some rank: the micro-batch is skipped
+                continue
+            self.record(out, batch, time.perf_counter() - tic, time.process_time() - cpu_tic)
+            if not self.at_boundary:  # gradients accumulate over train.grad_accum micro-batches
+                continue
+            self.step += 1
+            bar.update(1)
+            if self.step % log_every == 0 or self.step == self.total_steps:
+                self.log_window(bar)
+            if self.eval_due():
+                self.evaluate(announce=True)
+            self.checkpoint()
+            if t.stop_after and t.stop_after <= self.step < self.total_steps:
+                self.stopped_early = True
+                break
+        bar.close()
 
-    pending = None  # a checkpoint saved but not yet named by `latest`: committed once the next loss is sane
+    def next_batch(self):
+        """The next micro-batch of this rank's plan, on the device (a new epoch, or resuming inside one, starts its
+        loader at the plan's position)."""
+        epoch, index = self.plan.position(self.micro)
+        if self.loader_epoch != epoch:
+            self.epoch_batches = self.plan.epoch(epoch)
+            self.loader = micro_batch_loader(self.train_set, self.epoch_batches[index:], self.t.num_workers,
+                                             self.ctx.device.type == "cuda")
+            self.loader_epoch = epoch
+        return next(self.loader).to(self.ctx.device)
 
-    def recovery() -> str:
-        discard_uncommitted(ckpt_root, pending, ctx.rank)
-        good = latest_tag(ckpt_root)
-        where = f"the last good checkpoint {ckpt_root / good}" if good else "the start (no checkpoint yet)"
-        return (f"nothing was exported or checkpointed after it; rerun the same command with a lower train.lr "
-                f"(now {t.lr:g}) to resume from {where}")
-    tracker = Tracker(cfg, train_dir, enabled=ctx.is_main, resumed_step=state["step"])
-    live = None
-    if t.live_tau_prompts and ctx.is_main and len(eval_set):
-        from train.live_tau import LiveTau
-
-        live = LiveTau(cfg, target_path, frozen, eval_set, ctx.device)
-
-    # ================================================================== loop
-    step, micro = state["step"], state["micro_step"]
-    window = {"loss": 0.0, "feature": 0.0, "token": 0.0, "positions": 0, "top1": 0, "top2": 0, "top3": 0,
-              "tokens": 0, "time": 0.0}
-    n_steps = getattr(kind, "steps", 0)  # EAGLE-3: per unrolled step hits / positions
-    window.update({f"step{j}_{x}": 0 for j in range(1, n_steps + 1) for x in ("hits", "n")})
-    eval_metrics: dict = {}
-    bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True,
-               disable=not (ctx.is_main and cfg.logging.progress))
-    loader_epoch, loader, epoch_batches = -1, None, []
-    last_eval_step = -1
-    stopped_early = False
-    engine.train()
-    while step < total_steps:
-        epoch, index = plan.position(micro)
-        if loader_epoch != epoch:  # a new epoch, or resuming in the middle of one: start at `index`
-            epoch_batches = plan.epoch(epoch)
-            loader = micro_batch_loader(train_set, epoch_batches[index:], t.num_workers, ctx.device.type == "cuda")
-            loader_epoch = epoch
-        tic, cpu_tic = time.perf_counter(), time.process_time()
-        batch = next(loader).to(ctx.device)
-        features = frozen.features(batch).to(dtype)  # [B, T, H] (EAGLE-3: [B, T, 4H], aux layers + final state)
-        out = kind.loss(engine, features, batch, frozen.lm_head, micro)
-        micro += 1
-        if not all_ranks_finite(out.loss, ctx.world_size):
-            state["bad_in_row"] += 1
-            state["skipped"] += 1
-            warnings.warn(f"non-finite loss at step {step}, micro-batch {micro - 1} (epoch {epoch}, records "
-                          f"{[train_set.source.ids[train_set.indices[i]] for i in epoch_batches[index]]}); skipped "
-                          f"({state['bad_in_row']} in a row)", RuntimeWarning, stacklevel=1)
-            if state["bad_in_row"] >= t.max_bad_steps:
-                raise NonFiniteLossError(
-                    f"{state['bad_in_row']} non-finite losses in a row (train.max_bad_steps={t.max_bad_steps}) at step "
-                    f"{step}: lower train.lr, use train.precision=bf16/fp32, or check the feature cache for NaN/inf; "
-                    + recovery())
-            continue
+    def train_step(self, batch) -> LossOutput | None:
+        """Forward and loss (the head kind's), the non-finite and divergence checks, backward, and the optimizer step
+        at an accumulation boundary. None: skipped (a non-finite loss on some rank)."""
+        t, state = self.t, self.state
+        features = self.frozen.features(batch).to(self.dtype)  # [B, T, W] the target's states the head reads
+        out = self.part.loss(self.engine, features, batch, self.frozen.lm_head, self.micro)
+        self.micro += 1
+        if not all_ranks_finite(out.loss, self.ctx.world_size):
+            self.skip_non_finite()
+            return None
         state["bad_in_row"] = 0
         loss_value = float(out.loss.detach())
-        if any_rank(exploded(loss_value, state["loss_watch"], t.max_loss_ratio)):
-            raise DivergenceError(f"training diverged at step {step}: {describe(loss_value, state['loss_watch'], t.max_loss_ratio)}; "
-                                  + recovery())
+        if any_rank(exploded(loss_value, state["loss_watch"], t.max_loss_ratio), self.ctx.world_size):
+            raise DivergenceError(f"training diverged at step {self.step}: "
+                                  f"{describe(loss_value, state['loss_watch'], t.max_loss_ratio)}; " + self.recovery())
         remember(loss_value, state["loss_watch"])
-        if pending is not None:
-            commit_checkpoint(ckpt_root, pending, t.keep_last, ctx.rank)
-            pending = None
-        engine.backward(out.loss)
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.step()
-        elapsed = time.perf_counter() - tic
+        if self.pending is not None:
+            commit_checkpoint(self.ckpt_root, self.pending, t.keep_last, self.ctx.rank)
+            self.pending = None
+        self.engine.backward(out.loss)
+        self.at_boundary = self.engine.is_gradient_accumulation_boundary()
+        self.engine.step()
+        return out
+
+    def skip_non_finite(self) -> None:
+        """Count the skipped micro-batch, name its records; stop after train.max_bad_steps in a row."""
+        t, state = self.t, self.state
+        state["bad_in_row"] += 1
+        state["skipped"] += 1
+        epoch, index = self.plan.position(self.micro - 1)
+        records = [self.train_set.source.ids[self.train_set.indices[i]] for i in self.epoch_batches[index]]
+        warnings.warn(f"non-finite loss at step {self.step}, micro-batch {self.micro - 1} (epoch {epoch}, records "
+                      f"{records}); skipped ({state['bad_in_row']} in a row)", RuntimeWarning, stacklevel=1)
+        if state["bad_in_row"] >= t.max_bad_steps:
+            raise NonFiniteLossError(
+                f"{state['bad_in_row']} non-finite losses in a row (train.max_bad_steps={t.max_bad_steps}) at step "
+                f"{self.step}: lower train.lr, use train.precision=bf16/fp32, or check the feature cache for NaN/inf; "
+                + self.recovery())
+
+    def recovery(self) -> str:
+        """What to do after a divergence (the uncommitted checkpoint is deleted first)."""
+        discard_uncommitted(self.ckpt_root, self.pending, self.ctx.rank)
+        good = latest_tag(self.ckpt_root)
+        where = f"the last good checkpoint {self.ckpt_root / good}" if good else "the start (no checkpoint yet)"
+        return (f"nothing was exported or checkpointed after it; rerun the same command with a lower train.lr "
+                f"(now {self.t.lr:g}) to resume from {where}")
+
+    # ================================================================== logging
+    def empty_window(self) -> dict:
+        """Running sums between two logs (every rank's, summed at the log)."""
+        window = {"loss": 0.0, "feature": 0.0, "token": 0.0, "positions": 0, "top1": 0, "top2": 0, "top3": 0,
+                  "tokens": 0, "time": 0.0}
+        window.update({f"step{j}_{x}": 0 for j in range(1, self.part.logged_steps + 1) for x in ("hits", "n")})
+        return window
+
+    def record(self, out: LossOutput, batch, elapsed: float, cpu: float) -> None:
+        """Add a trained micro-batch to the run's totals and the log window."""
+        state, window, n = self.state, self.window, out.positions
         state["tokens"] += batch.num_tokens
         state["train_time"] += elapsed
-        state["train_cpu"] += time.process_time() - cpu_tic
-        n = out.positions
+        state["train_cpu"] += cpu
         window["loss"] += float(out.loss.detach()) * n
         window["feature"] += float(out.feature) * n
         window["token"] += float(out.token) * n
         window["positions"] += n
         for k, c in zip(("top1", "top2", "top3"), out.topk_correct):
             window[k] += c
-        for j, (hits, cnt) in enumerate(zip(out.step_hits, out.step_counts), start=1):
+        steps = self.part.logged_steps  # EAGLE-3: every unrolled step's hits / positions
+        for j, (hits, cnt) in enumerate(zip(out.step_hits[:steps], out.step_counts[:steps]), start=1):
             window[f"step{j}_hits"] += hits
             window[f"step{j}_n"] += cnt
         window["tokens"] += batch.num_tokens
         window["time"] += elapsed
-        if not boundary:
-            continue
-        step += 1
-        bar.update(1)
 
-        if step % cfg.logging.log_every == 0 or step == total_steps:
-            w = dict(zip(window, all_reduce_sum(list(window.values()))))
-            pos = max(w["positions"], 1)
-            logs = {"train/loss": w["loss"] / pos, "train/feature_loss": w["feature"] / pos,
-                    "train/token_loss": w["token"] / pos, "train/top1": w["top1"] / pos, "train/top2": w["top2"] / pos,
-                    "train/top3": w["top3"] / pos, "train/lr": engine.get_lr()[0],
-                    "train/tokens_per_s": w["tokens"] / max(w["time"] / ctx.world_size, 1e-9),
-                    "train/epoch": micro / plan.per_epoch}
-            logs.update({f"train/step{j}_acc": w[f"step{j}_hits"] / max(w[f"step{j}_n"], 1) for j in range(1, n_steps + 1)})
-            tracker.log(logs, step)
-            bar.set_postfix(loss=f"{logs['train/loss']:.3f}", top1=f"{logs['train/top1']:.3f}",
-                            tok_s=f"{logs['train/tokens_per_s']:.0f}")
-            window = dict.fromkeys(window, 0)
+    def log_window(self, bar) -> None:
+        """The train/* metrics of the window, summed over ranks; the window restarts."""
+        w = dict(zip(self.window, all_reduce_sum(list(self.window.values()))))
+        pos = max(w["positions"], 1)
+        logs = {"train/loss": w["loss"] / pos, "train/feature_loss": w["feature"] / pos,
+                "train/token_loss": w["token"] / pos, "train/top1": w["top1"] / pos, "train/top2": w["top2"] / pos,
+                "train/top3": w["top3"] / pos, "train/lr": self.engine.get_lr()[0],
+                "train/tokens_per_s": w["tokens"] / max(w["time"] / self.ctx.world_size, 1e-9),
+                "train/epoch": self.micro / self.plan.per_epoch}
+        logs.update({f"train/step{j}_acc": w[f"step{j}_hits"] / max(w[f"step{j}_n"], 1)
+                     for j in range(1, self.part.logged_steps + 1)})
+        self.tracker.log(logs, self.step)
+        bar.set_postfix(loss=f"{logs['train/loss']:.3f}", top1=f"{logs['train/top1']:.3f}",
+                        tok_s=f"{logs['train/tokens_per_s']:.0f}")
+        self.window = dict.fromkeys(self.window, 0)
 
-        epochs_done = micro // plan.per_epoch
-        if len(eval_set) and ((t.eval_every and step % t.eval_every == 0)
-                              or (not t.eval_every and epochs_done > state["evaluated_epochs"])):
-            state["evaluated_epochs"] = epochs_done
-            eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
-            eval_metrics = kind.evaluate(eval_head, eval_set, frozen, ctx.device, dtype, ctx.rank, ctx.world_size)
-            if live is not None:  # rank 0 only; the other ranks wait for it at the next collective
-                eval_metrics.update(live.measure(eval_head))
-            tracker.log(eval_metrics, step)
-            last_eval_step = step
-            say(f"step {step}: eval top1 {eval_metrics['eval/top1']:.3f}, steps 1-{t.rollout_steps} "
-                + "/".join(f"{eval_metrics[f'eval/step{j + 1}_acc']:.2f}" for j in range(t.rollout_steps))
-                + f", sim. acceptance length {eval_metrics['eval/sim_accept_len']:.2f}"
-                + (f", live tau {eval_metrics['eval/live_tau']:.2f}" if live is not None else ""))
+    # ================================================================== evaluate
+    def eval_due(self) -> bool:
+        """Every train.eval_every steps, else once per epoch (there being held-out records)."""
+        t, epochs_done = self.t, self.micro // self.plan.per_epoch
+        due = len(self.eval_set) and ((t.eval_every and self.step % t.eval_every == 0)
+                                      or (not t.eval_every and epochs_done > self.state["evaluated_epochs"]))
+        if due:
+            self.state["evaluated_epochs"] = epochs_done
+        return bool(due)
 
-        state.update(step=step, micro_step=micro)
-        if any_rank(bool(non_finite_weights(engine.module))):
-            raise DivergenceError(f"training diverged at step {step}: the head's weights {non_finite_weights(engine.module)[:3]} "
-                                  f"are no longer finite; " + recovery())
-        if step % t.checkpoint_every == 0 or step == total_steps or (t.stop_after and step >= t.stop_after):
-            final = step == total_steps or (t.stop_after and step >= t.stop_after)
-            tag = save_checkpoint(engine, ckpt_root, step, state, t.keep_last, ctx.rank, commit=bool(final))
-            pending = None if final else tag
-        if t.stop_after and step >= t.stop_after and step < total_steps:
-            stopped_early = True
-            break
-    bar.close()
+    def evaluate(self, announce: bool) -> dict:
+        """The held-out metrics of the head as it is now (train/metrics.py; + live tau on rank 0), logged."""
+        t, ctx = self.t, self.ctx
+        eval_head = standalone_head(self.engine.module, t.zero_stage, ctx.device, self.dtype)
+        m = metrics.evaluate(eval_head, self.eval_set, self.frozen, self.part, ctx.device, self.dtype, self.cfg.seed,
+                             ctx.rank, ctx.world_size)
+        if self.live is not None:  # rank 0 only; the other ranks wait for it at the next collective
+            m.update(self.live.measure(eval_head))
+        self.tracker.log(m, self.step)
+        self.eval_metrics, self.last_eval_step = m, self.step
+        if announce:
+            self.say(f"step {self.step}: eval top1 {m['eval/top1']:.3f}, steps 1-{t.rollout_steps} "
+                     + "/".join(f"{m[f'eval/step{j + 1}_acc']:.2f}" for j in range(t.rollout_steps))
+                     + f", sim. acceptance length {m['eval/sim_accept_len']:.2f}"
+                     + (f", live tau {m['eval/live_tau']:.2f}" if self.live is not None else ""))
+        return m
 
-    # ================================================================== save
-    totals = all_reduce_sum([state["tokens"], state["train_time"], state["train_cpu"]])
-    summary = {
-        "recipe": cfg.name, "target": target_path, "mode": t.mode, "steps": step, "total_steps": total_steps,
-        "epochs": micro / plan.per_epoch, "world_size": ctx.world_size, "precision": t.precision,
-        "zero_stage": t.zero_stage, "batching": t.batching, "padding_fraction": plan.padding_fraction(),
-        "train_records": len(train_set), "eval_records": len(eval_set), "skipped_micro_batches": state["skipped"],
-        "train_tokens": int(totals[0]), "train_time_s": totals[1] / ctx.world_size,
-        "train_tokens_per_s": totals[0] / max(totals[1] / ctx.world_size, 1e-9),
-        "train_cpu_s": totals[2],  # process CPU time of the training steps, summed over ranks (all threads)
-        "stopped_early": stopped_early,
-        **kind.summary(),
-    }
-    if stopped_early:
-        say(f"stopped after step {step} (train.stop_after={t.stop_after}); rerun the same command to resume")
-    else:
-        if len(eval_set) and last_eval_step != step:
-            eval_head = standalone_head(engine.module, t.zero_stage, ctx.device, dtype)
-            eval_metrics = kind.evaluate(eval_head, eval_set, frozen, ctx.device, dtype, ctx.rank, ctx.world_size)
-            if live is not None:
-                eval_metrics.update(live.measure(eval_head))
-            tracker.log(eval_metrics, step)
-        summary["eval"] = eval_metrics
-        weights = full_state_dict(engine.module, t.zero_stage)  # collective under ZeRO-3
+    # ================================================================== checkpoint, save, cleanup
+    def checkpoint(self) -> None:
+        """After an optimizer step: the weights must be finite; a checkpoint every train.checkpoint_every steps and
+        at the end (committed by the next sane loss, or at once when it is the last)."""
+        t, step = self.t, self.step
+        self.state.update(step=step, micro_step=self.micro)
+        if any_rank(bool(non_finite_weights(self.engine.module)), self.ctx.world_size):
+            raise DivergenceError(f"training diverged at step {step}: the head's weights "
+                                  f"{non_finite_weights(self.engine.module)[:3]} are no longer finite; " + self.recovery())
+        final = step == self.total_steps or bool(t.stop_after and step >= t.stop_after)
+        if step % t.checkpoint_every == 0 or final:
+            tag = save_checkpoint(self.engine, self.ckpt_root, step, self.state, t.keep_last, self.ctx.rank, commit=final)
+            self.pending = None if final else tag
+
+    def save(self) -> dict:
+        """The run summary ({output_dir}/train/summary.json); unless stopped early, the final evaluation and the
+        exported head (and, with export.push_to_hub, its Hub push)."""
+        cfg, t, ctx, state = self.cfg, self.t, self.ctx, self.state
+        totals = all_reduce_sum([state["tokens"], state["train_time"], state["train_cpu"]])
+        summary = {
+            "recipe": cfg.name, "target": self.target_path, "mode": t.mode, "steps": self.step,
+            "total_steps": self.total_steps, "epochs": self.micro / self.plan.per_epoch, "world_size": ctx.world_size,
+            "precision": t.precision, "zero_stage": t.zero_stage, "batching": t.batching,
+            "padding_fraction": self.plan.padding_fraction(), "train_records": len(self.train_set),
+            "eval_records": len(self.eval_set), "skipped_micro_batches": state["skipped"],
+            "train_tokens": int(totals[0]), "train_time_s": totals[1] / ctx.world_size,
+            "train_tokens_per_s": totals[0] / max(totals[1] / ctx.world_size, 1e-9),
+            "train_cpu_s": totals[2],  # process CPU time of the training steps, summed over ranks (all threads)
+            "stopped_early": self.stopped_early,
+            **self.part.summary(),
+        }
+        if self.stopped_early:
+            self.say(f"stopped after step {self.step} (train.stop_after={t.stop_after}); rerun the same command to resume")
+        else:
+            if len(self.eval_set) and self.last_eval_step != self.step:
+                self.evaluate(announce=False)  # printed with the summary below
+            summary["eval"] = self.eval_metrics
+            weights = full_state_dict(self.engine.module, t.zero_stage)  # collective under ZeRO-3
+            if ctx.is_main:
+                path = export_head(weights, self.engine.module.config, layout.head_dir(cfg), cfg.export.dtype,
+                                   cfg.export.legacy_bin, recipe=cfg, summary=summary)
+                summary["head_dir"] = str(path)
+                self.say(f"exported head to {path}")
         if ctx.is_main:
-            path = export_head(weights, engine.module.config, export_dir(cfg), cfg.export.dtype, cfg.export.legacy_bin,
-                               recipe=cfg, summary=summary)
-            summary["head_dir"] = str(path)
-            say(f"exported head to {path}")
-    if ctx.is_main:
-        (train_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        say("summary: " + json.dumps({k: v for k, v in summary.items() if k != "eval"})
-            + ("\n[train] eval: " + json.dumps(summary.get("eval", {})) if summary.get("eval") else ""))
-        if cfg.export.push_to_hub and not stopped_early:
-            from train.hub import push_to_hub
+            (self.train_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.say("summary: " + json.dumps({k: v for k, v in summary.items() if k != "eval"})
+                     + ("\n[train] eval: " + json.dumps(summary.get("eval", {})) if summary.get("eval") else ""))
+            if cfg.export.push_to_hub and not self.stopped_early:
+                push_exported_head(layout.head_dir(cfg))
+        return summary
 
-            push_to_hub(cfg)
-
-    # ================================================================== cleanup
-    tracker.close()
-    engine.destroy()  # DeepSpeed's own release of its hooks and buffers (a test process may train again)
-    del engine
-    return summary
+    def cleanup(self) -> None:
+        self.tracker.close()
+        self.engine.destroy()  # DeepSpeed's own release of its hooks and buffers (a test process may train again)
+        del self.engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from recipes import list_recipes
-
     p = ArgumentParser(
         prog="train/main.py",
         description="Train an EAGLE-2 or EAGLE-3 draft head (DeepSpeed) from a recipe (head.kind). Overrides: key=value, e.g. "
@@ -363,16 +423,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ (e.g. tiny, llama3-8b) or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    add_print_config(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     return p.parse_args(argv)
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from train.distributed import destroy_process_groups, init_distributed, shutdown_distributed
-
     args = parse_args(argv)
-    cfg = load_config(args.recipe, args.overrides)
+    cfg = command_config(args)
     ctx = init_distributed(cfg.train.device)
     try:
         train(cfg, ctx)
@@ -384,6 +443,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from train.distributed import exit_process
-
     exit_process(main())

@@ -1,5 +1,6 @@
-"""Held-out metrics: loss parts, top-1/2/3 agreement with the target's argmax, and a self-fed chain rollout
-giving per-step accuracy and a simulated acceptance length.
+"""Held-out metrics, one evaluation loop for every head kind: loss parts, top-1/2/3 agreement with the target's
+argmax, and self-fed chains giving per-step accuracy and a simulated acceptance length (each head kind computes its
+micro-batch's loss and chains: train/head_kinds.py; EAGLE-2 rolls its chains out as below).
 
 Self-fed rollout, for a chain starting after position s (the target has committed x_{s+1}; the draft has the
 TRUE features f_0..f_s): step 1 feeds (f_s, x_{s+1}) and predicts f^_{s+1}; step j feeds (f^_{s+j-1}, x_{s+j})
@@ -21,7 +22,7 @@ import torch
 from eagle.sampling import greedy_ids
 from train.data import collate
 from train.distributed import all_reduce_sum
-from train.loss import eagle_loss, shift_for_head
+
 
 def eval_batches(lengths: list[int], micro_batch_size: int, max_records: int, rank: int, world_size: int) -> list[list[int]]:
     """This rank's eval micro-batches (indices into the eval subset), length-sorted to avoid padding."""
@@ -94,129 +95,57 @@ def all_fed_rollout(head, hidden, input_ids, attention_mask, weights, target_top
 
 
 @torch.no_grad()
-def evaluate(head, subset, target, settings, device, dtype, seed: int, rank: int = 0, world_size: int = 1) -> dict:
-    """Metrics of `head` on the eval `subset`, summed over ranks (every rank gets the same dict)."""
-    s = settings
-    k = s.rollout_steps
-    # positions, feat*n, tok*n, top1, top2, top3, chains, accepted, chain step hits [k], all-fed hits [k], all-fed counts [k]
-    sums = torch.zeros(8 + 3 * k, dtype=torch.float64)
+def evaluate(head, subset, target, part, device, dtype, seed: int, rank: int = 0, world_size: int = 1) -> dict:
+    """Metrics of `head` on the eval `subset`, summed over ranks (every rank gets the same dict). part: the head
+    kind's train-stage part (train/head_kinds.py), which computes each micro-batch's loss and self-fed chains.
+
+    eval/{positions, feature_loss, token_loss, top1..3, loss} of the training loss, eval/chains and
+    eval/sim_accept_len of the chains from every (sampled) start, eval/step{j}_acc (j = 1..rollout_steps), and the
+    kind's extra per-step accuracy eval/{part.extra_eval}_step{j}_acc."""
+    s = part.t
+    k, e = s.rollout_steps, part.extra_steps
+    # positions, feature*n, token*n, loss*n, top1, top2, top3, chains, accepted, chain step hits [k], extra hits [e],
+    # extra counts [e]
+    sums = torch.zeros(9 + k + 2 * e, dtype=torch.float64)
     was_training = head.training
     head.eval()
     for idx in eval_batches(subset.lengths, s.micro_batch_size, s.eval_max_records, rank, world_size):
         records = [subset[i] for i in idx]
         batch = collate(records).to(device)
-        hidden = target.features(batch).to(dtype)  # [B, T, H]
-        feats, next_ids, attn, targets, weights = shift_for_head(hidden, batch.input_ids, batch.attention_mask, batch.loss_mask)
-        out = eagle_loss(head(feats, next_ids, attn), targets, weights, target.lm_head, s.feature_weight, s.token_weight,
-                         s.loss_chunk)
+        ev = part.eval_batch(head, target.features(batch).to(dtype), batch, target.lm_head, k)
+        out = ev.out
         sums[0] += out.positions
         sums[1] += float(out.feature) * out.positions
         sums[2] += float(out.token) * out.positions
-        sums[3:6] += torch.tensor(out.topk_correct, dtype=torch.float64)
-        target_top = greedy_ids(torch.nn.functional.linear(hidden.to(target.lm_head.dtype), target.lm_head))  # [B, T]
-        hits, counts = all_fed_rollout(head, hidden, batch.input_ids, batch.attention_mask, weights, target_top, k,
-                                       target.lm_head)
-        sums[8 + k : 8 + 2 * k] += hits
-        sums[8 + 2 * k :] += counts
-        for b, rec in enumerate(records):  # exact self-fed chains from every (sampled) start
+        sums[3] += float(out.loss) * out.positions
+        sums[4:7] += torch.tensor(out.topk_correct, dtype=torch.float64)
+        sums[9 + k : 9 + k + e] += ev.extra_hits
+        sums[9 + k + e :] += ev.extra_counts
+        for b, rec in enumerate(records):  # the self-fed chains from every (sampled) start
             n = rec["input_ids"].shape[0]
-            starts = rollout_starts(n, weights[b], k, s.rollout_starts, seed, rec["id"])
+            starts = rollout_starts(n, ev.weights[b], k, s.rollout_starts, seed, rec["id"])
             if not starts:
                 continue
-            correct = chain_rollout(head, hidden[b, :n], batch.input_ids[b, :n], target_top[b, :n], starts, k,
-                                    target.lm_head).cpu()  # [n_starts, k]
-            leading = correct.long().cumprod(-1).sum(-1)  # [R] accepted draft tokens per chain
-            sums[6] += correct.shape[0]
-            sums[7] += float(leading.sum())
-            sums[8 : 8 + k] += correct.double().sum(0)
+            correct = ev.chains(b, n, starts)  # [n_starts, k]
+            sums[7] += correct.shape[0]
+            sums[8] += float(correct.long().cumprod(-1).sum())  # accepted draft tokens of greedy chain decoding
+            sums[9 : 9 + k] += correct.double().sum(0)
     head.train(was_training)
     sums = torch.tensor(all_reduce_sum(sums.tolist()), dtype=torch.float64)
-    n, chains = max(sums[0].item(), 1.0), max(sums[6].item(), 1.0)
+    n, chains = max(sums[0].item(), 1.0), max(sums[7].item(), 1.0)
     metrics = {
         "eval/positions": int(sums[0]),
         "eval/feature_loss": sums[1].item() / n,
         "eval/token_loss": sums[2].item() / n,
-        "eval/top1": sums[3].item() / n,
-        "eval/top2": sums[4].item() / n,
-        "eval/top3": sums[5].item() / n,
-        "eval/chains": int(sums[6]),
-        "eval/sim_accept_len": 1.0 + sums[7].item() / chains,
+        "eval/top1": sums[4].item() / n,
+        "eval/top2": sums[5].item() / n,
+        "eval/top3": sums[6].item() / n,
+        "eval/chains": int(sums[7]),
+        "eval/sim_accept_len": 1.0 + sums[8].item() / chains,
     }
-    metrics["eval/loss"] = s.feature_weight * metrics["eval/feature_loss"] + s.token_weight * metrics["eval/token_loss"]
+    metrics["eval/loss"] = part.eval_loss(metrics, sums[3].item() / n)
     for j in range(k):
-        metrics[f"eval/step{j + 1}_acc"] = sums[8 + j].item() / chains
-    for j in range(k):
-        metrics[f"eval/allfed_step{j + 1}_acc"] = sums[8 + k + j].item() / max(sums[8 + 2 * k + j].item(), 1.0)
-    return metrics
-
-
-@torch.no_grad()
-def evaluate_eagle3(head, subset, target, settings, ttt_steps: int, step_weights: list[float], segments: int, device,
-                    dtype, seed: int, rank: int = 0, world_size: int = 1) -> dict:
-    """Metrics of an EAGLE-3 `head` on the eval `subset`, summed over ranks, named as `evaluate`'s.
-
-    The unroll IS the self-fed chain: step j at index s sees the true prefix 0..s (step 1) and its own chain's
-    steps 2..j only, as when decoding a chain (tokens fed = the data's). So step{j}_acc and sim_accept_len come
-    from one unroll of max(rollout_steps, ttt_steps) steps at every position, scored on the same chain starts as
-    EAGLE-2's rollouts (`rollout_starts`). Also eval/ttt_step{j}_acc (every loss position, j <= ttt_steps) and the
-    loss of the training objective; eval/feature_loss is 0 (no feature loss).
-    """
-    from train.loss import eagle3_loss, eagle3_targets, shift_for_eagle3
-
-    s = settings
-    k = s.rollout_steps
-    n_unroll = max(k, ttt_steps)
-    # positions, tok*n, top1, top2, top3, chains, accepted, chain step hits [k], ttt hits [ttt], ttt counts [ttt], loss*n
-    sums = torch.zeros(7 + k + 2 * ttt_steps + 1, dtype=torch.float64)
-    was_training = head.training
-    head.eval()
-    draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd]
-    for idx in eval_batches(subset.lengths, s.micro_batch_size, s.eval_max_records, rank, world_size):
-        records = [subset[i] for i in idx]
-        batch = collate(records).to(device)
-        features = target.features(batch).to(dtype)  # [B, T, 4H]
-        aux, next_ids, attn, final, weights = shift_for_eagle3(features, batch.input_ids, batch.attention_mask,
-                                                               batch.loss_mask, segments)
-        probs, top = eagle3_targets(final, target.lm_head, draft_ids)  # [B, T-1, Vd], [B, T-1]
-        hiddens = head.unroll(aux, next_ids, attn, steps=n_unroll)  # n_unroll x [B, T-1, H]
-        out = eagle3_loss(head, hiddens[:ttt_steps], probs, top, weights, step_weights)
-        sums[0] += out.positions
-        sums[1] += float(out.token) * out.positions
-        sums[2:5] += torch.tensor(out.topk_correct, dtype=torch.float64)
-        sums[7 + k : 7 + k + ttt_steps] += torch.tensor(out.step_hits, dtype=torch.float64)
-        sums[7 + k + ttt_steps : 7 + k + 2 * ttt_steps] += torch.tensor(out.step_counts, dtype=torch.float64)
-        sums[-1] += float(out.loss) * out.positions
-        # draft (as target ids) of step j at index s, compared with the target's argmax at s + j - 1 (shifted index)
-        drafts = torch.stack([draft_ids[head.draft_logits(h).argmax(-1)] for h in hiddens[:k]], dim=-1)  # [B, T-1, k]
-        T1 = top.shape[1]
-        top_ext = torch.nn.functional.pad(top, (0, k), value=-1)  # [B, T-1+k]
-        want = torch.stack([top_ext[:, j : j + T1] for j in range(k)], dim=-1)  # [B, T-1, k]
-        correct = drafts == want  # [B, T-1, k]
-        for b, rec in enumerate(records):
-            n = rec["input_ids"].shape[0]
-            starts = rollout_starts(n, weights[b], k, s.rollout_starts, seed, rec["id"])
-            if not starts:
-                continue
-            c = correct[b, starts].cpu()  # [n_starts, k]
-            sums[5] += c.shape[0]
-            sums[6] += float(c.long().cumprod(-1).sum())
-            sums[7 : 7 + k] += c.double().sum(0)
-    head.train(was_training)
-    sums = torch.tensor(all_reduce_sum(sums.tolist()), dtype=torch.float64)
-    n, chains = max(sums[0].item(), 1.0), max(sums[5].item(), 1.0)
-    metrics = {
-        "eval/positions": int(sums[0]),
-        "eval/feature_loss": 0.0,
-        "eval/token_loss": sums[1].item() / n,
-        "eval/top1": sums[2].item() / n,
-        "eval/top2": sums[3].item() / n,
-        "eval/top3": sums[4].item() / n,
-        "eval/chains": int(sums[5]),
-        "eval/sim_accept_len": 1.0 + sums[6].item() / chains,
-        "eval/loss": sums[-1].item() / n,
-    }
-    for j in range(k):
-        metrics[f"eval/step{j + 1}_acc"] = sums[7 + j].item() / chains
-    for j in range(ttt_steps):
-        metrics[f"eval/ttt_step{j + 1}_acc"] = sums[7 + k + j].item() / max(sums[7 + k + ttt_steps + j].item(), 1.0)
+        metrics[f"eval/step{j + 1}_acc"] = sums[9 + j].item() / chains
+    for j in range(e):
+        metrics[f"eval/{part.extra_eval}_step{j + 1}_acc"] = sums[9 + k + j].item() / max(sums[9 + k + e + j].item(), 1.0)
     return metrics

@@ -32,14 +32,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from data_prep.feature_cache import bytes_per_token  # noqa: E402
+from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.eagle2 import EagleHead  # noqa: E402
+from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
+from eagle.head_config import head_config_from_target  # noqa: E402
+from eagle.head_kinds import text_config  # noqa: E402
+from recipes import RecipeError, add_print_config, command_config, layout  # noqa: E402
+from train.ds_config import deepspeed_config  # noqa: E402
+from train.head_kinds import training_class  # noqa: E402
 
 GB = 1e9
 
@@ -179,14 +192,11 @@ class Plan:
 # ----------------------------------------------------------------------------- shapes
 def target_config(cfg):
     """HF config of the recipe's target: a local folder, the KNOWN_TARGETS table, or the Hub."""
+    # lazy: transformers costs over a second at import; the plan's --help and its table of known shapes do not need it
     from transformers import AutoConfig
-
-    from data_prep.target import resolve_target_path
 
     path = resolve_target_path(cfg.target) if cfg.target.path else ""
     if path and Path(path).is_dir():
-        from data_prep.target import load_target_config
-
         return load_target_config(path)
     if path in KNOWN_TARGETS:
         known = dict(KNOWN_TARGETS[path])
@@ -200,7 +210,7 @@ def target_config(cfg):
 
 def count_target_params(config) -> tuple[int, int]:
     """(all, active per token) parameters of a target config, counted on the meta device (no weights)."""
-    import torch
+    # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -210,8 +220,6 @@ def count_target_params(config) -> tuple[int, int]:
         total += p.numel()
         if ".experts." in name or ".experts" in name.rsplit(".", 1)[0]:
             experts += p.numel()
-    from eagle.head import text_config
-
     c = text_config(config)
     n_exp, k = getattr(c, "num_local_experts", 0) or getattr(c, "num_experts", 0), getattr(c, "num_experts_per_tok", 0)
     active = total - experts + (experts * k // n_exp if n_exp and k else experts)
@@ -220,14 +228,10 @@ def count_target_params(config) -> tuple[int, int]:
 
 def plan_shape(cfg, config=None) -> Shape:
     """Target and head shape for `cfg` (EAGLE-2 head from the target config; EAGLE-3 per head.kind)."""
-    import torch
-
-    from eagle.head import EagleHead, head_config_from_target, text_config
-
     config = config or target_config(cfg)
     c = text_config(config)
     hc = head_config_from_target(config, bias=cfg.head.bias)
-    kind = cfg.head.get("kind", "eagle2")
+    kind = cfg.head.get("kind", "eagle2")  # a recipe.yaml of an older export may lack it
     with torch.device("meta"):
         head = EagleHead(hc)
     trainable = [p.numel() for n, p in head.named_parameters() if p.requires_grad]
@@ -237,22 +241,15 @@ def plan_shape(cfg, config=None) -> Shape:
                   kv_heads=hc.num_key_value_heads, head_dim=D, vocab=hc.vocab_size, layers=c.num_hidden_layers,
                   max_positions=hc.max_position_embeddings, target_params=total, target_active_params=active,
                   head_trainable=sum(trainable), head_largest=max(trainable), kind=kind)
-    if kind == "eagle3":  # e3 contract: fc [H, 3H]; q/k/v read [embed, hidden] (2H); own lm_head [Vd, H]; 2 more norms
-        vd = int(cfg.head.get("draft_vocab_size") or hc.vocab_size)
-        qkv_out = (hc.num_attention_heads + 2 * hc.num_key_value_heads) * D
-        shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
-        shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
-        shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(cfg.head.get("ttt_steps", 7)), 4
-        shape.ttt_row_stride = int(cfg.head.get("ttt_row_stride", 1))
+    training_class(kind).plan_shape(shape, hc, cfg.head)  # what the kind adds to the EAGLE-2 layer measured above
     return shape
 
 
 # ----------------------------------------------------------------------------- memory
 def deepspeed_zero(cfg) -> dict:
     """The zero_optimization section DeepSpeed will run with (generated config + DeepSpeed's own defaults)."""
+    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    from train.ds_config import deepspeed_config
 
     ds = deepspeed_config(cfg.train, total_steps=1, world_size=1, on_cpu=False)
     return DeepSpeedZeroConfig(**ds["zero_optimization"]).model_dump()
@@ -261,6 +258,7 @@ def deepspeed_zero(cfg) -> dict:
 def model_states(P: int, largest: int, stage: int, precision: str, world: int, gpus_per_node: int, nodes: int,
                  offload: bool, host: bool) -> list[Item]:
     """Head parameters / gradients / fp32 master / AdamW moments per rank (bytes)."""
+    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -309,47 +307,14 @@ def model_states(P: int, largest: int, stage: int, precision: str, world: int, g
 
 
 def activation_bytes_per_token(s: Shape, cb: int, step: int = 1, keys: float = 0.0) -> float:
-    """Bytes autograd keeps for backward per row of one head forward (eagle/head.py; counted with
-    torch.autograd.graph.saved_tensors_hooks, tests/test_plan.py pins it), + the [I] gradients of gate/up.
-
-    EAGLE-2: fc input [2H], attention input, rotated q, SDPA output + its o_proj copy, MLP input (H each), k and
-    v (2 kv), SwiGLU 4 x [I], in the compute dtype; the post-attention RMSNorm's float32 input (H); SDPA's
-    log-sum-exp (h floats). EAGLE-3 step 1: fc input [3H], attention input [2H], and two float32 norms
-    (input_layernorm's and hidden_norm's). EAGLE-3 step >= 2 (training-time test) also keeps its score matrix over
-    the `keys` step-1 keys it reads (float32 softmax + its compute-dtype copy, h per key)."""
-    H, I, kv, h = s.hidden, s.intermediate, s.kv_heads * s.head_dim, s.heads
-    if s.kind != "eagle3":
-        kept = (7 * H + 2 * kv + 4 * I) * cb + H * 4 + h * 4
-    elif step == 1:
-        kept = (11 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * 4
-    else:
-        kept = (9.5 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * keys * (4 + (cb if cb < 4 else 0))
-    return kept + backward_transient_bytes_per_token(s, cb)
+    """Bytes autograd keeps for backward per row of one head forward (per head kind: train/head_kinds.py,
+    `activation_bytes`; tests/test_plan.py pins them against saved_tensors_hooks), + the [I] gradients of gate/up."""
+    return training_class(s.kind).activation_bytes(s, cb, step, keys) + backward_transient_bytes_per_token(s, cb)
 
 
 def backward_transient_bytes_per_token(s: Shape, cb: int) -> float:
     """What the backward allocates per row beyond the kept activations: the gradients of gate/up [T, I]."""
     return 2 * s.intermediate * cb
-
-
-def loss_bytes(s: Shape, rows: int, n_positions: int, cb: int, chunk: int) -> float:
-    """Token-loss peak: [rows, V] tensors (head logits in cb and fp32, log-softmax, target logits in cb and fp32,
-    target softmax, the product) + for the chunked path its [N, H] fp32 gradient."""
-    V = s.draft_vocab or s.vocab
-    per_row = V * (2 * cb + 5 * 4)
-    return rows * per_row + (n_positions * s.hidden * 4 if chunk else 0)
-
-
-def unrolled_rows(s: Shape, n_tok: int) -> list[int]:
-    """Rows each unrolled step computes: step 1 every token, steps >= 2 every ttt_row_stride-th (EAGLE-2: [n_tok])."""
-    return [n_tok] + [math.ceil(n_tok / s.ttt_row_stride)] * (s.ttt_steps - 1)
-
-
-def eagle3_loss_bytes(s: Shape, n_tok: int, cb: int) -> float:
-    """EAGLE-3 token-loss peak (train/loss.py eagle3_targets + eagle3_loss, not chunked): the target's full-vocabulary
-    logits [n_tok, V] fp32 (transient, no grad) and its draft-vocabulary distribution [n_tok, Vd] fp32, plus per
-    unrolled step the draft logits kept for the backward ([R, Vd] in cb and fp32, and their log-softmax)."""
-    return n_tok * s.vocab * 4 + n_tok * s.draft_vocab * 4 + sum(r * s.draft_vocab * (cb + 8) for r in unrolled_rows(s, n_tok))
 
 
 def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
@@ -386,8 +351,9 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
         mem.append(Item("target forward (no grad)", n_tok * (2 * s.hidden + 2 * s.intermediate) * tdt, "one layer live"))
     mem.append(Item("micro-batch features", n_tok * s.hidden * s.cache_row * (4 + cb),
                     f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length", FWD_BWD))
-    rows = unrolled_rows(s, n_tok)
-    from eagle.head import UNROLL_ROW_CHUNKS  # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys
+    part = training_class(s.kind)
+    rows = part.unrolled_rows(s, n_tok)
+    # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys
 
     keys = T * (1 + 1 / UNROLL_ROW_CHUNKS) / 2
     act = activation_bytes_per_token(s, cb) * rows[0] + sum(
@@ -400,19 +366,7 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
                     "train.micro_batch_size / data.max_length", FWD_BWD))
     mem.append(Item("backward transients", transient, "SwiGLU gate/up gradients",
                     "train.micro_batch_size / data.max_length", BWD))
-    if s.kind == "eagle3":  # its loss is not chunked: full-vocabulary target logits, draft-vocabulary logits per step
-        mem.append(Item("token-loss logits", eagle3_loss_bytes(s, n_tok, cb),
-                        f"{n_tok} x {s.vocab} target logits + {s.ttt_steps} steps x {s.draft_vocab} draft vocab",
-                        "train.micro_batch_size / data.max_length / head.ttt_row_stride", FWD_BWD))
-    else:
-        chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
-        rows = chunk or n_tok
-        mem.append(Item("token-loss logits", loss_bytes(s, rows, n_tok, cb, 0),
-                        f"{rows} rows x {s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
-                        "train.loss_chunk", FWD if chunk else FWD_BWD))  # chunked: only the [N, H] gradient is kept
-        if chunk:
-            mem.append(Item("token-loss gradient", n_tok * s.hidden * 4, f"[{n_tok}, {s.hidden}] float32 (kept for "
-                            "backward by ChunkedSoftCE)", "", FWD_BWD))
+    mem += [Item(*item) for item in part.loss_memory(t, s, n_tok, cb)]
     # DeepSpeed buffers (ZeRO-1/2: contiguous-gradient reduce bucket(s), all-gather bucket; ZeRO-3: prefetch)
     if t.zero_stage in (1, 2):
         red_dtype = 4 if (t.zero_stage == 1 or precision == "fp32") else cb
@@ -441,8 +395,6 @@ def budget_bytes(hw: Hardware) -> float:
 
 def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None = None) -> Plan:
     """The plan for recipe `cfg` on `hw` (see module docstring)."""
-    from data_prep.feature_cache import bytes_per_token
-
     t = cfg.train
     s = shape or plan_shape(cfg)
     plan = Plan(hw, s, memory=memory_items(cfg, hw, s))
@@ -490,9 +442,7 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
 def data_size(cfg) -> tuple[int, int, str]:
     """(records, tokens per record, where from): a finished cache's manifest, else data.max_records, else the
     ShareGPT assumption."""
-    from train.data import cache_dir
-
-    manifest = cache_dir(cfg) / "manifest.json"
+    manifest = layout.cache_dir(cfg) / "manifest.json"
     if manifest.exists():
         m = json.loads(manifest.read_text())
         return int(m["num_records"]), max(1, int(m["num_tokens"]) // max(1, int(m["num_records"]))), f"cache {manifest}"
@@ -503,8 +453,6 @@ def data_size(cfg) -> tuple[int, int, str]:
 
 def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
     """Up to three settings that each alone bring the memory under `budget`, cheapest first."""
-    from omegaconf import OmegaConf
-
     tries = []
     t = cfg.train
     if t.loss_chunk == 0:
@@ -578,14 +526,10 @@ def plan_as_dict(plan: Plan) -> dict:
 
 def hardware_for_run(ctx) -> Hardware:
     """The hardware a training run is on: its world size and, on GPUs, the device's memory."""
-    import torch
-
     if ctx.device.type == "cuda":
         mem = torch.cuda.get_device_properties(ctx.device).total_memory / GB
         per_node = torch.cuda.device_count()
         return Hardware(gpus=per_node, nodes=max(1, ctx.world_size // max(1, per_node)), gpu_mem_gb=mem)
-    import os
-
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     return Hardware(gpus=1, nodes=1, gpu_mem_gb=total / max(1, ctx.world_size), host=True)
 
@@ -617,13 +561,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="training tokens (default: the cache manifest, else an assumption)")
     p.add_argument("--host", action="store_true", help="one CPU process instead of GPUs (--gpu-mem-gb = RAM for it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_print_config(p)
     return p.parse_args(argv)
 
 
 @one_line_errors
 def main(argv=None) -> int:
-    from recipes import RecipeError
-
     args = parse_args(argv)
     try:
         for name in ("gpus", "nodes"):
@@ -634,9 +577,8 @@ def main(argv=None) -> int:
                 raise PlanError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
         if not 0 <= args.reserve < 1:
             raise PlanError(f"--reserve={args.reserve}: expected 0 <= reserve < 1")
-        from train.main import load_config
 
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = command_config(args)
         hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
                       mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
                       host=args.host)

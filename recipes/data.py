@@ -1,8 +1,10 @@
-"""Recipe section `data`: data preparation settings (owned by data_prep/). The one home of these defaults."""
+"""Recipe section `data`: data preparation settings (read by data_prep/). The one home of these defaults."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from recipes.check import check
 
 FORMATS = ("auto", "sharegpt", "openai", "alpaca")
 BACKENDS = ("hf", "openai")
@@ -55,8 +57,8 @@ class DataSettings:
     device: str = "auto"  # auto = cuda:LOCAL_RANK when available, else cpu
 
 
-def validate_data_section(d, check) -> None:
-    """Check every value of the `data` section; `check(cond, key, value, expect)` raises the recipe error."""
+def validate_data_section(d) -> None:
+    """Check every value of the `data` section (RecipeError naming the key)."""
     check(d.format in FORMATS, "data.format", d.format, f"expected one of {FORMATS}")
     check(d.backend in BACKENDS, "data.backend", d.backend, f"expected one of {BACKENDS}")
     check(d.api_endpoint in API_ENDPOINTS, "data.api_endpoint", d.api_endpoint, f"expected one of {API_ENDPOINTS}")

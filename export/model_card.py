@@ -7,9 +7,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-
-SWEEP_DIR = "serve_sweep"  # under the eval folder: evaluation/main.py serve-sweep writes it, the card and the Hub read it
-SWEEP_FILES = ("sweep.md", "sweep.json", "throughput.png")
+from eagle.decoding_config import DecodingConfig
+from eagle.head_kinds import EAGLE2
+from export.engine_formats import ENGINE_VERSIONS
+from export.head_kinds import EXPORT, ExportKind, export_kind, served_kind
+from recipes.layout import SERVE_SWEEP_DIR
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -33,29 +35,6 @@ def evaluation_rows(report: dict) -> list[str]:
     return rows
 
 
-def eagle3_intro(head_config: dict, cfg) -> list[str]:
-    """The EAGLE-3 card's description: aux layers with their convention, draft vocabulary, layout, engines."""
-    eagle_config = head_config.get("eagle_config") or {}
-    aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") or head_config.get("eagle_aux_hidden_state_layer_ids")
-    return [
-        "A one-layer EAGLE-3 draft head (lossless speculative decoding; draft trees as in EAGLE-2), trained with the "
-        f"training-time test ({OmegaConf.select(cfg, 'head.ttt_steps', default='k')} unrolled steps).",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| aux layers | `{aux}`: HF `output_hidden_states` indices (0 = the embeddings, j = the hidden state ENTERING "
-        "decoder layer j), the convention of the EAGLE-3 reference code and of vLLM's "
-        "`eagle_aux_hidden_state_layer_ids`; tools that name \"the layer whose output is taken\" write j - 1 |",
-        f"| draft vocabulary | {head_config.get('draft_vocab_size')} of the base model's {head_config.get('vocab_size')} "
-        "tokens (`d2t`: target id = draft id + d2t[draft id]; `t2d`: bool mask over the target vocabulary) |",
-        "| fusion | `fc` [H, 3H] (no bias) over the three aux states concatenated in that order |",
-        "",
-        "Released EAGLE-3 layout (yuhuili/EAGLE3-*, SpecForge): `config.json` (`LlamaForCausalLMEagle3`, "
-        "`draft_vocab_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`) + `model.safetensors` with `midlayer.*`, "
-        "`fc`, `norm`, `lm_head`, `d2t`, `t2d` and no `embed_tokens` (the base model's embedding is used).",
-    ]
-
-
 def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manifest: dict | None,
                eval_report: dict | None, plots: list[str], fmt: str = "eagle", head_config: dict | None = None,
                sweep: dict | None = None) -> str:
@@ -64,30 +43,15 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
     exported config.json (decides the head kind: an EAGLE-3 card states its aux layers and draft vocabulary);
     `sweep`: serve-sweep's sweep.json (the draft length to serve per concurrency level)."""
     t = cfg.train
-    eagle3 = (head_config or {}).get("draft_vocab_size") is not None
+    d = DecodingConfig()  # the library's tree defaults, which EaModel.from_pretrained takes too
+    kind = export_kind(served_kind(head_config or {}))  # the uploaded folder: released layout or vLLM speculators
     target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
-    tags = ["eagle", "eagle-3" if eagle3 else "eagle-2", "speculative-decoding", "draft-model"]
+    tags = ["eagle", kind.tag, "speculative-decoding", "draft-model"]
     card_meta = {"base_model": target if "/" in target and not Path(target).exists() else None,
                  "library_name": "eagle2-train", "license": license,
                  "tags": tags, "pipeline_tag": "text-generation"}
     front = "---\n" + OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in card_meta.items() if v})) + "---\n"
-    if eagle3:
-        intro = [f"# EAGLE-3 draft head for `{target}`", "", *eagle3_intro(head_config, cfg)]
-        weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
-        loss = (f"| loss | soft CE over the draft vocabulary at each of {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
-                f"unrolled steps, step weights {list(weights) if weights else '0.8^(j-1)'}; no feature loss |")
-        cite = "EAGLE (ICML 2024), EAGLE-2 (EMNLP 2024) and EAGLE-3 (NeurIPS 2025), Li et al."
-    else:
-        intro = [
-            f"# EAGLE-2 draft head for `{target}`",
-            "",
-            "A one-layer EAGLE-1/2 feature extrapolator (lossless speculative decoding; draft trees as in EAGLE-2). "
-            "Official EAGLE checkpoint format: `config.json` + `model.safetensors`; token logits come from the base "
-            "model's own frozen `lm_head`, the token embedding is the base model's (included, frozen).",
-        ]
-        loss = (f"| loss | {t.feature_weight} x SmoothL1(feature) + {t.token_weight} x soft CE(token); {t.noise} input "
-                f"noise {t.noise_std} |")
-        cite = "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al."
+    intro, loss, cite = kind.card_intro(target, head_config or {}, cfg), kind.card_loss(cfg), kind.citation
     lines = [
         front,
         *intro,
@@ -99,7 +63,8 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "from eagle import EaModel",
         "",
         f'model = EaModel.from_pretrained(base_model_path="{target}", ea_model_path="{repo_id}",',
-        "                                total_token=60, depth=5, top_k=10, torch_dtype=torch.float16)",
+        f"                                total_token={d.total_token}, depth={d.depth}, top_k={d.top_k}, "
+        "torch_dtype=torch.float16)",
         "ids = model.eagenerate(input_ids, temperature=0.0, max_new_tokens=512)",
         "```",
         "",
@@ -107,7 +72,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         f"This folder is in the {fmt} engine format (`python -m train.export --format {fmt}`); the official EAGLE "
         "folder is what the code above loads.",
         "",
-        *serving_section(cfg, target, repo_id, fmt, "eagle3" if eagle3 else "eagle2"),
+        *serving_section(cfg, target, repo_id, fmt, kind),
         *sweep_section(sweep),
         "## Training",
         "",
@@ -156,16 +121,12 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
     return "\n".join(lines)
 
 
-def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: str = "eagle2") -> list[str]:
-    """Markdown lines: copy-paste vLLM and SGLang commands for this head (train/engine_formats.serving_commands)."""
-    from train.engine_formats import ENGINE_VERSIONS, serving_commands
-
-    from eagle.decoding_config import DecodingConfig
-
+def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: ExportKind) -> list[str]:
+    """Markdown lines: copy-paste vLLM and SGLang commands for this head (`serving_commands`)."""
     d = DecodingConfig()  # a recipe without a decoding section (e.g. an older recipe.yaml) gets the defaults
     get = lambda key: int(OmegaConf.select(cfg, f"decoding.{key}", default=getattr(d, key)))  # noqa: E731
-    cmds = serving_commands(target, repo_id, fmt, kind, num_speculative_tokens=get("chain_length"),
-                            total_token=get("total_token"), depth=get("depth"), top_k=get("top_k"))
+    decoding = DecodingConfig(**{key: get(key) for key in ("total_token", "depth", "top_k", "chain_length")})
+    cmds = serving_commands(target, repo_id, fmt, kind, decoding)
     lines = ["## Serving", ""]
     for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
         lines += [f"{label} (format checked against {ENGINE_VERSIONS[engine]}):", "", "```bash", cmds[engine], "```", ""]
@@ -182,8 +143,8 @@ def sweep_section(sweep: dict | None) -> list[str]:
     lines = ["### Draft length by load", "",
              f"Measured with `python evaluation/main.py serve-sweep` (vLLM {sweep.get('engine_version')}, greedy, "
              f"{sweep.get('max_new_tokens')} new tokens per request, machine load {sweep.get('load_average')}; "
-             f"[eval/{SWEEP_DIR}/sweep.md](eval/{SWEEP_DIR}/sweep.md)). Throughput-optimal `num_speculative_tokens` per "
-             "number of requests in flight (0 = serve without speculation):", "",
+             f"[eval/{SERVE_SWEEP_DIR}/sweep.md](eval/{SERVE_SWEEP_DIR}/sweep.md)). Throughput-optimal "
+             "`num_speculative_tokens` per number of requests in flight (0 = serve without speculation):", "",
              "| concurrency | num_speculative_tokens | output tokens/s | vs no speculation | next best |",
              "|---|---|---|---|---|"]
     for b in sweep["best"]:
@@ -193,7 +154,31 @@ def sweep_section(sweep: dict | None) -> list[str]:
         speed = b.get("speedup_vs_no_speculation")
         lines.append(f"| {b['concurrency']} | {b['best_k']}{' (no speculation)' if b['best_k'] == 0 else ''} | "
                      f"{b['output_tokens_per_s']:.0f} | {f'{speed:.2f}x' if speed else '–'} | {runner} |")
-    return lines + ["", f"![throughput vs concurrency](eval/{SWEEP_DIR}/throughput.png)", ""]
+    return lines + ["", f"![throughput vs concurrency](eval/{SERVE_SWEEP_DIR}/throughput.png)", ""]
+def serving_commands(base: str, draft: str, fmt: str, kind: ExportKind = EXPORT[EAGLE2],
+                     decoding: DecodingConfig | None = None, num_speculative_tokens: int | None = None) -> dict[str, str]:
+    """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine: SGLang's tree
+    from `decoding` (default: the library's defaults), vLLM's chain of `num_speculative_tokens` (default: its
+    chain_length). An engine whose format is not `fmt` gets the conversion command first (from the official folder:
+    `draft` itself when fmt is eagle, else the placeholder OFFICIAL_HEAD_DIR)."""
+    d = decoding or DecodingConfig()
+    num_speculative_tokens = d.chain_length if num_speculative_tokens is None else num_speculative_tokens
+    method, algo, flag = kind.vllm_method, kind.sglang_algorithm, kind.convert_flag  # what the engines call the kind
+    official = draft if fmt == "eagle" else "OFFICIAL_HEAD_DIR"  # engine folders are converted from the official one
+    out = {}
+    for engine in ("vllm", "sglang"):
+        path = draft if fmt == engine else f"{Path(str(draft)).name}-{engine}"
+        convert = "" if fmt == engine else (
+            f"python -m train.export {flag} {official} --base {base} --format {engine} --out {path}\n")
+        if engine == "vllm":
+            spec = json.dumps({"method": method, "model": path, "num_speculative_tokens": num_speculative_tokens})
+            out[engine] = f"{convert}vllm serve {base} --speculative-config '{spec}'"
+        else:
+            out[engine] = (f"{convert}python -m sglang.launch_server --model-path {base} "
+                           f"--speculative-algorithm {algo} --speculative-draft-model-path {path} "
+                           f"--speculative-num-steps {d.depth} --speculative-eagle-topk {d.top_k} "
+                           f"--speculative-num-draft-tokens {d.total_token}")
+    return out
 
 
 def read_json(path: Path) -> dict | None:

@@ -1,0 +1,115 @@
+"""The EAGLE-1/2 draft head (`EagleHead`) in the official checkpoint format of the released yuhuili/EAGLE-* heads.
+
+  f_{t+1} = Layer( fc( cat[ embed(tok_{t+1}), f_t ] ) )
+
+`fc` is Linear(2H -> H) (bias optional), `Layer` is ONE Llama decoder layer whose input_layernorm is
+removed, there is no final norm, and token logits come from the TARGET's frozen lm_head. The module
+names below are the state-dict keys of the released `yuhuili/EAGLE-*` heads, so those load strictly
+and our exports load in the reference code.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle.head_config import HeadConfig, head_config_from_target
+from eagle.head_decoder import HeadDecoder
+from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
+from eagle.head_kinds import EAGLE2
+from eagle.head_module import HeadModule
+from eagle.layers import DecoderLayer, Rotary, init_head_weights
+
+
+class EagleHead(HeadModule, kind=EAGLE2):
+    """The EAGLE-1/2 draft head. See the module docstring for the equation; keys follow the released checkpoints."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.check_kind(config)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's frozen embedding
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
+        self.layers = nn.ModuleList([DecoderLayer(config)])
+        self.rotary = Rotary(config)
+        self._init_weights()
+
+    def _init_weights(self, std: float = 0.02) -> None:
+        init_head_weights(self, std)
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target_model, bias: bool = True) -> "EagleHead":
+        """A freshly initialised head for `target_model` (HF causal LM), with its embedding copied in."""
+        head = cls(head_config_from_target(target_model.config, bias=bias))
+        emb = target_model.get_input_embeddings().weight
+        head.embed_tokens.weight.data.copy_(emb.detach().to(head.embed_tokens.weight.dtype))
+        return head
+
+    def decoder(self, capacity: int, fast: bool | None = None, lm_head: nn.Module | None = None) -> HeadDecoder:
+        """A `HeadDecoder` (eagle/head_decoder.py): the decoding forward with its own KV cache of `capacity`; it
+        scores drafts through `lm_head` (the target's)."""
+        return HeadDecoder(self, capacity, fast=fast, lm_head=lm_head)
+
+    # -- forward ----------------------------------------------------------------------
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Training forward, causal over the sequence.
+
+        features [B, T, H]: target features f_t;  next_ids [B, T]: the token that follows f_t;
+        attention_mask [B, T]: 1 = real token (right or left padding). Returns predicted f_{t+1} [B, T, H].
+        """
+        B, T, _ = features.shape
+        x = self.fc(torch.cat([self.embed_tokens(next_ids).to(features.dtype), features], dim=-1))  # [B, T, H]
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            real = attention_mask.bool()  # [B, T]
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # [T, T]
+            mask = causal[None] & real[:, None, :]  # [B, T, T]
+            mask = (mask | torch.eye(T, dtype=torch.bool, device=x.device)[None]).unsqueeze(1)  # pad rows see self
+            if position_ids is None:
+                position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        if position_ids is None:
+            position_ids = torch.arange(T, device=x.device)[None]  # [1, T]
+        cos, sin = self.rotary(position_ids, x.dtype)
+        return self.layers[0](x, cos, sin, mask, is_causal=mask is None)
+
+    # -- checkpoint I/O ---------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
+                        device: str | torch.device | None = None) -> "EagleHead":
+        """Load a head folder (ours or a released `yuhuili/EAGLE-*`) from a local dir or the Hub, strictly."""
+        config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+        config = read_head_config(config_file)
+        cls.check_kind(config, config_file)
+        sd = _load_weights(weights_file)
+        head = cls(config)
+        own = set(head.state_dict().keys())
+        missing, unexpected = sorted(own - set(sd)), sorted(set(sd) - own)
+        if missing or unexpected:
+            hint = ""
+            if "fc.bias" in missing:
+                hint = " (config says bias=true but the checkpoint has no fc.bias: set \"bias\": false)"
+            elif "fc.bias" in unexpected:
+                hint = " (checkpoint has fc.bias but config says \"bias\": false)"
+            raise ValueError(
+                f"head checkpoint {weights_file} does not match its config: missing keys {missing}, "
+                f"unexpected keys {unexpected}{hint}"
+            )
+        for k, v in sd.items():
+            expect = head.state_dict()[k].shape
+            if tuple(v.shape) != tuple(expect):
+                raise ValueError(f"head checkpoint {weights_file}: {k} has shape {tuple(v.shape)}, config implies {tuple(expect)}")
+        head.load_state_dict(sd, strict=True)
+        if dtype is not None:
+            head.to(dtype)
+        if device is not None:
+            head.to(device)
+        return head

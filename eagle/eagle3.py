@@ -1,0 +1,250 @@
+"""The EAGLE-3 draft head (`Eagle3Head`) in the released yuhuili/EAGLE3-* / SpecForge checkpoint layout.
+
+  x_t = fc( cat[ a_t^(l1), a_t^(l2), a_t^(l3) ] )              (committed positions: the target's aux layers)
+  h   = x + Attn( cat[ input_layernorm(embed(tok)), hidden_norm(x) ] )   (q/k/v read 2H)
+  h   = h + MLP(post_attention_layernorm(h))                     (the head's output hidden, pre-norm)
+  logits over the DRAFT vocabulary = lm_head(norm(h)); draft id d is target id d + d2t[d]
+
+Drafted nodes take the head's own output hidden h as their feature x. Aux layer ids follow the EAGLE reference
+and vLLM: id j = HF `output_hidden_states[j]` = the residual stream ENTERING decoder layer j (0 = embeddings).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.head_config import HeadConfig, head_config_from_target
+from eagle.head_decoder import Eagle3HeadDecoder
+from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
+from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError
+from eagle.head_module import HeadModule
+from eagle.layers import MLP, Attention, RMSNorm, Rotary, accumulation_dtype, init_head_weights
+
+
+UNROLL_ROW_CHUNKS = 4  # Eagle3Head.unroll splits the query rows of steps >= 2 into this many causal chunks
+
+
+def _prefix_diag_attention(q, k1, v1, bias, dk, dv):
+    """Attention of training-time-test step j: each query row r attends to the step-1 keys (additive bias masks the
+    ones after its index / padding) and to its OWN keys of steps 2..j (the diagonal).
+    q [B, h, R, D]; k1, v1 [B, kv, S, D]; bias [B|1, R, S]; dk, dv [B, kv, R, n, D] -> [B, h, R, D]."""
+    B, h, R, D = q.shape
+    kv, S, n = k1.shape[1], k1.shape[2], dk.shape[3]
+    g = h // kv
+    qg = q.reshape(B, kv, g * R, D) * (1.0 / math.sqrt(D))  # query heads of a kv group stacked: no K/V copies
+    s_prefix = (qg @ k1.transpose(-1, -2)).view(B, kv, g, R, S) + bias[:, None, None]  # [B, kv, g, R, S]
+    s_diag = (qg.view(B, kv, g, R, 1, D) * dk[:, :, None]).sum(-1)  # [B, kv, g, R, n]
+    s = torch.cat([s_prefix, s_diag], dim=-1)  # [B, kv, g, R, S + n]
+    p = s.softmax(-1, dtype=accumulation_dtype(q.dtype)).to(q.dtype)
+    o = (p[..., :S].reshape(B, kv, g * R, S) @ v1).view(B, kv, g, R, D)
+    o = o + (p[..., S:, None] * dv[:, :, None]).sum(-2)  # + diagonal values
+    return o.reshape(B, h, R, D)
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 draft layer: attention reads [input_layernorm(embed) ; hidden_norm(feature)] (2H wide), the
+    residual stream starts at the feature; then the usual post-attention norm + SwiGLU MLP."""
+
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.self_attn = Attention(c, in_features=2 * c.hidden_size)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def attn_input(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """emb, feat [..., H] -> [..., 2H] (embedding first, as the reference)."""
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)
+
+    def finish(self, feat: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual + MLP: feat [..., H] + o_proj output [..., H] -> the layer's output hidden [..., H]."""
+        x = feat + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Head(HeadModule, kind=EAGLE3):
+    """The EAGLE-3 draft head (see module docstring). Keys follow the released EAGLE-3 checkpoints; `embed_tokens`
+    is a frozen copy of the target's, never saved (`bind_target` / `EaModel.from_pretrained` fill it)."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.check_kind(config)
+        self.config = config
+        H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's frozen embedding
+        self.fc = nn.Linear(N_AUX_LAYERS * H, H, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.d2t = nn.Buffer(torch.zeros(Vd, dtype=torch.long))  # target id = draft id + d2t[draft id]
+        self.t2d = nn.Buffer(torch.arange(V) < Vd)  # [V] bool: target token is in the draft vocabulary
+        self.rotary = Rotary(config)
+        self._init_weights()
+
+    def _init_weights(self, std: float = 0.02) -> None:
+        init_head_weights(self, std)
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target_model, aux_layers=None, draft_vocab_size: int | None = None) -> "Eagle3Head":
+        """A freshly initialised EAGLE-3 head for `target_model` (HF causal LM), its embedding copied in; the draft
+        vocabulary is the first `draft_vocab_size` target ids until `set_vocab` installs a real one."""
+        head = cls(head_config_from_target(target_model.config, kind="eagle3", aux_layers=aux_layers,
+                                           draft_vocab_size=draft_vocab_size))
+        head.bind_target(target_model)
+        return head
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor | None = None) -> None:
+        """Install a draft vocabulary: d2t int [Vd] (target id = draft id + d2t[draft id]); t2d bool [V] (derived from
+        d2t when None). Checked: lengths, target ids in range and distinct, t2d consistent with d2t."""
+        c = self.config
+        d2t = torch.as_tensor(d2t).long().flatten().cpu()
+        if d2t.numel() != c.draft_vocab_size:
+            raise HeadConfigError(f"d2t has {d2t.numel()} entries, draft_vocab_size is {c.draft_vocab_size}")
+        target_ids = torch.arange(d2t.numel()) + d2t
+        if bool((target_ids < 0).any() | (target_ids >= c.vocab_size).any()):
+            raise HeadConfigError(f"d2t maps draft ids outside the target vocabulary [0, {c.vocab_size})")
+        derived = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
+        if int(derived.sum()) != d2t.numel():
+            raise HeadConfigError("d2t maps two draft ids to the same target id")
+        if t2d is not None:
+            t2d = torch.as_tensor(t2d).bool().flatten().cpu()
+            if t2d.numel() != c.vocab_size:
+                raise HeadConfigError(f"t2d has {t2d.numel()} entries, the target vocabulary (vocab_size) has {c.vocab_size}")
+            if not torch.equal(t2d, derived):
+                raise HeadConfigError("t2d does not mark exactly the target ids that d2t maps to")
+        self.d2t.copy_(d2t.to(self.d2t.device))
+        self.t2d.copy_(derived.to(self.t2d.device))
+
+    def decoder(self, capacity: int, fast: bool | None = None, lm_head: nn.Module | None = None) -> Eagle3HeadDecoder:
+        """An `Eagle3HeadDecoder` (eagle/head_decoder.py): the decoding forward with its own KV cache; it scores drafts
+        with the head's own lm_head over the draft vocabulary (the target's `lm_head` is not used)."""
+        return Eagle3HeadDecoder(self, capacity, fast=fast)
+
+    # -- forward ----------------------------------------------------------------------
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (the layer's output, pre-norm) -> logits over the draft vocabulary [..., Vd]."""
+        return self.lm_head(self.norm(hidden))
+
+    def map_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids [...] -> target ids [...] (draft id + d2t[draft id])."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def unroll(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training forward with the training-time test: the head unrolled `steps` times over every position.
+
+        aux [B, T, 3H]: the target's aux-layer states at position t; next_ids [B, T]: the token after position t;
+        attention_mask [B, T] (1 = real token; right or left padding). Returns `steps` hiddens (pre-norm):
+        step 1 [B, T, H] at index t reads (fc(aux_t), embed(next_ids[t])) at position t, causal over step-1 keys;
+        step j >= 2 [B, R, H] at index t reads (its own step j-1 hidden, embed(next_ids[t + j - 1])) at position
+        t + j - 1 and attends to the step-1 keys at indices <= t plus its own steps 2..j (the diagonal): exactly what
+        decoding sees for a drafted chain. Step j's output at t predicts the token at t + j + 1; indices where
+        t + j - 1 runs off the sequence read a pad token and must be masked by the caller.
+        rows [R] (sorted indices, None = all T): steps >= 2 are computed only at these indices (a cost knob: each
+        such step costs one [R, T] score matrix against the cached step-1 keys plus j - 1 diagonal products).
+        """
+        if steps < 1:
+            raise ValueError(f"steps={steps}: must be >= 1")
+        B, T, _ = aux.shape
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        dev, dt = aux.device, aux.dtype
+        feat = self.fc(aux)  # [B, T, H]
+        emb = self.embed_tokens(next_ids).to(dt)  # [B, T, H]
+        real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()  # [B, T]
+        pos = torch.arange(T, device=dev)[None] if real is None else (real.long().cumsum(-1) - 1).clamp(min=0)  # [B|1, T]
+        mask = None
+        if real is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()  # [T, T]
+            mask = causal[None] & real[:, None, :] | torch.eye(T, dtype=torch.bool, device=dev)[None]  # pad rows see self
+            mask = mask.unsqueeze(1)  # [B, 1, T, T]
+        cos, sin = self.rotary(pos, dt)
+        q, k1, v1 = attn.qkv(layer.attn_input(emb, feat), cos, sin)  # [B, h, T, D], [B, kv, T, D] x 2
+        out = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=attn.n_kv != attn.n_heads)  # [B, h, T, D]
+        hidden = layer.finish(feat, attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))  # [B, T, H]
+        hiddens = [hidden]
+        if steps == 1:
+            return hiddens
+        h_, kv_, D = attn.n_heads, attn.n_kv, attn.head_dim
+        idx = torch.arange(T, device=dev) if rows is None else rows.to(dev)  # [R]
+        R = idx.numel()
+        # row chunks: chunk c reads step-1 keys [0, end_c) only (causality), ~(1 + 1/n) / 2 of the full score matrix
+        bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
+        bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
+        ends = (idx[torch.tensor([hi - 1 for _, hi in bounds], device=dev)] + 1).tolist()  # one host sync per unroll
+        visible = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
+        visible = visible[None] if real is None else visible[None] & real[:, None, :]  # [B|1, R, T]
+        bias = torch.zeros(visible.shape, dtype=dt, device=dev).masked_fill_(~visible, torch.finfo(dt).min)
+        ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
+        pos_r = pos[:, idx]  # [B|1, R]
+        prev = hidden if rows is None else hidden[:, idx]  # [B, R, H]
+        # k1/v1 are transposed views of the projections ([B, T, kv, D] underneath): with B > 1 every prefix slice
+        # below would be copied by matmul (per chunk and per step, and kept for backward); one copy serves them all
+        k1, v1 = k1.contiguous(), v1.contiguous()  # [B, kv, T, D]
+        diag_k, diag_v = [], []  # per step >= 2: [B, kv, R, D]
+        for j in range(2, steps + 1):
+            tok_emb = self.embed_tokens(ids_ext[:, idx + j - 1]).to(dt)  # [B, R, H]
+            cos, sin = self.rotary(pos_r + j - 1, dt)
+            q, k, v = attn.qkv(layer.attn_input(tok_emb, prev), cos, sin)  # [B, h, R, D], [B, kv, R, D] x 2
+            diag_k.append(k)
+            diag_v.append(v)
+            dk, dv = torch.stack(diag_k, dim=-2), torch.stack(diag_v, dim=-2)  # [B, kv, R, j - 1, D]
+            o = torch.cat([_prefix_diag_attention(q[:, :, lo:hi], k1[:, :, :end], v1[:, :, :end],
+                                                  bias[:, lo:hi, :end], dk[:, :, lo:hi], dv[:, :, lo:hi])
+                           for (lo, hi), end in zip(bounds, ends)], dim=2)  # [B, h, R, D]
+            prev = layer.finish(prev, attn.o_proj(o.transpose(1, 2).reshape(B, R, h_ * D)))  # [B, R, H]
+            hiddens.append(prev)
+        return hiddens
+
+    def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """= `unroll` (so a DeepSpeed engine wrapping the head runs it through its forward hooks)."""
+        return self.unroll(aux, next_ids, attention_mask, steps=steps, rows=rows)
+
+    # -- checkpoint I/O ---------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
+                        device: str | torch.device | None = None) -> "Eagle3Head":
+        """Load an EAGLE-3 head folder (ours, or the released / SpecForge layout). `embed_tokens` is loaded when the
+        checkpoint has it, else stays empty until `bind_target`; `t2d` is derived from `d2t` when absent, and both may
+        be absent only for a full draft vocabulary."""
+        config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+        config = read_head_config(config_file)
+        cls.check_kind(config, config_file)
+        return cls.from_state_dict(config, _load_weights(weights_file), str(weights_file), dtype=dtype, device=device)
+
+    @classmethod
+    def from_state_dict(cls, config: HeadConfig, sd: dict[str, torch.Tensor], source: str = "state dict",
+                        dtype: torch.dtype | None = None, device=None) -> "Eagle3Head":
+        """Build a head from released-layout tensors, checking every key and shape (one-line errors)."""
+        head = cls(config)
+        sd = dict(sd)
+        d2t, t2d = sd.pop("d2t", None), sd.pop("t2d", None)
+        if d2t is None and config.draft_vocab_size != config.vocab_size:
+            raise HeadConfigError(f"{source} has no d2t but draft_vocab_size={config.draft_vocab_size} < "
+                                  f"vocab_size={config.vocab_size}")
+        own = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+        optional = {"embed_tokens.weight"}
+        missing, unexpected = sorted(set(own) - set(sd) - optional), sorted(set(sd) - set(own))
+        if missing or unexpected:
+            raise HeadConfigError(f"EAGLE-3 checkpoint {source} does not match its config: missing keys {missing}, "
+                                  f"unexpected keys {unexpected}")
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise HeadConfigError(f"EAGLE-3 checkpoint {source}: {k} has shape {tuple(v.shape)}, config implies "
+                                      f"{tuple(own[k].shape)}")
+        head.load_state_dict(sd, strict=False)
+        if d2t is not None:
+            head.set_vocab(d2t, t2d)
+        if dtype is not None:
+            head.to(dtype)
+        if device is not None:
+            head.to(device)
+        return head

@@ -1,0 +1,103 @@
+"""A head folder on disk or on the Hub: config.json + model.safetensors (or a legacy pytorch_model.bin), found,
+checked before a target loads, read without running code, and loaded as the module of its kind."""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from eagle.cli_errors import FileFormatError, file_error
+from eagle.head_config import HeadConfig, read_head_config
+
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
+
+
+def head_class(config: HeadConfig) -> type:
+    """The module class of a head config: its kind's module (`EagleHead` for eagle2, `Eagle3Head` for eagle3)."""
+    return config.head_kind.module
+
+
+def load_head(path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
+              device: str | torch.device | None = None):
+    """Load any head folder as the module of its config's kind: EAGLE-1/2 -> `EagleHead`, EAGLE-3 -> `Eagle3Head`
+    (call `bind_target` before use: an EAGLE-3 head's embedding is the target's)."""
+    cls = head_class(head_config_of(path_or_hub_id, revision))
+    return cls.from_pretrained(path_or_hub_id, dtype=dtype, revision=revision, device=device)
+
+
+def head_config_of(path_or_hub_id: str | Path, revision: str | None = None) -> HeadConfig:
+    """The HeadConfig of a head folder or hub id (its config.json only; one-line errors naming the file)."""
+    return read_head_config(_resolve_head_files(str(path_or_hub_id), revision)[0])
+
+
+def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str, str]:
+    p = Path(path_or_hub_id)
+    if p.is_dir():
+        cfg = p / CONFIG_NAME
+        if not cfg.exists():
+            raise FileNotFoundError(f"head folder {p} has no {CONFIG_NAME}")
+        for name in (SAFE_WEIGHTS_NAME, LEGACY_WEIGHTS_NAME):
+            if (p / name).exists():
+                return str(cfg), str(p / name)
+        raise FileNotFoundError(f"head folder {p} has neither {SAFE_WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}")
+    if p.exists():
+        raise ValueError(f"{p} is a file; pass the head folder (config.json + weights)")
+    try:
+        cfg = hf_hub_download(path_or_hub_id, CONFIG_NAME, revision=revision)
+        try:
+            weights = hf_hub_download(path_or_hub_id, SAFE_WEIGHTS_NAME, revision=revision)
+        except EntryNotFoundError:
+            weights = hf_hub_download(path_or_hub_id, LEGACY_WEIGHTS_NAME, revision=revision)
+    except Exception as e:  # network / auth / missing repo: say what we tried
+        raise OSError(f"could not load head {path_or_hub_id!r}: not a local folder, and the Hub download failed: {e}") from e
+    return cfg, weights
+
+
+def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) -> HeadConfig:
+    """Cheap pre-flight check of a head folder before a target is loaded: config.json parses, the weights file
+    opens (safetensors header / weights-only unpickling) and holds the tensors its config implies (EAGLE-1/2 or
+    EAGLE-3 layout, by the config's kind)."""
+    config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+    config = read_head_config(config_file)
+    if weights_file.endswith(".safetensors"):
+        try:
+            with safe_open(weights_file, "pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except SafetensorError as e:
+            raise file_error(weights_file, e, "head weights") from None
+    else:
+        shapes = {k: tuple(v.shape) for k, v in _load_weights(weights_file).items()}
+    with torch.device("meta"):
+        expect = {k: tuple(v.shape) for k, v in head_class(config)(config).state_dict().items()}
+    optional = config.head_kind.optional_weights(config)  # e.g. EAGLE-3's t2d and the target's embedding
+    expect = {k: v for k, v in expect.items() if k in shapes or k not in optional}
+    if shapes != expect:
+        diff = sorted(k for k in set(shapes) | set(expect) if shapes.get(k) != expect.get(k))
+        raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {diff[:4]} "
+                              f"(file {[shapes.get(k) for k in diff[:4]]}, config {[expect.get(k) for k in diff[:4]]})")
+    return config
+
+
+def _load_weights(weights_file: str) -> dict[str, torch.Tensor]:
+    """The head's tensors: safetensors, or a legacy .bin through the weights-only unpickler (never runs code)."""
+    if weights_file.endswith(".safetensors"):
+        try:
+            return load_file(weights_file)
+        except SafetensorError as e:
+            raise file_error(weights_file, e, "head weights") from None
+    try:
+        sd = torch.load(weights_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise file_error(weights_file, e, "head weights") from None
+    except (RuntimeError, EOFError) as e:  # not a torch file / truncated zip
+        raise file_error(weights_file, e, "head weights") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise FileFormatError(f"head weights {weights_file}: expected a mapping of tensor names to tensors")
+    return sd

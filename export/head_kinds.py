@@ -1,0 +1,147 @@
+"""The export stage's part of each head kind: how an exported folder of that kind becomes an engine's folder, what the
+engines call it, and how its Hub card describes it. Keyed by the library's kind objects (eagle/head_kinds.py).
+
+    write_engine_head(head_dir, out_dir, "vllm", target_config)   # any exported head, by its config's kind
+    export_kind(kind).card_intro(target, head_config, cfg)        # export/model_card.py
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from eagle.head_config import HeadConfig
+from eagle.head_files import _resolve_head_files, read_head_config
+from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, kind_of_config
+from export.engine_formats import EngineFormatError, convert_eagle3_folder, write_eagle2_engine_head
+
+
+class ExportKind:
+    kind: HeadKind
+    vllm_method: str  # vLLM's speculative-config "method"
+    sglang_algorithm: str  # SGLang's --speculative-algorithm
+    convert_flag: str  # `python -m train.export` flag that names a folder of this kind
+    tag: str  # the Hub card's tag
+    citation: str
+
+    def write_engine_folder(self, config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
+                            target_config=None, dtype: str | None = None, verifier: str | None = None,
+                            num_speculative_tokens: int = 3) -> Path:
+        raise NotImplementedError
+
+    def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
+        """The card's title and description lines."""
+        raise NotImplementedError
+
+    def card_loss(self, cfg) -> str:
+        """The card's `| loss | ... |` row."""
+        raise NotImplementedError
+
+
+class Eagle2Export(ExportKind):
+    kind, vllm_method, sglang_algorithm, convert_flag, tag = EAGLE2, "eagle", "EAGLE", "--head", "eagle-2"
+    citation = "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al."
+
+    def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
+                            verifier=None, num_speculative_tokens=3) -> Path:
+        return write_eagle2_engine_head(config, weights_file, head_dir, out_dir, fmt, target_config, dtype)
+
+    def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
+        return [
+            f"# EAGLE-2 draft head for `{target}`",
+            "",
+            "A one-layer EAGLE-1/2 feature extrapolator (lossless speculative decoding; draft trees as in EAGLE-2). "
+            "Official EAGLE checkpoint format: `config.json` + `model.safetensors`; token logits come from the base "
+            "model's own frozen `lm_head`, the token embedding is the base model's (included, frozen).",
+        ]
+
+    def card_loss(self, cfg) -> str:
+        t = cfg.train
+        return (f"| loss | {t.feature_weight} x SmoothL1(feature) + {t.token_weight} x soft CE(token); {t.noise} input "
+                f"noise {t.noise_std} |")
+
+
+class Eagle3Export(ExportKind):
+    kind, vllm_method, sglang_algorithm, convert_flag, tag = EAGLE3, "eagle3", "EAGLE3", "--eagle3", "eagle-3"
+    citation = "EAGLE (ICML 2024), EAGLE-2 (EMNLP 2024) and EAGLE-3 (NeurIPS 2025), Li et al."
+
+    def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
+                            verifier=None, num_speculative_tokens=3) -> Path:
+        """The released layout, converted (`verifier`: the target's path or hub id, named in vLLM's speculators
+        config)."""
+        archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
+        return convert_eagle3_folder(head_dir, out_dir, fmt, verifier=verifier, verifier_architectures=archs,
+                                     num_speculative_tokens=num_speculative_tokens)
+
+    def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
+        """Aux layers with their convention, draft vocabulary, layout, engines."""
+        eagle_config = head_config.get("eagle_config") or {}
+        aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") or head_config.get("eagle_aux_hidden_state_layer_ids")
+        return [
+            f"# EAGLE-3 draft head for `{target}`",
+            "",
+            "A one-layer EAGLE-3 draft head (lossless speculative decoding; draft trees as in EAGLE-2), trained with the "
+            f"training-time test ({OmegaConf.select(cfg, 'head.ttt_steps', default='k')} unrolled steps).",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| aux layers | `{aux}`: HF `output_hidden_states` indices (0 = the embeddings, j = the hidden state ENTERING "
+            "decoder layer j), the convention of the EAGLE-3 reference code and of vLLM's "
+            "`eagle_aux_hidden_state_layer_ids`; tools that name \"the layer whose output is taken\" write j - 1 |",
+            f"| draft vocabulary | {head_config.get('draft_vocab_size')} of the base model's {head_config.get('vocab_size')} "
+            "tokens (`d2t`: target id = draft id + d2t[draft id]; `t2d`: bool mask over the target vocabulary) |",
+            "| fusion | `fc` [H, 3H] (no bias) over the three aux states concatenated in that order |",
+            "",
+            "Released EAGLE-3 layout (yuhuili/EAGLE3-*, SpecForge): `config.json` (`LlamaForCausalLMEagle3`, "
+            "`draft_vocab_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`) + `model.safetensors` with `midlayer.*`, "
+            "`fc`, `norm`, `lm_head`, `d2t`, `t2d` and no `embed_tokens` (the base model's embedding is used).",
+        ]
+
+    def card_loss(self, cfg) -> str:
+        weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
+        return (f"| loss | soft CE over the draft vocabulary at each of {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
+                f"unrolled steps, step weights {list(weights) if weights else '0.8^(j-1)'}; no feature loss |")
+
+
+EXPORT: dict[HeadKind, ExportKind] = {EAGLE2: Eagle2Export(), EAGLE3: Eagle3Export()}
+
+
+def export_kind(kind: HeadKind) -> ExportKind:
+    return EXPORT[kind]
+
+
+def served_kind(config: dict) -> HeadKind:
+    """The kind of a draft folder an engine is given, from its config.json: the released / official layouts
+    (`kind_of_config`), or vLLM's speculators config (`speculators_model_type`, written by the vllm format)."""
+    config = dict(config)
+    speculators = config.get("speculators_model_type")
+    if speculators:
+        return next((e.kind for e in EXPORT.values() if e.vllm_method == speculators), kind_of_config(config))
+    return kind_of_config(config)
+
+
+def check_vllm_method(method: str, config: dict, folder: str) -> None:
+    """Refuse a vLLM `method` that does not match the draft folder's head kind (the classic trap: an EAGLE-3 folder
+    served with "eagle", an EAGLE-1/2 folder with "eagle3"); the message names both and the right flag. Methods
+    this project does not export (mtp, ngram, ...) are the user's own choice and pass."""
+    right = export_kind(served_kind(config))
+    served = next((e for e in EXPORT.values() if e.vllm_method == method), None)
+    if served is not None and served is not right:
+        layout = f"config architectures {config.get('architectures')}" + (
+            f", speculators_model_type {config['speculators_model_type']}" if "speculators_model_type" in config else "")
+        raise EngineFormatError(
+            f"the draft folder {folder} holds an {right.kind.title} head ({layout}) but is served with vLLM method "
+            f"{method!r}, which is for {served.kind.title} heads: use \"method\": \"{right.vllm_method}\"")
+
+
+def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
+                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Read an exported head folder (a local folder or Hub id) and write it in `fmt`, as its kind does: EAGLE-1/2
+    drift-checked against the target and converted (dtype: of the output, default the head's), EAGLE-3 (the released
+    layout) converted with `verifier` (the target's path or hub id, named in vLLM's speculators config). Raises
+    DriftError on an inconsistent head."""
+    config_file, weights_file = _resolve_head_files(str(head_dir), None)
+    config = read_head_config(config_file)
+    return export_kind(config.head_kind).write_engine_folder(
+        config, weights_file, Path(config_file).parent, Path(out_dir), fmt, target_config, dtype=dtype,
+        verifier=verifier, num_speculative_tokens=num_speculative_tokens)

@@ -1,0 +1,143 @@
+"""Push an exported head to the Hugging Face Hub with a generated model card.
+
+    python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b [--dry-run] [--head DIR]
+    python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b-vllm --format vllm   # engine format
+
+Everything to upload is first staged in {output_dir}/hub_upload/ (head files, recipe, training summary,
+README.md model card, evaluation report + plots and serve-sweep's draft length per concurrency level when
+{output_dir}/eval has them); `--dry-run` stops there and lists it. The token comes from the environment variable named by export.token_env (HF_TOKEN).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from huggingface_hub import HfApi
+from omegaconf import OmegaConf
+
+from data_prep.target import load_target_config
+from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
+from export.head_kinds import write_engine_head
+from export.model_card import model_card, read_json
+from recipes import add_print_config, command_config, layout
+from train.export import RECIPE_FILE, SUMMARY_FILE
+
+HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE)
+EVAL_FILES = ("report.md", "report.json")
+
+
+class HubPushError(UserError, RuntimeError):
+    """The upload could not happen (no token, no network, no permission); the message says what to do."""
+
+
+def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "eagle") -> list[Path]:
+    """Fill `staging` with exactly what will be uploaded; returns the files (relative paths).
+    fmt: eagle (the official folder) | vllm | sglang (export/engine_formats.py, drift-checked against the target)."""
+    head_dir = Path(head_dir)
+    if not (head_dir / "config.json").exists() or not any((head_dir / f).exists() for f in HEAD_FILES[1:3]):
+        raise HubPushError(f"{head_dir} is not an exported head (config.json + model.safetensors); train or export first")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    if fmt != "eagle":
+        target_config = None
+        if cfg.target.path:
+            target_config = load_target_config(cfg.target.path)
+        converted = staging.with_name(staging.name + f".{fmt}")
+        if converted.exists():
+            shutil.rmtree(converted)
+        head_dir = write_engine_head(head_dir, converted, fmt, target_config, verifier=str(cfg.target.path) or None)
+    for name in HEAD_FILES:
+        if (head_dir / name).exists():
+            shutil.copy2(head_dir / name, staging / name)
+    plots: list[str] = []
+    report = sweep = None
+    edir = layout.eval_dir(cfg)
+    if edir.is_dir():
+        (staging / "eval").mkdir()
+        for name in EVAL_FILES:
+            if (edir / name).exists():
+                shutil.copy2(edir / name, staging / "eval" / name)
+        for png in sorted(edir.glob("*.png")):
+            shutil.copy2(png, staging / "eval" / png.name)
+            plots.append(f"eval/{png.name}")
+        report = read_json(edir / "report.json")
+        sweep_dir = layout.serve_sweep_dir(cfg)
+        if (sweep_dir / "sweep.json").exists():  # serve-sweep's draft length per concurrency level
+            (staging / "eval" / layout.SERVE_SWEEP_DIR).mkdir()
+            for name in layout.SERVE_SWEEP_FILES:
+                if (sweep_dir / name).exists():
+                    shutil.copy2(sweep_dir / name, staging / "eval" / layout.SERVE_SWEEP_DIR / name)
+            sweep = read_json(sweep_dir / "sweep.json")
+    manifest = read_json(layout.cache_dir(cfg) / "manifest.json")
+    if manifest:
+        manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens", "source")}
+    # the card describes the recipe the head was trained with (stored at export), not this command's
+    trained = OmegaConf.load(head_dir / RECIPE_FILE) if (head_dir / RECIPE_FILE).exists() else cfg
+    card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots,
+                      fmt=fmt, head_config=read_json(head_dir / "config.json"), sweep=sweep)
+    (staging / "README.md").write_text(card)
+    return sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
+
+
+def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False, fmt: str = "eagle") -> dict:
+    """Stage and (unless dry_run) upload the head (in format `fmt`) to export.repo_id.
+    Returns {repo_id, staging, files, url}."""
+    repo_id = cfg.export.repo_id
+    if not repo_id:
+        raise HubPushError("export.repo_id is empty: set export.repo_id=USER/NAME")
+    head_dir = Path(head_dir) if head_dir else layout.head_dir(cfg)
+    staging = Path(cfg.output_dir) / "hub_upload"
+    files = stage_upload(cfg, head_dir, staging, repo_id, fmt)
+    result = {"repo_id": repo_id, "private": bool(cfg.export.private), "staging": str(staging),
+              "files": [str(f) for f in files], "url": None}
+    if dry_run:
+        return result
+    token = os.environ.get(cfg.export.token_env)
+    if not token:
+        raise HubPushError(f"no Hub token: set the environment variable {cfg.export.token_env} (export.token_env) "
+                           f"to a write token; the upload is staged in {staging}")
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=bool(cfg.export.private), exist_ok=True, repo_type="model")
+        commit = api.upload_folder(folder_path=str(staging), repo_id=repo_id, repo_type="model",
+                                   commit_message=cfg.export.commit_message)
+    except Exception as e:  # network (httpx), HTTP (HfHubHTTPError: auth, permissions), offline mode
+        raise HubPushError(
+            f"could not push to the Hub repo {repo_id!r}: {type(e).__name__}: {e}\n"
+            f"The upload is staged in {staging}; from a machine with network access run "
+            f"`hf upload {repo_id} {staging} .` (or rerun this command)."
+        ) from e
+    result["url"] = getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}"
+    return result
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="python -m train.hub", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", required=True, help="recipe name or YAML path (the run whose head is pushed)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--head", default=None, help="head folder to push (default: export.dir or {output_dir}/head)")
+    p.add_argument("--dry-run", action="store_true", help="stage the upload and list it; do not contact the Hub")
+    p.add_argument("--format", default="eagle", choices=("eagle", "vllm", "sglang"),
+                   help="folder format to upload: eagle (official) or an engine's (python -m train.export --help)")
+    add_print_config(p)
+    args = p.parse_args(argv)
+    cfg = command_config(args)
+    result = push_to_hub(cfg, args.head, dry_run=args.dry_run, fmt=args.format)
+    staging = Path(result["staging"])
+    verb = "would upload" if args.dry_run else "uploaded"
+    print(f"{verb} to {result['repo_id']} ({'private' if result['private'] else 'public'}) from {staging}:")
+    for f in result["files"]:
+        print(f"  {f}  ({(staging / f).stat().st_size:,} bytes)")
+    if result["url"]:
+        print(result["url"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

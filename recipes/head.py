@@ -1,0 +1,59 @@
+"""Recipe section `head`: which head kind to train and its kind-specific settings. The one home of these defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eagle.head_kinds import EAGLE3, HEAD_KINDS
+from recipes.check import check
+
+
+@dataclass
+class HeadSettings:
+    kind: str = "eagle2"  # eagle2 (fc over the final hidden state + feature loss) | eagle3 (3 aux layers, training-time test)
+    bias: bool = True  # EAGLE-2 fc bias; Llama-3 released heads use False, Vicuna/Llama-2/Mixtral True (eagle3: no fc bias)
+    init_from: str = ""  # start from an existing head (folder or hub id) instead of a fresh init; "" = fresh
+    # --- eagle3 only (an error with kind=eagle2 unless left at the default)
+    aux_layers: list[int] = field(default_factory=list)  # 3 ids, id j = HF hidden_states[j] (0 = embeddings); [] = (2, L//2, L-3)
+    draft_vocab_size: int = 0  # the N most frequent loss tokens of the training data (filled up by id if fewer occur); 0 = full
+    ttt_steps: int = 7  # training-time test: unrolled draft steps per position (1 = no self-fed steps)
+    ttt_step_weights: list[float] = field(default_factory=list)  # loss weight of step j (1-based); [] = 0.8^(j-1)
+    ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
+    lm_head_init: str = "target"  # target = the draft vocabulary's rows of the target's lm_head (a warm start) | random
+
+
+def ttt_weights(head) -> list[float]:
+    """The per-step loss weights of an eagle3 head section: head.ttt_step_weights, or 0.8^(j-1) for j = 1..ttt_steps."""
+    return [float(w) for w in head.ttt_step_weights] or [0.8 ** j for j in range(head.ttt_steps)]
+
+
+def validate_eagle3_keys(h) -> None:
+    aux = list(h.aux_layers)
+    check(not aux or (len(aux) == 3 and all(a >= 0 for a in aux) and aux == sorted(set(aux))), "head.aux_layers", aux,
+          "expected [] (the target default) or 3 strictly increasing layer ids >= 0")
+    check(h.draft_vocab_size >= 0, "head.draft_vocab_size", h.draft_vocab_size, "expected >= 0 (0 = the full vocabulary)")
+    check(h.ttt_steps >= 1, "head.ttt_steps", h.ttt_steps, "expected >= 1")
+    w = list(h.ttt_step_weights)
+    check(not w or (len(w) == h.ttt_steps and all(x >= 0 for x in w) and sum(w) > 0), "head.ttt_step_weights", w,
+          f"expected [] or {h.ttt_steps} weights >= 0 (one per head.ttt_steps), not all 0")
+    check(h.ttt_row_stride >= 1, "head.ttt_row_stride", h.ttt_row_stride, "expected >= 1")
+    check(h.lm_head_init in ("target", "random"), "head.lm_head_init", h.lm_head_init, "expected 'target' or 'random'")
+
+
+# The recipe's per-kind part: the head.* keys a kind reads beyond kind / bias / init_from, and their check. Keys of
+# other kinds must stay at their defaults.
+KIND_KEYS = {EAGLE3: (("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
+                       "lm_head_init"), validate_eagle3_keys)}
+
+
+def validate_head_section(h) -> None:
+    """Check the head section: its kind, the keys that kind reads (the aux layers against the target are checked by
+    `check_aux_layers` at train time) and that no other kind's key is set."""
+    check(h.kind in HEAD_KINDS, "head.kind", h.kind, f"expected one of {tuple(HEAD_KINDS)}")
+    kind, defaults = HEAD_KINDS[h.kind], HeadSettings()
+    own, check_own = KIND_KEYS.get(kind, ((), None))
+    for other, (keys, _) in KIND_KEYS.items():
+        for key in (k for k in keys if k not in own):
+            value = list(h[key]) if isinstance(getattr(defaults, key), list) else h[key]
+            check(value == getattr(defaults, key), f"head.{key}", value, f"only used by head.kind={other.name}")
+    if check_own is not None:
+        check_own(h)

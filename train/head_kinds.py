@@ -1,0 +1,387 @@
+"""The train stage's part of each head kind: what the trainer, its evaluation, eval_head and the plan do differently,
+one class per kind, keyed by the library's kind objects (eagle/head_kinds.py). Everything else is written once.
+
+    part = training_kind(cfg, target_config)        # Eagle2Training | Eagle3Training
+    head = part.new_head(target_config, source, train_set.indices, frozen.lm_head)
+    out = part.loss(engine, features, batch, frozen.lm_head, micro)   # LossOutput (train/loss.py: draft_loss)
+    batch = part.eval_batch(head, features, batch, lm_head)           # train/metrics.py: evaluate
+
+EAGLE-2: fc over the final hidden state, ONE step with the feature loss, both token distributions through the target's
+lm_head (chunked: train.loss_chunk); eval chains rolled out through the head's decoder, plus all-fed steps.
+EAGLE-3: fc over three aux layers, the training-time-test unroll of `head.ttt_steps` steps (steps >= 2 at every
+`head.ttt_row_stride`-th position, the offset cycling with the micro-step so every position is covered), the soft CE
+over the draft vocabulary (built from the training split's loss tokens); eval chains read off one unroll.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from data_prep.feature_layers import feature_layers
+from eagle.eagle2 import EagleHead
+from eagle.eagle3 import Eagle3Head
+from eagle.head_config import head_config_from_target
+from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, head_kind, text_config
+from eagle.sampling import greedy_ids
+from recipes import RecipeError
+from recipes.head import ttt_weights
+from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
+from train.loss import ChunkedSoftCE, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
+from train.metrics import all_fed_rollout, chain_rollout
+
+
+@dataclass
+class EvalBatch:
+    """One eval micro-batch of a head kind: the training loss, and the self-fed chains from chosen start positions."""
+
+    out: LossOutput
+    weights: torch.Tensor  # [B, T-1] step 1's loss positions (chain starts are drawn among them)
+    chains: Callable[[int, int, list[int]], torch.Tensor]  # (record b, its length, starts) -> correct [n, k] bool
+    extra_hits: torch.Tensor  # [e] float64: the kind's extra per-step metric (EAGLE-2 all-fed, EAGLE-3 ttt steps)
+    extra_counts: torch.Tensor  # [e] float64
+
+
+class TrainingKind:
+    """The interface; the shared parts (shift, the training step) are written here once."""
+
+    kind: HeadKind
+    extra_eval = ""  # eval/{extra_eval}_step{j}_acc (j = 1..extra_steps): the kind's extra per-step accuracy
+    extra_steps = 0
+    logged_steps = 0  # unrolled steps whose accuracy is logged as train/step{j}_acc
+
+    def __init__(self, cfg, target_config):
+        self.cfg, self.t = cfg, cfg.train
+        self.layers = feature_layers(cfg.head, target_config)  # which target states the head reads (cache layout)
+        self.hidden = int(text_config(target_config).hidden_size)
+        self.steps, self.step_weights, self.feature_weight = 1, [self.t.token_weight], 0.0
+
+    def describe(self) -> str | None:
+        """What the trainer says about this kind's setup, if anything."""
+        return None
+
+    def summary(self) -> dict:
+        """Extra keys of the run summary."""
+        return {}
+
+    def shifted(self, features: torch.Tensor, batch) -> Shifted:
+        """features [B, T, W] (the cached states; the last H the final state) aligned for the head."""
+        return shift(self.kind.head_inputs(features, self.hidden), features[..., -self.hidden:], batch.input_ids,
+                     batch.attention_mask, batch.loss_mask)
+
+    def rows(self, T: int, micro: int, device) -> torch.Tensor | None:
+        """Indices where unrolled steps >= 2 run this micro-batch (None = all)."""
+        return None
+
+    def loss(self, engine, features: torch.Tensor, batch, lm_head: torch.Tensor, micro: int) -> LossOutput:
+        """One micro-batch's training loss: the head (through the DeepSpeed engine) on noised inputs."""
+        t, s = self.t, self.shifted(features, batch)
+        rows = self.rows(s.inputs.shape[1], micro, s.inputs.device)
+        targets = self.targets(engine.module, s.final, lm_head, self.steps)
+        hiddens = self.unroll(engine, add_input_noise(s.inputs, t.noise, t.noise_std), s.next_ids, s.attention_mask,
+                              self.steps, rows)
+        return draft_loss(hiddens, s.weights, targets, self.step_weights, self.feature_weight, rows)
+
+    def eval_loss(self, metrics: dict, loss_mean: float) -> float:
+        """eval/loss: the mean training loss over the held-out positions."""
+        return loss_mean
+
+    # -- what differs -------------------------------------------------------------------
+    def new_head(self, target_config, source, train_indices, lm_head):
+        raise NotImplementedError
+
+    def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
+        """The head's outputs for `steps` unrolled steps (forward: the engine, or the plain head)."""
+        raise NotImplementedError
+
+    def targets(self, head, final: torch.Tensor, lm_head: torch.Tensor, steps: int):
+        """What each unrolled step is scored against (a train.loss.StepTargets)."""
+        raise NotImplementedError
+
+    def eval_batch(self, head, features: torch.Tensor, batch, lm_head: torch.Tensor, k: int) -> EvalBatch:
+        raise NotImplementedError
+
+    # -- the plan (train/plan.py): per-kind memory formulas ---------------------------------
+    @staticmethod
+    def plan_shape(shape, hc, head_cfg) -> None:
+        """Complete the plan's Shape with what the kind adds to the EAGLE-2 layer it is measured from."""
+
+    @staticmethod
+    def unrolled_rows(s, n_tok: int) -> list[int]:
+        """Rows each unrolled step computes in a micro-batch of n_tok tokens."""
+        return [n_tok]
+
+    @staticmethod
+    def activation_bytes(s, cb: int, step: int = 1, keys: float = 0.0) -> float:
+        """Bytes autograd keeps for backward per row of one head forward (eagle/eagle2.py; counted with
+        torch.autograd.graph.saved_tensors_hooks, tests/test_plan.py pins it): fc input [2H], attention input, rotated
+        q, SDPA output + its o_proj copy, MLP input (H each), k and v (2 kv), SwiGLU 4 x [I], in the compute dtype;
+        the post-attention RMSNorm's float32 input (H); SDPA's log-sum-exp (h floats)."""
+        H, I, kv, h = s.hidden, s.intermediate, s.kv_heads * s.head_dim, s.heads
+        return (7 * H + 2 * kv + 4 * I) * cb + H * 4 + h * 4
+
+    @staticmethod
+    def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
+        """(name, bytes, note, knob, phases) of the token loss's memory (t: the recipe's train section)."""
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- EAGLE-2
+class NextFeatureTargets:
+    """EAGLE-2's one step: the head predicts the next feature; token distributions of prediction and truth through the
+    target's frozen lm_head [V, H]; `chunk` > 0: `chunk` loss positions at a time (`ChunkedSoftCE`: only [chunk, V]
+    logits at once, same value and gradient up to float summation order)."""
+
+    def __init__(self, final: torch.Tensor, lm_head: torch.Tensor, chunk: int = 0):
+        self.final, self.lm_head, self.chunk = final, lm_head, chunk
+
+    def score(self, p: torch.Tensor, j: int, rows: torch.Tensor, sel: torch.Tensor) -> StepScore:
+        lm_head = self.lm_head
+        f = self.final[sel].to(p.dtype)  # [N, H] the true next features
+        feature = F.smooth_l1_loss(p.float(), f.float(), reduction="none").mean(-1).mean()
+        if self.chunk and self.chunk < p.shape[0]:
+            correct = torch.zeros(3, dtype=torch.long)
+            token = ChunkedSoftCE.apply(p, f, lm_head, self.chunk, correct)
+            return StepScore(token, [int(c) for c in correct], feature)
+        head_logits = F.linear(p.to(lm_head.dtype), lm_head).float()  # [N, V]
+        with torch.no_grad():
+            target_logits = F.linear(f.to(lm_head.dtype), lm_head).float()  # [N, V]
+            target_p = target_logits.softmax(-1)
+            target_top = greedy_ids(target_logits)  # [N]
+        token = -(target_p * head_logits.log_softmax(-1)).sum(-1).mean()
+        with torch.no_grad():
+            correct = topk_hits(head_logits, target_top)
+        return StepScore(token, [int(c) for c in correct], feature)
+
+
+class Eagle2Training(TrainingKind):
+    kind = EAGLE2
+    extra_eval = "allfed"
+
+    def __init__(self, cfg, target_config):
+        super().__init__(cfg, target_config)
+        self.feature_weight = self.t.feature_weight
+        self.extra_steps = self.t.rollout_steps  # all-fed steps
+
+    def new_head(self, target_config, source, train_indices, lm_head):
+        """A fresh head (or head.init_from), checked against the target (EAGLE-2 uses the frozen lm_head [V, H] as is)."""
+        h = self.cfg.head
+        expect = head_config_from_target(target_config, bias=h.bias)
+        if not h.init_from:
+            return EagleHead(expect)
+        head = EagleHead.from_pretrained(h.init_from)
+        if (head.config.hidden_size, head.config.vocab_size) != (expect.hidden_size, expect.vocab_size):
+            raise ValueError(f"head.init_from={h.init_from}: hidden/vocab {head.config.hidden_size}/"
+                             f"{head.config.vocab_size} do not match the target's {expect.hidden_size}/{expect.vocab_size}")
+        return head
+
+    def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
+        return [forward(inputs, next_ids, attention_mask)]  # [B, T-1, H]
+
+    def targets(self, head, final, lm_head, steps):
+        return NextFeatureTargets(final, lm_head, self.t.loss_chunk)
+
+    def eval_loss(self, metrics: dict, loss_mean: float) -> float:
+        return self.t.feature_weight * metrics["eval/feature_loss"] + self.t.token_weight * metrics["eval/token_loss"]
+
+    def eval_batch(self, head, features, batch, lm_head, k: int) -> EvalBatch:
+        """The loss; the chains rolled out through the head's decoder from each start; every position self-fed."""
+        s = self.shifted(features, batch)
+        out = draft_loss(self.unroll(head, s.inputs, s.next_ids, s.attention_mask, 1, None), s.weights,
+                         self.targets(head, s.final, lm_head, 1), self.step_weights, self.feature_weight)
+        target_top = greedy_ids(F.linear(features.to(lm_head.dtype), lm_head))  # [B, T]
+        hits, counts = all_fed_rollout(head, features, batch.input_ids, batch.attention_mask, s.weights, target_top, k,
+                                       lm_head)
+
+        def chains(b: int, n: int, starts: list[int]) -> torch.Tensor:
+            return chain_rollout(head, features[b, :n], batch.input_ids[b, :n], target_top[b, :n], starts, k,
+                                 lm_head).cpu()  # [n_starts, k]
+
+        return EvalBatch(out, s.weights, chains, hits, counts)
+
+    @staticmethod
+    def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
+        chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
+        rows = chunk or n_tok
+        items = [("token-loss logits", loss_bytes(s, rows, n_tok, cb, 0),
+                  f"{rows} rows x {s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
+                  "train.loss_chunk", ("forward",) if chunk else ("forward", "backward"))]
+        if chunk:  # only the [N, H] gradient is kept for the backward
+            items.append(("token-loss gradient", n_tok * s.hidden * 4, f"[{n_tok}, {s.hidden}] float32 (kept for "
+                          "backward by ChunkedSoftCE)", "", ("forward", "backward")))
+        return items
+
+
+def loss_bytes(s, rows: int, n_positions: int, cb: int, chunk: int) -> float:
+    """Token-loss peak: [rows, V] tensors (head logits in cb and fp32, log-softmax, target logits in cb and fp32,
+    target softmax, the product) + for the chunked path its [N, H] fp32 gradient."""
+    V = s.draft_vocab or s.vocab
+    per_row = V * (2 * cb + 5 * 4)
+    return rows * per_row + (n_positions * s.hidden * 4 if chunk else 0)
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+class DraftVocabTargets:
+    """EAGLE-3's steps: the target's next-token distribution over the draft vocabulary (renormalised there) probs
+    [B, T, Vd] and its argmax over the FULL vocabulary top [B, T], at every position (padded for `steps` unrolled
+    steps); the head scores its step outputs with its own lm_head over the draft vocabulary."""
+
+    def __init__(self, head, probs: torch.Tensor, top: torch.Tensor, steps: int):
+        self.head, self.probs, self.top = head, probs, top
+        self.draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd] target id per draft id
+        self.probs_ext = F.pad(probs, (0, 0, 0, steps - 1))  # [B, T + k - 1, Vd]
+        self.top_ext = F.pad(top, (0, steps - 1), value=-1)  # [B, T + k - 1]
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, head, final: torch.Tensor, lm_head: torch.Tensor, steps: int) -> "DraftVocabTargets":
+        """From the target's final states final [B, T, H] through its lm_head [V, H]."""
+        draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd]
+        logits = F.linear(final.to(lm_head.dtype), lm_head).float()  # [B, T, V]
+        return cls(head, logits[..., draft_ids].softmax(-1), greedy_ids(logits), steps)
+
+    def score(self, h: torch.Tensor, j: int, rows: torch.Tensor, sel: torch.Tensor) -> StepScore:
+        logits = self.head.draft_logits(h).float()  # [N, Vd]
+        p = self.probs_ext[:, rows + j - 1][sel]  # [N, Vd]
+        ce = -(p * logits.log_softmax(-1)).sum(-1).mean()
+        with torch.no_grad():
+            want = self.top_ext[:, rows + j - 1][sel]  # [N] target argmax (full vocabulary)
+            ranked = self.draft_ids[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]  # [N, 3] target ids
+            hit = ranked == want[:, None]  # [N, 3]
+        return StepScore(ce, [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)])
+
+
+class Eagle3Training(TrainingKind):
+    kind = EAGLE3
+    extra_eval = "ttt"
+
+    def __init__(self, cfg, target_config):
+        super().__init__(cfg, target_config)
+        self.steps = cfg.head.ttt_steps
+        self.logged_steps = self.extra_steps = self.steps
+        self.step_weights = ttt_weights(cfg.head)
+        self.stride = cfg.head.ttt_row_stride
+        self.vocab_info: dict = {}
+
+    def describe(self) -> str:
+        return (f"EAGLE-3 head: aux layers {self.layers[:-1]}, {self.steps} unrolled steps (weights "
+                f"{', '.join(f'{w:.2f}' for w in self.step_weights)}), row stride {self.stride}; draft vocabulary "
+                + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in self.vocab_info.items()))
+
+    def new_head(self, target_config, source, train_indices, lm_head):
+        """A fresh EAGLE-3 head with the draft vocabulary of the training split (or head.init_from, its vocabulary kept);
+        head.lm_head_init=target starts its lm_head [Vd, H] from the target's lm_head [V, H] rows of the draft tokens."""
+        h = self.cfg.head
+        V = int(text_config(target_config).vocab_size)
+        size = h.draft_vocab_size or V
+        if size > V:
+            raise RecipeError(f"head.draft_vocab_size={size}: larger than the target vocabulary ({V})")
+        expect = head_config_from_target(target_config, kind=self.kind.name, aux_layers=self.layers[:-1],
+                                         draft_vocab_size=size)
+        counts = count_loss_tokens(source, train_indices, V, self.cfg.data.max_length)
+        if h.init_from:
+            head = Eagle3Head.from_pretrained(h.init_from)
+            got = (head.config.hidden_size, head.config.vocab_size, list(head.config.aux_layers or []))
+            want = (expect.hidden_size, expect.vocab_size, list(expect.aux_layers))
+            if got != want:
+                raise ValueError(f"head.init_from={h.init_from}: hidden/vocab/aux layers {got} do not match the recipe's {want}")
+        else:
+            head = Eagle3Head(expect)
+            d2t, t2d = build_draft_vocab(counts, size)
+            head.set_vocab(d2t, t2d)
+            if h.lm_head_init == "target":
+                with torch.no_grad():
+                    head.lm_head.weight.copy_(lm_head[(torch.arange(size) + d2t).to(lm_head.device)].float())
+        self.vocab_info = {"draft_vocab_size": head.config.draft_vocab_size, "distinct_loss_tokens": int((counts > 0).sum()),
+                           "draft_vocab_coverage": vocab_coverage(counts, head.t2d.cpu())}
+        return head
+
+    def summary(self) -> dict:
+        return {"head_kind": self.kind.name, "aux_layers": self.layers[:-1], "ttt_steps": self.steps,
+                "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info}
+
+    def rows(self, T: int, micro: int, device) -> torch.Tensor | None:
+        """Every stride-th index, offset micro % stride (None = all)."""
+        if self.stride == 1:
+            return None
+        return torch.arange(micro % self.stride, T, self.stride, device=device)
+
+    def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
+        return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
+
+    def targets(self, head, final, lm_head, steps):
+        return DraftVocabTargets.of(head, final, lm_head, steps)
+
+    def eval_batch(self, head, features, batch, lm_head, k: int) -> EvalBatch:
+        """The unroll IS the self-fed chain: step j at index s sees the true prefix 0..s (step 1) and its own chain's
+        steps 2..j only, as when decoding a chain (tokens fed = the data's). So the chains come from one unroll of
+        max(k, ttt_steps) steps at every position; the training loss from its first ttt_steps."""
+        s = self.shifted(features, batch)
+        targets = self.targets(head, s.final, lm_head, self.steps)
+        hiddens = head.unroll(s.inputs, s.next_ids, s.attention_mask, steps=max(k, self.steps))  # [B, T-1, H] each
+        out = draft_loss(hiddens[: self.steps], s.weights, targets, self.step_weights)
+        # draft (as target ids) of step j at index s, compared with the target's argmax at s + j - 1 (shifted index)
+        drafts = torch.stack([targets.draft_ids[head.draft_logits(h).argmax(-1)] for h in hiddens[:k]], dim=-1)
+        T1 = targets.top.shape[1]
+        top_ext = F.pad(targets.top, (0, k), value=-1)  # [B, T-1+k]
+        want = torch.stack([top_ext[:, j : j + T1] for j in range(k)], dim=-1)  # [B, T-1, k]
+        correct = drafts == want  # [B, T-1, k]
+
+        def chains(b: int, n: int, starts: list[int]) -> torch.Tensor:
+            return correct[b, starts].cpu()  # [n_starts, k]
+
+        return EvalBatch(out, s.weights, chains, torch.tensor(out.step_hits, dtype=torch.float64),
+                         torch.tensor(out.step_counts, dtype=torch.float64))
+
+    @staticmethod
+    def plan_shape(shape, hc, head_cfg) -> None:
+        """fc [H, 3H]; q/k/v read [embed, hidden] (2H); its own lm_head [Vd, H]; two more norms; 4H cached per token."""
+        H, D = hc.hidden_size, hc.head_dim
+        vd = int(head_cfg.get("draft_vocab_size") or hc.vocab_size)
+        qkv_out = (hc.num_attention_heads + 2 * hc.num_key_value_heads) * D
+        shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
+        shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
+        shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(head_cfg.get("ttt_steps", 7)), 4
+        shape.ttt_row_stride = int(head_cfg.get("ttt_row_stride", 1))
+
+    @staticmethod
+    def unrolled_rows(s, n_tok: int) -> list[int]:
+        """Step 1 every token, steps >= 2 every ttt_row_stride-th."""
+        return [n_tok] + [math.ceil(n_tok / s.ttt_row_stride)] * (s.ttt_steps - 1)
+
+    @staticmethod
+    def activation_bytes(s, cb: int, step: int = 1, keys: float = 0.0) -> float:
+        """Step 1: fc input [3H], attention input [2H], and two float32 norms (input_layernorm's and hidden_norm's).
+        Step >= 2 (training-time test) also keeps its score matrix over the `keys` step-1 keys it reads (float32
+        softmax + its compute-dtype copy, h per key)."""
+        H, I, kv, h = s.hidden, s.intermediate, s.kv_heads * s.head_dim, s.heads
+        if step == 1:
+            return (11 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * 4
+        return (9.5 * H + 2 * kv + 4 * I) * cb + 2 * H * 4 + h * keys * (4 + (cb if cb < 4 else 0))
+
+    @staticmethod
+    def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
+        """Not chunked: the target's full-vocabulary logits [n_tok, V] fp32 (transient, no grad) and its
+        draft-vocabulary distribution [n_tok, Vd] fp32, plus per unrolled step the draft logits kept for the backward
+        ([R, Vd] in cb and fp32, and their log-softmax)."""
+        rows = Eagle3Training.unrolled_rows(s, n_tok)
+        total = n_tok * s.vocab * 4 + n_tok * s.draft_vocab * 4 + sum(r * s.draft_vocab * (cb + 8) for r in rows)
+        return [("token-loss logits", total,
+                 f"{n_tok} x {s.vocab} target logits + {s.ttt_steps} steps x {s.draft_vocab} draft vocab",
+                 "train.micro_batch_size / data.max_length / head.ttt_row_stride", ("forward", "backward"))]
+
+
+TRAINING: dict[HeadKind, type[TrainingKind]] = {EAGLE2: Eagle2Training, EAGLE3: Eagle3Training}
+
+
+def training_class(kind_name: str) -> type[TrainingKind]:
+    """The train stage's class for a head kind name."""
+    return TRAINING[head_kind(kind_name)]
+
+
+def training_kind(cfg, target_config) -> TrainingKind:
+    """The training behaviour of the recipe's head.kind."""
+    return training_class(cfg.head.kind)(cfg, target_config)
