@@ -8,8 +8,7 @@ import json
 import signal
 import sys
 import textwrap
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -19,6 +18,7 @@ from data_prep.token_ids import prompt_ids, tokenize_from_token_ids
 from data_prep.vllm_server import EngineServerError, VLLMServer, resolve_engine_python
 from eagle.cli_errors import is_expected
 from test_data_prep_helpers import build_tokenizer
+from test_data_prep_regenerate import local_server
 
 SETTINGS = GenerationSettings(max_new_tokens=16, do_sample=False, temperature=1.0, top_p=1.0, seed=0)
 
@@ -76,12 +76,8 @@ def server():
     FakeServer.mode, FakeServer.requests, FakeServer.tokenizer = "ok", [], build_tokenizer("chatml")
     ids = FakeServer.tokenizer(" a reply é", add_special_tokens=False)["input_ids"]
     FakeServer.reply_ids = ids[:-1] + [2]  # the last byte of "é" cut off by the stop token
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
-    httpd.server_close()
+    with local_server(FakeServer) as url:
+        yield url
 
 
 def backend(url, endpoint="chat", model="served-model", **kw):
