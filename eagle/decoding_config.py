@@ -16,10 +16,13 @@ class DecodingConfig:
     static_choices: name of a shipped choice list (see eagle.static_trees) for mode "static".
     chain_length: draft tokens per round for mode "chain".
     draft_sampling: at temperature > 0, "greedy" drafts the head's top tokens and accepts each with the target's
-      probability of it (EAGLE's rule; vLLM's default `draft_sample_method`); "probabilistic" (mode "chain" only)
-      samples each draft token from the head's distribution at the same temperature and accepts it with
-      min(1, p/q), resampling a rejection from max(p - q, 0) (standard speculative sampling; vLLM
-      `draft_sample_method: probabilistic`). Both are lossless; at temperature 0 both draft greedily.
+        probability of it (EAGLE's rule; vLLM's default `draft_sample_method`); "probabilistic" (mode "chain" only)
+        samples each draft token from the head's distribution at the same temperature and accepts it with
+        min(1, p/q), resampling a rejection from max(p - q, 0) (standard speculative sampling; vLLM
+        `draft_sample_method: probabilistic`). Both are lossless; at temperature 0 both draft greedily.
+    calibrate: mode "dynamic" ranks the tree by the head's calibrated acceptance for the sampling setting being
+        decoded when its tree_config.json holds a map fitted for it (eagle/score_calibration.py), else by the raw
+        draft probabilities (the published EAGLE-2 rule, and what `calibrate: false` always uses).
     """
 
     mode: str = "dynamic"
@@ -29,6 +32,7 @@ class DecodingConfig:
     static_choices: str = "mc_sim_7b_63"
     chain_length: int = 5
     draft_sampling: str = "greedy"
+    calibrate: bool = True
 
     @classmethod
     def from_section(cls, section) -> "DecodingConfig":

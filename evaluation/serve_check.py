@@ -40,6 +40,7 @@ from eagle.head_dim_pad import pad_head
 from eagle.head_files import load_head
 from evaluation import serve_check_sampling
 from evaluation.engine_process import ENGINES, ServeCheckError, engine_runs
+from evaluation.head_health import acceptance_warning, warn
 from export.head_kinds import check_vllm_method, export_kind, served_kind, write_engine_head
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,9 @@ def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_confi
                            "engine_vs_project_vanilla": a == strip_stop(ours_vanilla[i], eos),
                            "project_chain_vs_vanilla": strip_stop(ours_chain[i], eos) == strip_stop(ours_vanilla[i], eos),
                            "new_tokens": len(b)})
+    warn(acceptance_warning(f"serve-check ({engine})", s.head_path, engine_acc.mean_length, engine_acc.num_drafts))
+    warn(acceptance_warning("serve-check (this project's decoder)", s.head_path, ours_acc.mean_length,
+                            ours_acc.num_drafts))
     ratio = engine_acc.mean_length / ours_acc.mean_length
     position_ratios = [e / o if o else (1.0 if e == o else float("inf"))
                        for e, o in zip(engine_acc.per_position(), ours_acc.per_position())]
