@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from data_prep.token_ids import tokenize_from_token_ids
+
 MASK_MODES = ("auto", "generation", "prefix")
 
 
@@ -78,6 +80,8 @@ class TokenizeStats:
     dropped_no_loss_tokens: int = 0
     tokens: int = 0
     loss_tokens: int = 0
+    from_token_ids: int = 0  # samples built from the generated ids (data_prep/token_ids.py)
+    token_ids_fallback: int = 0  # records with generated ids whose prompts did not extend them: built from text
     rejects: list[dict] = field(default_factory=list)
 
     def report(self) -> dict:
@@ -104,11 +108,16 @@ def tokenize_records(records, tokenizer, max_length: int, overlong: str = "trunc
             continue
         if rec.get("stopped_at_max_length") and not any(m["role"] == "assistant" for m in rec["messages"]):
             stats.dropped_no_loss_tokens += 1
-            stats.rejects.append({"id": rec["id"], "reason": f"no loss tokens: the prompt alone does not fit "
-                                                            f"max_length {max_length}, so nothing was generated"})
+            why = rec.get("reject_reason") or f"the prompt alone does not fit max_length {max_length}"
+            stats.rejects.append({"id": rec["id"], "reason": f"no loss tokens: nothing was generated ({why})"})
             continue
+        exact = None
+        if any("token_ids" in m for m in rec["messages"]):
+            exact = tokenize_from_token_ids(tokenizer, rec["messages"])
+            stats.from_token_ids += exact is not None
+            stats.token_ids_fallback += exact is None
         try:
-            ids, mask = tokenize_with_mask(tokenizer, rec["messages"], mode)
+            ids, mask = exact or tokenize_with_mask(tokenizer, rec["messages"], mode)
         except TemplateMaskError as e:
             raise TemplateMaskError(f"record {rec['id']!r}: {e}") from None
         except Exception as e:  # the template itself refuses this conversation (jinja raise_exception): a bad record

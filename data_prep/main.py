@@ -17,6 +17,7 @@ regenerate/cache; tokenize runs once all regeneration shards are done).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -35,11 +36,12 @@ from data_prep.conversations import load_conversations, read_jsonl, write_jsonl 
 from data_prep.feature_cache import FeatureCacheWriter, _write_json_atomic, merge_manifests, sha256_file  # noqa: E402
 from data_prep.feature_layers import feature_layers  # noqa: E402
 from data_prep.loss_mask import render_masked, tokenize_records  # noqa: E402
-from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, check_settings, read_parts,  # noqa: E402
-                                  regenerate_shard)
+from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,  # noqa: E402
+                                  read_parts, regenerate_shard)
 from data_prep.target import (load_target_model, load_target_tokenizer, pick_device, resolve_target_path,  # noqa: E402
                               target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
+from data_prep.vllm_server import recipe_server  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
@@ -127,7 +129,7 @@ def generation_settings(run: Run):
                               top_p=d.top_p, seed=run.cfg.seed)
 
 
-def make_backend(run: Run):
+def make_backend(run: Run, api_base: str | None = None):
     d = run.cfg.data
     settings = generation_settings(run)
     if d.backend == "hf":
@@ -135,11 +137,33 @@ def make_backend(run: Run):
         stops = sorted(set(stop_token_ids(tok, model.generation_config, run.cfg.target.chat_template))
                        | {int(i) for i in d.extra_stop_ids})
         return HFBackend(model, tok, settings, stops, max_prompt_tokens=d.max_length)
-    if d.backend == "openai":
-        return OpenAIBackend(d.api_base, d.api_model or resolve_target_path(run.cfg.target), settings,
+    if d.backend == "openai":  # the same prompts, stop ids and prompt-length rule as the hf backend
+        # lazy: transformers costs over a second at import; only the openai backend's stop ids need it here
+        from transformers import GenerationConfig
+
+        path, tok = resolve_target_path(run.cfg.target), run.tokenizer()
+        try:
+            gen_config = GenerationConfig.from_pretrained(path, revision=run.cfg.target.revision)
+        except OSError:  # no generation_config.json
+            gen_config = None
+        stops = sorted(set(stop_token_ids(tok, gen_config, run.cfg.target.chat_template))
+                       | {int(i) for i in d.extra_stop_ids})
+        return OpenAIBackend(api_base or d.api_base, d.api_model or path, settings,
                              api_key=os.environ.get(d.api_key_env), timeout_s=d.api_timeout_s, retries=d.api_retries,
-                             concurrency=d.gen_batch_size)
+                             concurrency=d.gen_batch_size, endpoint=d.api_endpoint, tokenizer=tok, stop_ids=stops,
+                             max_prompt_tokens=d.max_length, token_ids=d.api_token_ids)
     raise ValueError(f"data.backend must be 'hf' or 'openai', got {d.backend!r}")
+
+
+def regeneration_server(run: Run):
+    """data.serve: the vLLM server this process starts for its regeneration (a context manager), else a null one."""
+    if not run.cfg.data.serve:
+        return contextlib.nullcontext()
+    path = resolve_target_path(run.cfg.target)
+    name = f"shard{run.shard}of{run.num_shards}"
+    run.log(f"starting vLLM for {path} (log {run.data_dir / f'vllm_server_{name}.log'}); importing vllm takes minutes")
+    return recipe_server(run.cfg, path, run.cfg.data.api_model or path, run.data_dir / "served_target",
+                         run.data_dir / f"vllm_server_{name}.log")
 
 
 def stage_regenerate(run: Run, conversations: list[dict]) -> None:
@@ -148,12 +172,20 @@ def stage_regenerate(run: Run, conversations: list[dict]) -> None:
     check_settings(out, {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template,
                          "backend": d.backend, "max_length": d.max_length,
                          "extra_stop_ids": [int(i) for i in d.extra_stop_ids], **asdict(generation_settings(run))})
-    stats = regenerate_shard(conversations, make_backend(run), out, run.shard, run.num_shards, d.gen_batch_size,
-                             run.cfg.seed, progress=run.progress)
+    with regeneration_server(run) as server:
+        try:
+            stats = regenerate_shard(conversations, make_backend(run, server.url if server else None), out, run.shard,
+                                     run.num_shards, d.gen_batch_size, run.cfg.seed, progress=run.progress)
+        except ServerError as e:
+            died = server.died() if server else None
+            if died:  # the requests failed because the server is gone: say that, not "connection refused"
+                raise ServerError(f"{died}; finished records are kept: rerun the same command to resume") from None
+            raise ServerError(f"{e}; finished records are kept: rerun to resume") from None
     s = stats.as_dict()
     run.update_report(f"regenerate_shard{run.shard}of{run.num_shards}", s)
     run.log(f"regenerate: {s['records_generated']} generated, {s['records_skipped_done']} already done, "
-            f"{s['length_limited']} hit max_new_tokens, {s['stopped_at_max_length']} stopped at max_length; "
+            f"{s['length_limited']} hit max_new_tokens, {s['stopped_at_max_length']} stopped at a prompt too long for "
+            f"max_length or the server (kept up to their last reply; with none: rejected into tokenize_rejects.jsonl); "
             f"{s['records_per_s']:.2f} records/s, {s['tokens_per_s']:.1f} tokens/s")
 
 

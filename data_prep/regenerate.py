@@ -6,8 +6,10 @@ prompt length and cut into fixed chunks of `batch_size`; a chunk is generated as
 and appended to the shard's part file when all its turns are done. A rerun skips finished ids, and
 because chunks are fixed (and sampling is seeded per chunk) it reproduces an uninterrupted run.
 
-Backends: `HFBackend` (transformers `generate`, batched, left padding) and `OpenAIBackend`
-(an OpenAI-compatible `/v1/chat/completions` server such as vLLM or SGLang).
+Backends: `HFBackend` (transformers `generate`, batched, left padding) and `OpenAIBackend` (an
+OpenAI-compatible server such as vLLM or SGLang: `/v1/chat/completions`, or `/v1/completions` fed the prompt ids
+this project renders, for raw-text models). Both keep the generated token ids on every reply (`token_ids`, see
+data_prep/token_ids.py); a prompt too long for the target (or the server) is a rejected record, not an error.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data_prep.token_ids import chat_messages, prompt_ids
+from eagle.cli_errors import UserError
+
 
 @dataclass
 class GenerationSettings:
@@ -36,8 +41,24 @@ class GenerationSettings:
 @dataclass
 class TurnResult:
     text: str
-    num_tokens: int  # generated tokens (server-reported for the openai backend)
+    num_tokens: int  # generated tokens, stop token included (server-reported for the openai backend)
     hit_length_limit: bool  # generation stopped at max_new_tokens, not at a stop token
+    token_ids: list[int] | None = None  # the generated ids, stop token included (None: the server gave none)
+
+
+@dataclass
+class Rejected:
+    """No reply: the prompt is too long for the target or the server (the record is rejected, not the run)."""
+
+    reason: str
+
+
+def too_long(n: int, max_length: int) -> str:
+    return f"the prompt alone does not fit max_length {max_length} ({n} tokens)"
+
+
+class ServerError(UserError, RuntimeError):
+    """An OpenAI-compatible server failed in a way retrying will not fix (the message says what to change)."""
 
 
 class HFBackend:
@@ -50,17 +71,17 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
 
     def prompt_ids(self, history: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return prompt_ids(self.tokenizer, history)
 
     @torch.inference_mode()
-    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | None]:
-        """One reply per history (which ends with a user turn); None = prompt longer than max_prompt_tokens."""
+    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
+        """One reply per history (which ends with a user turn); Rejected = prompt not shorter than max_prompt_tokens."""
         # lazy: transformers costs over a second at import; only the hf backend's generation needs it
         from transformers import GenerationConfig
 
         prompts = [self.prompt_ids(h) for h in histories]
-        results: list[TurnResult | None] = [None] * len(histories)
+        results: list[TurnResult | Rejected] = [
+            Rejected(too_long(len(p), self.max_prompt_tokens)) for p in prompts]
         todo = [i for i, p in enumerate(prompts) if len(p) < self.max_prompt_tokens]
         if not todo:
             return results
@@ -86,26 +107,61 @@ class HFBackend:
             toks = new[row]
             end = next((k for k, t in enumerate(toks) if t in stops), None)
             hit = end is None and len(toks) >= s.max_new_tokens
+            generated = toks if end is None else toks[: end + 1]  # what the target produced, its stop token included
             toks = toks if end is None else toks[:end]
             text = self.tokenizer.decode(toks, skip_special_tokens=True).strip()
-            results[i] = TurnResult(text, len(toks), hit)
+            results[i] = TurnResult(text, len(generated), hit, generated)
         return results
 
 
+ENDPOINTS = ("chat", "completions")
+# how vLLM, SGLang and OpenAI word a prompt that does not fit the model's context (HTTP 400)
+CONTEXT_LENGTH_ERRORS = ("maximum context length", "context length", "context_length_exceeded", "too long")
+
+
 class OpenAIBackend:
-    """Calls an OpenAI-compatible chat completions server; one thread per conversation of a chunk."""
+    """Calls an OpenAI-compatible server; one thread per conversation of a chunk.
+
+    endpoint "chat": /chat/completions with the messages (the server applies its chat template); with a
+    `tokenizer`, the prompt ids the server reports (vLLM `return_token_ids`) must equal this project's rendering,
+    else the server's template is not the recipe's and the data would be off-policy: an error.
+    endpoint "completions": /completions fed this project's prompt ids (needs `tokenizer`; raw-text models).
+    token_ids: ask for vLLM's extensions `return_token_ids` and `stop_token_ids` (false for servers refusing them).
+    A prompt of max_prompt_tokens or more ids is not sent (as the HF backend), and one the server refuses as too
+    long for its context is a `Rejected` reply; other client errors stop the run with one line."""
 
     def __init__(self, api_base: str, model: str, settings: GenerationSettings, api_key: str | None = None,
-                 timeout_s: float = 600.0, retries: int = 3, concurrency: int = 8):
-        self.url = api_base.rstrip("/") + "/chat/completions"
+                 timeout_s: float = 600.0, retries: int = 3, concurrency: int = 8, endpoint: str = "chat",
+                 tokenizer=None, stop_ids: list[int] | None = None, max_prompt_tokens: int | None = None,
+                 token_ids: bool = True):
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint {endpoint!r}: expected one of {ENDPOINTS}")
+        if endpoint == "completions" and tokenizer is None:
+            raise ValueError("the completions endpoint is fed this project's prompt ids: it needs the tokenizer")
+        self.api_base, self.endpoint = api_base.rstrip("/"), endpoint
+        self.url = f"{self.api_base}/{'chat/completions' if endpoint == 'chat' else 'completions'}"
         self.model, self.settings, self.api_key = model, settings, api_key
         self.timeout_s, self.retries, self.concurrency = timeout_s, retries, max(1, concurrency)
+        self.tokenizer, self.stop_ids, self.max_prompt_tokens = tokenizer, list(stop_ids or []), max_prompt_tokens
+        self.token_ids = token_ids
 
-    def _request(self, history: list[dict]) -> TurnResult:
+    def _body(self, history: list[dict], ids: list[int] | None) -> dict:
         s = self.settings
-        body = {"model": self.model, "messages": history, "max_tokens": s.max_new_tokens,
+        body = {"model": self.model, "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature if s.do_sample else 0.0, "top_p": s.top_p if s.do_sample else 1.0,
                 "seed": s.seed, "n": 1}
+        if self.endpoint == "chat":
+            body["messages"] = chat_messages(history)
+        else:
+            body["prompt"] = ids
+        if self.token_ids:
+            body["return_token_ids"] = True
+            if self.stop_ids:
+                body["stop_token_ids"] = self.stop_ids
+        return body
+
+    def _post(self, body: dict) -> dict | Rejected:
+        """The server's JSON answer (retrying 5xx, 429 and connection errors), or Rejected for a too-long prompt."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -114,26 +170,69 @@ class OpenAIBackend:
             req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    payload = json.loads(resp.read())
-                choice = payload["choices"][0]
-                text = choice["message"]["content"] or ""
-                usage = payload.get("usage") or {}
-                return TurnResult(text.strip(), int(usage.get("completion_tokens", 0)), choice.get("finish_reason") == "length")
+                    return json.loads(resp.read())
             except urllib.error.HTTPError as e:
-                detail = e.read()[:300].decode(errors="replace")
+                detail = " ".join(e.read()[:400].decode(errors="replace").split())
+                if e.code == 400 and any(m in detail.lower() for m in CONTEXT_LENGTH_ERRORS):
+                    return Rejected(f"the server refused the prompt as too long: {detail}")
+                if e.code == 404 and "model" in detail.lower():
+                    models = served_models(self.api_base)
+                    raise ServerError(f"{self.url} does not serve the model {self.model!r} (HTTP 404: {detail}); "
+                                      f"it serves {models}: set data.api_model to one of them") from None
                 if e.code < 500 and e.code != 429:  # a client error will not fix itself
-                    raise RuntimeError(f"{self.url} answered HTTP {e.code}: {detail}") from None
+                    raise ServerError(f"{self.url} answered HTTP {e.code}: {detail}") from None
                 last_error = f"HTTP {e.code}: {detail}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                last_error = str(e)
-            except (KeyError, IndexError, json.JSONDecodeError) as e:
-                raise RuntimeError(f"{self.url} returned a malformed chat completion ({e!r})") from None
-            time.sleep(min(2.0**attempt, 30.0))
-        raise RuntimeError(f"{self.url} failed after {self.retries + 1} attempts: {last_error}")
+                last_error = str(getattr(e, "reason", None) or e)
+            except json.JSONDecodeError as e:
+                raise ServerError(f"{self.url} returned a response that is not JSON ({e})") from None
+            if attempt < self.retries:
+                time.sleep(min(2.0**attempt, 30.0))
+        raise ServerError(f"{self.url} failed after {self.retries + 1} attempts: {last_error}")
 
-    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | None]:
+    def _request(self, history: list[dict]) -> TurnResult | Rejected:
+        ours = prompt_ids(self.tokenizer, history) if self.tokenizer is not None else None
+        if ours is not None and self.max_prompt_tokens and len(ours) >= self.max_prompt_tokens:
+            return Rejected(too_long(len(ours), self.max_prompt_tokens))
+        payload = self._post(self._body(history, ours))
+        if isinstance(payload, Rejected):
+            return payload
+        try:
+            choice = payload["choices"][0]
+            text = (choice["message"]["content"] if self.endpoint == "chat" else choice["text"]) or ""
+            usage = payload.get("usage") or {}
+        except (KeyError, IndexError, TypeError) as e:
+            raise ServerError(f"{self.url} returned a malformed {self.endpoint} completion (no {e})") from None
+        generated = choice.get("token_ids")
+        served_prompt = payload.get("prompt_token_ids") or choice.get("prompt_token_ids")  # chat / completions
+        if ours is not None and served_prompt is not None and list(served_prompt) != ours:
+            at = next((i for i, (a, b) in enumerate(zip(served_prompt, ours)) if a != b), min(len(ours), len(served_prompt)))
+            raise ServerError(
+                f"the server's prompt ids differ from this project's rendering of the same conversation at token {at} "
+                f"(server {list(served_prompt[at:at + 5])}, ours {ours[at:at + 5]}; {len(served_prompt)} vs {len(ours)} "
+                "ids): its chat template is not target.chat_template, so the replies would be off-policy; serve the "
+                "recipe's template (data.serve does) or use data.api_endpoint=completions")
+        num = int(usage.get("completion_tokens") or (len(generated) if generated is not None else 0))
+        if generated is not None and self.tokenizer is not None:
+            # the text as the HF backend decodes the same ids: vLLM's incremental detokenizer holds back a trailing
+            # incomplete UTF-8 character, and the next turn's prompt is rendered from this text
+            generated = [int(t) for t in generated]
+            reply = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
+            text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        return TurnResult(text.strip(), num, choice.get("finish_reason") == "length", generated)
+
+    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(self._request, histories))
+
+
+def served_models(api_base: str, timeout_s: float = 10.0) -> list[str] | None:
+    """Model ids an OpenAI-compatible server lists at /models (None when it does not answer)."""
+    try:
+        with urllib.request.urlopen(api_base.rstrip("/") + "/models", timeout=timeout_s) as r:
+            return [m.get("id") for m in json.loads(r.read()).get("data", [])]
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return None
 
 
 # --------------------------------------------------------------------------- resumable driver
@@ -198,7 +297,8 @@ def regenerate_chunk(chunk: list[dict], backend) -> list[dict]:
         prefix = [m for m in msgs[:1] if m["role"] == "system"]
         users = [m for m in msgs if m["role"] == "user"]
         states.append({"id": rec["id"], "history": list(prefix), "users": users, "next": 0,
-                       "length_limited": False, "stopped_at_max_length": False, "generated_tokens": 0})
+                       "length_limited": False, "stopped_at_max_length": False, "generated_tokens": 0,
+                       "reject_reason": None})
     while True:
         active = [s for s in states if s["next"] < len(s["users"]) and not s["stopped_at_max_length"]]
         if not active:
@@ -206,17 +306,24 @@ def regenerate_chunk(chunk: list[dict], backend) -> list[dict]:
         histories = [s["history"] + [s["users"][s["next"]]] for s in active]
         results = backend.generate_turn(histories)
         for s, hist, res in zip(active, histories, results):
-            if res is None:  # prompt already at max length: later turns would be truncated away anyway
+            if isinstance(res, Rejected):  # prompt already at max length: later turns would be truncated away anyway
                 s["stopped_at_max_length"] = True
+                s["reject_reason"] = f"turn {s['next'] + 1}: {res.reason}"
                 continue
-            s["history"] = hist + [{"role": "assistant", "content": res.text}]
+            reply = {"role": "assistant", "content": res.text}
+            if res.token_ids is not None:
+                reply["token_ids"] = res.token_ids
+            s["history"] = hist + [reply]
             s["next"] += 1
             s["generated_tokens"] += res.num_tokens
             s["length_limited"] |= res.hit_length_limit
     out = []
     for s in states:
-        out.append({"id": s["id"], "messages": s["history"], "length_limited": s["length_limited"],
-                    "stopped_at_max_length": s["stopped_at_max_length"], "generated_tokens": s["generated_tokens"]})
+        rec = {"id": s["id"], "messages": s["history"], "length_limited": s["length_limited"],
+               "stopped_at_max_length": s["stopped_at_max_length"], "generated_tokens": s["generated_tokens"]}
+        if s["reject_reason"]:
+            rec["reject_reason"] = s["reject_reason"]
+        out.append(rec)
     return out
 
 

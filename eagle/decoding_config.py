@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 TREE_MODES = ("dynamic", "static", "chain", "vanilla")
+DRAFT_SAMPLING = ("greedy", "probabilistic")
 
 
 @dataclass
@@ -14,6 +15,11 @@ class DecodingConfig:
     total_token / depth / top_k: EAGLE-2 published defaults 60 / 5 / 10.
     static_choices: name of a shipped choice list (see eagle.static_trees) for mode "static".
     chain_length: draft tokens per round for mode "chain".
+    draft_sampling: at temperature > 0, "greedy" drafts the head's top tokens and accepts each with the target's
+        probability of it (EAGLE's rule; vLLM's default `draft_sample_method`); "probabilistic" (mode "chain" only)
+        samples each draft token from the head's distribution at the same temperature and accepts it with
+        min(1, p/q), resampling a rejection from max(p - q, 0) (standard speculative sampling; vLLM
+        `draft_sample_method: probabilistic`). Both are lossless; at temperature 0 both draft greedily.
     calibrate: mode "dynamic" ranks the tree by the head's calibrated acceptance for the sampling setting being
         decoded when its tree_config.json holds a map fitted for it (eagle/score_calibration.py), else by the raw
         draft probabilities (the published EAGLE-2 rule, and what `calibrate: false` always uses).
@@ -25,6 +31,7 @@ class DecodingConfig:
     top_k: int = 10
     static_choices: str = "mc_sim_7b_63"
     chain_length: int = 5
+    draft_sampling: str = "greedy"
     calibrate: bool = True
 
     @classmethod
@@ -46,4 +53,8 @@ class DecodingConfig:
                 raise ValueError(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
         if self.mode == "chain" and self.chain_length < 1:
             raise ValueError(f"chain_length={self.chain_length}: must be >= 1")
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling={self.draft_sampling!r}: expected one of {DRAFT_SAMPLING}")
+        if self.draft_sampling == "probabilistic" and self.mode not in ("chain", "vanilla"):  # vanilla drafts nothing
+            raise ValueError(f"draft_sampling='probabilistic' drafts a chain: it needs mode 'chain', not {self.mode!r}")
         return self

@@ -134,6 +134,32 @@ class Drafter:
         return self._layouts[key]
 
     @torch.no_grad()
+    def draft_chain_sampled(self, root: torch.Tensor, feature: torch.Tensor, length: int, temperature: float,
+                            generator: torch.Generator | None = None) -> DraftTree:
+        """A chain of `length` tokens, each SAMPLED from the head's distribution q at `temperature` given the chain so
+        far (probabilistic drafting); the tree keeps every q ([N, V], row 0 unused) for `verify_chain_sampling`.
+        root [1] token, feature [1, H] the head's prediction at the root."""
+        committed = self.decoder.length
+        dev = root.device
+        tokens = torch.empty(length + 1, dtype=torch.long, device=dev)  # [N] root, then the chain
+        tokens[0] = root[0]
+        q_rows = []
+        for d in range(1, length + 1):
+            q = self.decoder.probs(feature, temperature)  # [1, V] (temperature only, as vLLM's probabilistic drafting)
+            tokens[d : d + 1] = torch.multinomial(q, 1, generator=generator)[0]
+            q_rows.append(q[0])
+            if d < length:  # the head's prediction after this token (position of node d, like draft_static)
+                feature = self.decoder.forward(feature, tokens[d : d + 1], committed + d - 1)
+        self.decoder.truncate(committed)
+        q_all = torch.stack([torch.zeros_like(q_rows[0])] + q_rows)  # [N, V]
+        prob = q_all.gather(1, tokens[:, None])[:, 0]
+        prob[0] = 1.0
+        n = length + 1
+        return DraftTree(tokens=tokens, parents=torch.arange(-1, n - 1, device=dev), depth=torch.arange(n, device=dev),
+                         prob=prob, path_logprob=prob.log().cumsum(0),
+                         ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril(), draft_probs=q_all)
+
+    @torch.no_grad()
     def draft_static(self, root: torch.Tensor, feature: torch.Tensor, spec: StaticTreeSpec) -> DraftTree:
         """EAGLE-1 static tree (a chain is the tree [0], [0, 0], ...)."""
         committed = self.decoder.length

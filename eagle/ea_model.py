@@ -25,7 +25,7 @@ from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
 from eagle.target import Target
 from eagle.tree import StaticTreeSpec, chain_choices
-from eagle.verify import verify_greedy, verify_sampling
+from eagle.verify import verify_chain_sampling, verify_greedy, verify_sampling
 
 TREE_CONFIG_NAME = "tree_config.json"  # auto-tuned DecodingConfig saved next to a head by evaluation
 
@@ -255,6 +255,7 @@ class EaModel(nn.Module):
         """
         decoding.validate(vocab_size=self.draft_vocab_size)
         spec = self._tree_spec(decoding)
+        sampled_chain = decoding.draft_sampling == "probabilistic" and not sampling.greedy
         calibration = self.calibration_for(decoding, sampling)
         tree_nodes, draft_slots = self._max_tree_nodes(decoding, spec)
         prompt_len = input_ids.shape[1]
@@ -288,7 +289,10 @@ class EaModel(nn.Module):
                 path, new, tree = None, token, None
             else:
                 draft_feat = self.drafter.extend(feats, next_ids)  # commit: [1, H]
-                if spec is None:
+                if sampled_chain:
+                    tree = self.drafter.draft_chain_sampled(root, draft_feat, decoding.chain_length,
+                                                            sampling.temperature, generator)
+                elif spec is None:
                     tree = self.drafter.draft_dynamic(root, draft_feat, decoding.total_token, decoding.depth,
                                                       decoding.top_k, calibration)
                 else:
@@ -301,6 +305,8 @@ class EaModel(nn.Module):
                 logits = self.target.logits(hidden[0])  # verify: [N, V]
                 if sampling.greedy:  # accept: path [a + 1] incl. the root, new tokens [a + 1]
                     path, new = verify_greedy(tree, logits)
+                elif sampled_chain:
+                    path, new = verify_chain_sampling(tree, target_probs(logits, sampling), generator)
                 else:
                     path, new = verify_sampling(tree, target_probs(logits, sampling), generator)
                 self.target.keep(prefix, path)  # KV of the accepted path only

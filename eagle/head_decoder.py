@@ -203,6 +203,12 @@ class HeadDecoder:
         logits = linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [n, V]
         return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
 
+    def probs(self, features: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[n, H] predicted features -> [n, V] float32 draft distribution over the target vocabulary at `temperature`
+        (probabilistic drafting, eagle/draft.py `draft_chain_sampled`)."""
+        logits = linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [n, V]
+        return torch.softmax(logits / temperature, dim=-1)
+
     def _append_bounds(self, n: int, mask: torch.Tensor | None, device) -> tuple[int, torch.Tensor | None]:
         """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1)."""
         end = self.length + n
@@ -291,6 +297,15 @@ class Eagle3HeadDecoder(HeadDecoder):
         ids [n, k] (d2t)."""
         lp, draft_ids = torch.log_softmax(self.logits(hidden).float(), dim=-1).topk(k, dim=-1)  # [n, k]
         return lp, draft_ids + self.d2t[draft_ids]
+
+    def probs(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[n, H] output hiddens -> [n, V] float32 draft distribution over the TARGET vocabulary at `temperature`: the
+        draft vocabulary's probabilities at their target ids (d2t), 0 elsewhere."""
+        draft = self.logits(hidden).float()  # [n, Vd]
+        ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t  # [Vd] target ids
+        logits = draft.new_full((draft.shape[0], self.head.config.vocab_size), float("-inf"))
+        logits[:, ids] = draft
+        return torch.softmax(logits / temperature, dim=-1)
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, positions: "torch.Tensor | range | int",
                 mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ class DraftTree:
     path_score: torch.Tensor | None = None
     rank: torch.Tensor | None = None  # [N] int64 the node's rank among its parent's top-k draft tokens (root 0)
     ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [N, N]; see attention_mask
+    draft_probs: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [N, V] q each token was SAMPLED from (probabilistic chains; row 0 unused)
 
     @property
     def size(self) -> int:

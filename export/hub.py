@@ -4,8 +4,9 @@
     python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b-vllm --format vllm   # engine format
 
 Everything to upload is first staged in {output_dir}/hub_upload/ (--format vllm|sglang: hub_upload-FORMAT/) (head
-files, recipe, training summary, README.md model card, evaluation report + plots when {output_dir}/eval has them), in
-every format; `--dry-run` stops there and lists it. The token comes from the environment variable named by export.token_env (HF_TOKEN).
+files, recipe, training summary, README.md model card, evaluation report + plots and serve-sweep's draft length per
+concurrency level when {output_dir}/eval has them), in every format; `--dry-run` stops there and lists it. The token
+comes from the environment variable named by export.token_env (HF_TOKEN).
 """
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
     summary = read_json(head_dir / SUMMARY_FILE)
     edir = layout.eval_dir(cfg)
     report = read_json(edir / "report.json") if edir.is_dir() else None
+    sweep_dir = layout.serve_sweep_dir(cfg)
+    sweep = read_json(sweep_dir / "sweep.json")  # serve-sweep's draft length per concurrency level, when it ran
     manifest = read_json(layout.cache_dir(cfg) / "manifest.json")
     if manifest:
         manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens", "source")}
@@ -97,8 +100,13 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
             for png in sorted(edir.glob("*.png")):
                 shutil.copy2(png, tmp / "eval" / png.name)
                 plots.append(f"eval/{png.name}")
+        if sweep:
+            (tmp / "eval" / layout.SERVE_SWEEP_DIR).mkdir(parents=True)
+            for name in layout.SERVE_SWEEP_FILES:
+                if (sweep_dir / name).exists():
+                    shutil.copy2(sweep_dir / name, tmp / "eval" / layout.SERVE_SWEEP_DIR / name)
         card = model_card(trained, repo_id, cfg.export.license, summary, manifest, report, plots, fmt=fmt,
-                          head_config=head_config)
+                          head_config=head_config, sweep=sweep)
         (tmp / "README.md").write_text(card)
 
     write_folder(staging, fill, sources=[head_dir], overwrite=True, what=f"Hub upload ({fmt})")  # ours to replace

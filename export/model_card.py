@@ -8,9 +8,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from eagle.decoding_config import DecodingConfig
-from eagle.head_kinds import EAGLE2, kind_of_config
+from eagle.head_kinds import EAGLE2
 from export.engine_formats import ENGINE_VERSIONS
-from export.head_kinds import EXPORT, ExportKind, export_kind
+from export.head_kinds import EXPORT, ExportKind, export_kind, served_kind
+from recipes.layout import SERVE_SWEEP_DIR
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -35,13 +36,15 @@ def evaluation_rows(report: dict) -> list[str]:
 
 
 def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manifest: dict | None,
-               eval_report: dict | None, plots: list[str], fmt: str = "eagle", head_config: dict | None = None) -> str:
+               eval_report: dict | None, plots: list[str], fmt: str = "eagle", head_config: dict | None = None,
+               sweep: dict | None = None) -> str:
     """README.md text. `cfg`: the recipe the head was TRAINED with; `plots`: repo-relative PNG paths to embed;
     `fmt`: the folder format uploaded (eagle | vllm | sglang), which the serving commands load; `head_config`: the
-    exported config.json (decides the head kind: an EAGLE-3 card states its aux layers and draft vocabulary)."""
+    exported config.json (decides the head kind: an EAGLE-3 card states its aux layers and draft vocabulary);
+    `sweep`: serve-sweep's sweep.json (the draft length to serve per concurrency level)."""
     t = cfg.train
     d = DecodingConfig()  # the library's tree defaults, which EaModel.from_pretrained takes too
-    kind = export_kind(kind_of_config(dict(head_config or {})))
+    kind = export_kind(served_kind(head_config or {}))  # the uploaded folder: released layout or vLLM speculators
     target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
     tags = ["eagle", kind.tag, "speculative-decoding", "draft-model"]
     card_meta = {"base_model": target if "/" in target and not Path(target).exists() else None,
@@ -70,6 +73,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "folder is what the code above loads.",
         "",
         *serving_section(cfg, target, repo_id, fmt, kind),
+        *sweep_section(sweep),
         "## Training",
         "",
         "| setting | value |",
@@ -132,6 +136,25 @@ def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: ExportKind) 
     return lines
 
 
+def sweep_section(sweep: dict | None) -> list[str]:
+    """Markdown lines: serve-sweep's best num_speculative_tokens per concurrency level, with its plot."""
+    if not sweep or not sweep.get("best"):
+        return []
+    lines = ["### Draft length by load", "",
+             f"Measured with `python evaluation/main.py serve-sweep` (vLLM {sweep.get('engine_version')}, greedy, "
+             f"{sweep.get('max_new_tokens')} new tokens per request, machine load {sweep.get('load_average')}; "
+             f"[eval/{SERVE_SWEEP_DIR}/sweep.md](eval/{SERVE_SWEEP_DIR}/sweep.md)). Throughput-optimal "
+             "`num_speculative_tokens` per number of requests in flight (0 = serve without speculation):", "",
+             "| concurrency | num_speculative_tokens | output tokens/s | vs no speculation | next best |",
+             "|---|---|---|---|---|"]
+    for b in sweep["best"]:
+        runner_k = b.get("runner_up_k")
+        runner = ("–" if runner_k is None else
+                  f"{'no speculation' if runner_k == 0 else f'k = {runner_k}'}, {b['runner_up_slower_by']:.0%} slower")
+        speed = b.get("speedup_vs_no_speculation")
+        lines.append(f"| {b['concurrency']} | {b['best_k']}{' (no speculation)' if b['best_k'] == 0 else ''} | "
+                     f"{b['output_tokens_per_s']:.0f} | {f'{speed:.2f}x' if speed else '–'} | {runner} |")
+    return lines + ["", f"![throughput vs concurrency](eval/{SERVE_SWEEP_DIR}/throughput.png)", ""]
 def serving_commands(base: str, draft: str, fmt: str, kind: ExportKind = EXPORT[EAGLE2],
                      decoding: DecodingConfig | None = None, num_speculative_tokens: int | None = None) -> dict[str, str]:
     """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine: SGLang's tree

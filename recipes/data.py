@@ -8,6 +8,7 @@ from recipes.check import check
 
 FORMATS = ("auto", "sharegpt", "openai", "alpaca")
 BACKENDS = ("hf", "openai")
+API_ENDPOINTS = ("chat", "completions")
 LENGTH_LIMIT_POLICIES = ("keep", "drop")
 OVERLONG_POLICIES = ("truncate", "drop")
 CACHE_DTYPES = ("bfloat16", "float16", "float32", "int8")
@@ -38,6 +39,11 @@ class DataSettings:
     api_key_env: str = "OPENAI_API_KEY"  # env var holding the key (may be unset for local servers)
     api_timeout_s: float = 600.0
     api_retries: int = 3
+    api_endpoint: str = "chat"  # chat (/v1/chat/completions) | completions (/v1/completions fed this project's prompt ids: raw-text models)
+    api_token_ids: bool = True  # ask for vLLM's return_token_ids + stop_token_ids (exactly on-policy ids); false for servers refusing them
+    serve: bool = False  # openai backend: start `vllm serve` on the target for this run (data_prep/vllm_server.py), stop it at the end
+    engine_python: str = ""  # interpreter of a venv with vllm for data.serve ("" = $EAGLE_VLLM_PYTHON)
+    serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` arguments, e.g. ["--tensor-parallel-size", "8"]
 
     # --- tokenize
     max_length: int = 2048  # tokens per training sample
@@ -55,6 +61,8 @@ def validate_data_section(d) -> None:
     """Check every value of the `data` section (RecipeError naming the key)."""
     check(d.format in FORMATS, "data.format", d.format, f"expected one of {FORMATS}")
     check(d.backend in BACKENDS, "data.backend", d.backend, f"expected one of {BACKENDS}")
+    check(d.api_endpoint in API_ENDPOINTS, "data.api_endpoint", d.api_endpoint, f"expected one of {API_ENDPOINTS}")
+    check(not d.serve or d.backend == "openai", "data.serve", d.serve, "expected data.backend=openai with data.serve")
     check(d.on_length_limit in LENGTH_LIMIT_POLICIES, "data.on_length_limit", d.on_length_limit,
           f"expected one of {LENGTH_LIMIT_POLICIES}")
     check(d.overlong in OVERLONG_POLICIES, "data.overlong", d.overlong, f"expected one of {OVERLONG_POLICIES}")

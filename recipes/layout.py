@@ -3,7 +3,8 @@
     {output_dir}/data/            data_prep (conversations, regenerated/, tokenized.jsonl, features/ = the feature cache)
     {output_dir}/train/           the trainer (checkpoints/, metrics.jsonl, tensorboard/, summary.json)
     {output_dir}/head/            the exported head (export.dir moves it)
-    {output_dir}/eval/            evaluation reports (eval.output_dir moves them)
+    {output_dir}/eval/            evaluation reports (eval.output_dir moves them); eval/serve_sweep/: serve-sweep's
+                                  draft length per concurrency level, which the Hub card stages
     {output_dir}/tune/            the quickstart demo's auto-tuning report
 
 Every stage finds another stage's output through these functions, never by joining path parts itself.
@@ -60,3 +61,12 @@ def eval_head(cfg) -> str:
 def eval_dir(cfg) -> Path:
     """Evaluation reports: eval.output_dir, or {output_dir}/eval."""
     return Path(cfg.eval.output_dir or Path(cfg.output_dir) / EVAL_DIR)
+
+
+SERVE_SWEEP_DIR = "serve_sweep"  # in EVAL_DIR: evaluation/main.py serve-sweep writes it, the Hub card stages it
+SERVE_SWEEP_FILES = ("sweep.md", "sweep.json", "throughput.png")  # what serve-sweep writes there
+
+
+def serve_sweep_dir(cfg) -> Path:
+    """serve-sweep's report (draft length per concurrency level): {eval dir}/serve_sweep."""
+    return eval_dir(cfg) / SERVE_SWEEP_DIR

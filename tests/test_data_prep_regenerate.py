@@ -1,4 +1,5 @@
 """Regeneration: multi-turn order, batched == unbatched, resume equality, sharding, length flag, OpenAI backend."""
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -156,15 +157,24 @@ class ChatServer(BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def local_server(handler: type[BaseHTTPRequestHandler]):
+    """`handler` answering on 127.0.0.1 (a free port) in a thread; yields the API base URL (.../v1)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.fixture()
 def server():
     ChatServer.requests = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ChatServer)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
-    httpd.server_close()
+    with local_server(ChatServer) as url:
+        yield url
 
 
 def test_openai_backend_round_trip(server, tmp_path):

@@ -1,5 +1,5 @@
 """serve-check pieces that need no engine (head_dim padding, acceptance accounting), and the engine run itself
-(slow + shared: skipped unless a vLLM interpreter exists, $EAGLE_VLLM_PYTHON or /work/venvs/vllm/bin/python)."""
+(slow + shared: skipped unless $EAGLE_VLLM_PYTHON names a vLLM interpreter, see the `vllm_python` fixture)."""
 from __future__ import annotations
 
 import json
@@ -13,14 +13,13 @@ import torch
 
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
-from evaluation.head_dim_pad import pad_head, pad_target_folder, row_map
+from eagle.head_dim_pad import pad_head, pad_target_folder, padded_head_dim, row_map
 from evaluation.serve_check import Acceptance, strip_stop
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function
 from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = os.environ.get("EAGLE_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
 
 
 def test_row_map_keeps_rotary_frequencies():
@@ -71,6 +70,38 @@ def test_padded_copies_decode_token_identically(tmp_path, bias):
         assert [r.accept_length for r in sa.rounds] == [r.accept_length for r in sb.rounds]
 
 
+def test_padded_eagle3_head_decodes_token_identically(tmp_path):
+    """EAGLE-3: only the output rows of q/k/v (which read 2H inputs) are padded; greedy chain decoding of the padded
+    target + head equals the original's token for token, with the same per-round acceptance."""
+    target = tiny_target("llama", hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=4)  # head_dim 8
+    head = random_head(target, kind="eagle3", aux_layers=(1, 2, 3), draft_vocab_size=200)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if not n.startswith("embed_tokens"):
+                p.add_(torch.randn_like(p) * 0.05)
+    target.save_pretrained(tmp_path / "t")
+    padded = pad_target_folder(tmp_path / "t", tmp_path / "t32", padded_head_dim(8, (32, 64)))
+    from transformers import AutoModelForCausalLM
+
+    target32 = AutoModelForCausalLM.from_pretrained(padded, dtype=torch.float32).eval()
+    head32 = pad_head(head, 32)
+    assert type(head32) is type(head) and head32.midlayer.self_attn.q_proj.weight.shape == (4 * 32, 64)
+    assert torch.equal(head32.d2t, head.d2t) and head32.config.head_dim == 32
+    with torch.no_grad():  # the same function, every unrolled step
+        aux, x = torch.randn(1, 12, 3 * 32), torch.randint(0, 256, (1, 12))
+        for h, h32 in zip(head.unroll(aux, x, steps=3), head32.bind_target(target).unroll(aux, x, steps=3)):
+            assert torch.allclose(h, h32, atol=1e-5)
+    chain = DecodingConfig(mode="chain", chain_length=4)
+    a, b = EaModel(target, head, chain), EaModel(target32, head32.bind_target(target32), chain)
+    for seed in range(3):
+        ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(seed))
+        ea, sa = a.eagenerate(ids, max_new_tokens=30, return_stats=True)
+        eb, sb = b.eagenerate(ids, max_new_tokens=30, return_stats=True)
+        assert torch.equal(ea, eb)
+        assert [r.accept_length for r in sa.rounds] == [r.accept_length for r in sb.rounds]
+    assert padded_head_dim(16, (32, 64, 80)) == 64 and padded_head_dim(40, (32, 64, 80, 96)) == 80
+
+
 def test_acceptance_in_engine_terms():
     acc = Acceptance.from_rounds([0, 4, 2, 1, 4], k=4)
     assert (acc.num_drafts, acc.num_accepted, acc.accepted_per_pos) == (5, 11, [4, 3, 2, 2])
@@ -81,9 +112,8 @@ def test_acceptance_in_engine_terms():
 
 @pytest.mark.slow
 @pytest.mark.shared
-@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} ($EAGLE_VLLM_PYTHON)")
 @pytest.mark.parametrize("bias", [True, False])
-def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
+def test_serve_check_runs_vllm(tmp_path, shared_dir, vllm_python, bias):
     """The whole check on stories260K in vLLM, with a head fitted in seconds on the target's continuations of
     TinyStories openings (so acceptance is far from 0 and the engine/project comparison means something)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,7 +138,7 @@ def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
     head.save_pretrained(tmp_path / "head")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(REPO / "evaluation" / "main.py"), "serve-check", "--recipe", "stories260k",
-                           "--base", str(base), "--head", str(tmp_path / "head"), "--engine-python", VLLM_PYTHON,
+                           "--base", str(base), "--head", str(tmp_path / "head"), "--engine-python", vllm_python,
                            "--num-prompts", "4", "eval.max_new_tokens=48", "--out", str(tmp_path / "eval")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -122,15 +152,14 @@ def test_serve_check_runs_vllm(tmp_path, shared_dir, bias):
 
 @pytest.mark.slow
 @pytest.mark.shared
-@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} ($EAGLE_VLLM_PYTHON)")
-def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir):
+def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir, vllm_python):
     """A hand-written released-layout EAGLE-3 folder and its vLLM speculators conversion load in vLLM on a
     head_dim-32 copy of stories260K (vLLM finds the speculators config and the verifier), decode unchanged by
     speculation, and report the same draft statistics. Random weights accept almost nothing, so this shows
     loading, not acceptance; norm_before_residual is pinned by tests/test_engine_formats.py."""
     from safetensors.torch import save_file
 
-    from evaluation.serve_check import engine_run
+    from evaluation.engine_process import engine_run
     from test_engine_formats import eagle3_folder
     from export.engine_formats import convert_eagle3_folder
 
@@ -146,7 +175,7 @@ def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir):
     convert_eagle3_folder(tmp_path / "released", tmp_path / "spec", "vllm", verifier=str(target),
                           verifier_architectures=["LlamaForCausalLM"], num_speculative_tokens=3)
     spec = lambda d: {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}  # noqa: E731
-    res = engine_run("vllm", VLLM_PYTHON, {
+    res = engine_run("vllm", vllm_python, {
         "model": str(target), "dtype": "float32", "max_model_len": 512, "prompts": [[1, 400, 300, 200], [1, 50, 60]],
         "max_tokens": 32, "stop_token_ids": [1, 2], "seed": 0,
         "runs": [{"name": "plain", "speculative_config": None},

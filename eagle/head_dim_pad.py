@@ -8,8 +8,10 @@ has 8). Each attention head's q/k/v rows are zero-padded from D to D2 = r * D (r
 - the softmax scale becomes 1/sqrt(D2): q is multiplied by sqrt(r) (exact in binary floating point when r is
   a power of 4, e.g. 8 -> 32);
 - v's head is padded with zero dims and o_proj gets zero columns for them.
-Only default (unscaled) RoPE is supported. `tests/test_serve_check.py` and `serve-check` show the copies decode
-token-identically to the originals in this project's decoder.
+Only default (unscaled) RoPE is supported. EAGLE-1/2 heads (`layers.0.self_attn`) and EAGLE-3 heads
+(`midlayer.self_attn`, whose q/k/v read 2H inputs: only their output rows are padded) both work.
+`tests/test_serve_check.py` and `serve-check` show the copies decode token-identically to the originals in this
+project's decoder.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.eagle2 import EagleHead
 from eagle.head_config import HeadConfig
+from eagle.head_module import HeadModule
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -33,6 +35,17 @@ def row_map(D: int, D2: int) -> torch.Tensor:
     r, half = D2 // D, D // 2
     i = torch.arange(D)
     return torch.where(i < half, i * r, (i - half) * r + D2 // 2)
+
+
+def padded_head_dim(D: int, supported: tuple[int, ...]) -> int:
+    """The head_dim to pad D to among an engine's `supported` sizes: the smallest multiple of D whose ratio is a
+    power of 4 (q's scale sqrt(r) is then a power of 2, so the copy is exact in floating point: 8 -> 32, 16 -> 64),
+    else the smallest multiple of D (16 -> 32 would scale q by sqrt(2), exact only to rounding)."""
+    multiples = sorted(d for d in supported if d > D and d % D == 0)
+    if not multiples:
+        raise ValueError(f"head_dim {D}: no supported head size {supported} is a multiple of it")
+    exact = [d for d in multiples if math.log(d // D, 4).is_integer()]
+    return (exact or multiples)[0]
 
 
 def _pad_rows(w: torch.Tensor, heads: int, D: int, D2: int, scale: float = 1.0) -> torch.Tensor:
@@ -72,14 +85,15 @@ def _check_rope(rope: dict | None) -> None:
         raise ValueError(f"head_dim padding keeps only default RoPE exact; this model has rope_type {rope_type!r}")
 
 
-def pad_head(head: EagleHead, head_dim: int) -> EagleHead:
-    """An EagleHead computing the same function with attention head_dim `head_dim`."""
+def pad_head(head: HeadModule, head_dim: int) -> HeadModule:
+    """A head of the same kind computing the same function with attention head_dim `head_dim`."""
     c = head.config
     _check_rope(c.rope_scaling if c.rope_scaling and c.rope_scaling.get("rope_type", "default") != "default" else None)
     cfg = HeadConfig(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "head_dim": head_dim})
-    sd = pad_attention(head.state_dict(), "layers.0.self_attn.", c.num_attention_heads, c.num_key_value_heads,
-                       c.head_dim, head_dim)
-    out = EagleHead(cfg)
+    sd = head.state_dict()
+    attn = next(k for k in sd if k.endswith("self_attn.q_proj.weight"))[: -len("q_proj.weight")]  # its one layer
+    sd = pad_attention(sd, attn, c.num_attention_heads, c.num_key_value_heads, c.head_dim, head_dim)
+    out = type(head)(cfg)
     out.load_state_dict(sd, strict=True)
     return out.to(head.dtype).eval()
 
@@ -114,4 +128,4 @@ def pad_target_folder(src: str | Path, dst: str | Path, head_dim: int) -> Path:
     return dst
 
 
-__all__ = ["row_map", "pad_attention", "pad_head", "pad_target_folder"]
+__all__ = ["padded_head_dim", "row_map", "pad_attention", "pad_head", "pad_target_folder"]

