@@ -2,6 +2,7 @@
 names, the CLI, and the plan printed at the start of a run."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -125,6 +126,16 @@ def test_cli_table_help_and_one_line_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--gpu-mem-gb" in capsys.readouterr().out
+
+
+def test_json_output_is_only_json_and_deepspeed_logs_go_to_stderr():
+    """Issue 28 item 2: DeepSpeed's "Setting accelerator to CPU" warning (printed at import) must not precede the JSON."""
+    proc = subprocess.run([sys.executable, "-m", "train.plan", "--recipe", "llama3-8b", "--json"],
+                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)  # the whole of stdout parses
+    assert plan["fits"] in (True, False) and plan["memory"]["token-loss logits"] > 0
+    assert "accelerator" in proc.stderr  # the library's line still reaches the user, on stderr
 
 
 def test_training_prints_the_plan_first(tmp_path):

@@ -2,6 +2,8 @@
 `--hostfile` multi-node). CPU ranks use gloo, GPU ranks nccl."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import sys
@@ -37,10 +39,23 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def import_deepspeed():
+    """`import deepspeed` with its log lines on stderr. DeepSpeed binds its logger's handler to sys.stdout at import
+    and warns there ("Setting accelerator to CPU ..."): stdout is kept for what a command prints for machines
+    (`train.plan --json`, `--print-config`). Every project import of deepspeed goes through here first."""
+    if "deepspeed" not in sys.modules:
+        with contextlib.redirect_stdout(sys.stderr):  # the handler created during the import takes sys.stderr
+            # lazy: deepspeed costs a second at import; only training, checkpoints and the plan's estimators need it
+            import deepspeed  # noqa: F401
+    for h in logging.getLogger("DeepSpeed").handlers:  # imported before us (by a library or a test): move it too
+        if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.__stdout__):
+            h.stream = sys.stderr  # not setStream: it would flush the old stream, which may be closed
+    return sys.modules["deepspeed"]
+
+
 def init_distributed(device: str = "auto") -> DistContext:
     """Join (or create) the process group; idempotent, so several runs can share one process (tests)."""
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only training needs it
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if "RANK" not in os.environ:  # plain `python train/main.py`: a world of one on a free local port
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -66,7 +81,8 @@ def destroy_process_groups() -> None:
     process (tests) then fails inside DeepSpeed with "Group ... is not registered"."""
     if not dist.is_initialized():
         return
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout
+    import_deepspeed()
+    # lazy: deepspeed costs a second at import (import_deepspeed above keeps its log lines off stdout)
     from deepspeed import comm as ds_comm
 
     if ds_comm.is_initialized():

@@ -38,8 +38,8 @@ from train.checkpoint import (CheckpointError, commit_checkpoint, discard_uncomm
                               load_checkpoint, save_checkpoint)
 from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions,  # noqa: E402
                         micro_batch_loader, split_train_eval)
-from train.distributed import (all_reduce_sum, destroy_process_groups, exit_process, init_distributed,  # noqa: E402
-                               shutdown_distributed)
+from train.distributed import (all_reduce_sum, destroy_process_groups, exit_process, import_deepspeed,  # noqa: E402
+                               init_distributed, shutdown_distributed)
 from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember  # noqa: E402
 from train.ds_config import COMPUTE_DTYPES, deepspeed_config  # noqa: E402
 from train.export import export_head, full_state_dict, push_exported_head, standalone_head  # noqa: E402
@@ -157,8 +157,7 @@ class Trainer:
     def setup_model(self) -> None:
         """A fresh (or given) head with the target's frozen embedding, in a DeepSpeed engine; the target's frozen
         lm_head (and online, the target) beside it."""
-        # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only training needs it
-        import deepspeed
+        deepspeed = import_deepspeed()  # lazy (inside): a second at import; only training needs it
 
         cfg, t, ctx, part = self.cfg, self.t, self.ctx, self.part
         self.frozen, embedding = load_frozen_target(t.mode, cfg.target, self.target_path, ctx.device, self.dtype,

@@ -51,6 +51,7 @@ from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
 from eagle.head_config import head_config_from_target  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from recipes import RecipeError, add_print_config, command_config, layout  # noqa: E402
+from train.distributed import import_deepspeed  # noqa: E402
 from train.ds_config import deepspeed_config  # noqa: E402
 from train.head_kinds import training_class  # noqa: E402
 
@@ -248,7 +249,8 @@ def plan_shape(cfg, config=None) -> Shape:
 # ----------------------------------------------------------------------------- memory
 def deepspeed_zero(cfg) -> dict:
     """The zero_optimization section DeepSpeed will run with (generated config + DeepSpeed's own defaults)."""
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
+    import_deepspeed()  # its log lines to stderr: --json prints only JSON on stdout
+    # lazy: deepspeed costs a second at import (--help does not need it)
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     ds = deepspeed_config(cfg.train, total_steps=1, world_size=1, on_cpu=False)
@@ -258,7 +260,8 @@ def deepspeed_zero(cfg) -> dict:
 def model_states(P: int, largest: int, stage: int, precision: str, world: int, gpus_per_node: int, nodes: int,
                  offload: bool, host: bool) -> list[Item]:
     """Head parameters / gradients / fp32 master / AdamW moments per rank (bytes)."""
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
+    import_deepspeed()  # its log lines to stderr: --json prints only JSON on stdout
+    # lazy: deepspeed costs a second at import (--help does not need it)
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
