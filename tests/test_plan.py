@@ -211,3 +211,67 @@ def test_activation_bytes_are_what_autograd_keeps(dtype):
     later = sum(B * rows.numel() * planned("eagle3", j, keys) for j in range(2, 8))
     later += B * T * 2 * kv * (H // h) * cb  # the unroll's contiguous copy of the step-1 keys and values
     assert seven - one == pytest.approx(later, rel=0.05)
+
+
+def test_plan_never_builds_the_default_target_and_says_what_it_assumed(tmp_path, monkeypatch, capsys):
+    """Issue 28 items 3-4: `train.plan --recipe tiny` before the default target exists plans from its build recipe
+    (nothing is built or written), counts the default target's own conversations, and prints its assumptions."""
+    from fault_helpers import run_cli
+    from train.plan import main
+
+    home = tmp_path / "eagle_home"
+    monkeypatch.setenv("EAGLE_HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(main, ["--recipe", "tiny", "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert not any(tmp_path.iterdir()), f"the plan wrote {list(tmp_path.iterdir())}"  # no target build, no run folder
+    assert plan["shape"]["vocab"] == 1024 and plan["shape"]["hidden"] == 64  # data_prep/default_target.py's preset
+    said = " | ".join(plan["assumptions"])
+    assert "not built yet" in said and "conversations of the embedded default target" in said
+    assert "68,000" not in said  # not ShareGPT's size
+    assert "data prep: regenerate replies" in plan["time_s"]
+    code, out, err = run_cli(main, ["--recipe", "tiny"], capsys)
+    assert code == 0 and "0.0 min" not in out and "0.00B" not in out and "assumed: target shape:" in out
+
+
+def test_plan_without_a_data_source_plans_no_data_prep(tmp_path, capsys):
+    """A recipe whose cache another builder makes (stories260k: train.corpus_cache) gets no invented record count
+    and no regeneration estimate; --tokens supplies the size."""
+    from fault_helpers import run_cli
+    from test_train_helpers import save_target
+    from train.plan import main
+
+    target = save_target(tmp_path / "target")
+    args = ["--recipe", "tiny", f"target.path={target}", f"output_dir={tmp_path / 'run'}", "--json"]
+    code, out, err = run_cli(main, args, capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["disk"] == {} and plan["time_s"] == {}
+    assert any("data.source is empty" in a and "--tokens" in a for a in plan["assumptions"])
+    code, out, err = run_cli(main, [*args, "--tokens", "1000"], capsys)
+    plan = json.loads(out)
+    assert code == 0 and plan["disk"]["feature cache bfloat16 (recipe)"] > 0
+    assert "data prep: regenerate replies" not in plan["time_s"] and "training" in plan["time_s"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, key", [("head.aux_layers=[1,2,99]", "head.aux_layers"),
+                                           ("head.draft_vocab_size=999999", "head.draft_vocab_size")])
+def test_plan_and_training_refuse_the_same_head_keys(override, key, tmp_path, capsys):
+    """Issue 28 item 13: one check of the target-dependent head keys (recipes.head.check_head_fits_target), run by the
+    plan and by training (train/head_kinds.py: training_kind) alike."""
+    from fault_helpers import assert_one_line_error, run_cli
+    from recipes import RecipeError
+    from test_train_helpers import save_target
+    from train.head_kinds import training_kind
+    from train.plan import main, target_config
+
+    target = save_target(tmp_path / "target", num_layers=8)  # default aux layers (2, 4, 5): 2 layers have none
+    args = [f"target.path={target}", f"output_dir={tmp_path / 'run'}", "head.kind=eagle3", override]
+    code, out, err = run_cli(main, ["--recipe", "tiny", *args], capsys)
+    line = assert_one_line_error(code, err, key)
+    cfg = load_config("tiny", args)
+    with pytest.raises(RecipeError) as e:
+        training_kind(cfg, target_config(cfg)[0])
+    assert str(e.value) == line.removeprefix("error: ")

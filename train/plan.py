@@ -43,6 +43,8 @@ from omegaconf import OmegaConf
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from data_prep.default_target import built_default_target, default_target_config  # noqa: E402
+from data_prep.docstring_corpus import default_conversations  # noqa: E402
 from data_prep.feature_cache import bytes_per_token  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
@@ -51,6 +53,7 @@ from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
 from eagle.head_config import head_config_from_target  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from recipes import RecipeError, add_print_config, command_config, layout  # noqa: E402
+from recipes.head import check_head_fits_target  # noqa: E402
 from train.distributed import import_deepspeed  # noqa: E402
 from train.ds_config import deepspeed_config  # noqa: E402
 from train.head_kinds import training_class  # noqa: E402
@@ -136,6 +139,7 @@ class Shape:
     ttt_steps: int = 1  # eagle3: unrolled training-time-test steps (each a full head pass)
     ttt_row_stride: int = 1  # eagle3: steps >= 2 run at every n-th position only (head.ttt_row_stride)
     cache_row: int = 1  # hidden states cached per token (eagle2 1 = last layer; eagle3 4 = 3 aux + last)
+    target_source: str = ""  # where the target's shape was read (printed with the plan's assumptions)
 
 
 @dataclass
@@ -179,6 +183,7 @@ class Plan:
     verdict: str = ""
     fits: bool = False
     knobs: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)  # what the plan took as given (printed, and in --json)
 
     @property
     def total(self) -> float:
@@ -192,18 +197,26 @@ class Plan:
 
 # ----------------------------------------------------------------------------- shapes
 def target_config(cfg):
-    """HF config of the recipe's target: a local folder, the KNOWN_TARGETS table, or the Hub."""
+    """(HF config of the recipe's target, where it came from): a local folder, the KNOWN_TARGETS table, or the Hub.
+    The embedded default target (target.path "") is read where it is built; when it is not built yet, its
+    architecture comes from its build recipe: a plan never builds a target or starts any other job."""
     # lazy: transformers costs over a second at import; the plan's --help and its table of known shapes do not need it
     from transformers import AutoConfig
 
-    path = resolve_target_path(cfg.target) if cfg.target.path else ""
-    if path and Path(path).is_dir():
-        return load_target_config(path)
+    if not cfg.target.path:
+        built = built_default_target()
+        if built is not None:
+            return load_target_config(built), f"the embedded default target built at {built}"
+        return default_target_config(), ("the embedded default target's architecture from its build recipe "
+                                         "(data_prep/default_target.py; not built yet: data prep or the demo builds it)")
+    path = resolve_target_path(cfg.target)
+    if Path(path).is_dir():
+        return load_target_config(path), f"config.json of {path}"
     if path in KNOWN_TARGETS:
         known = dict(KNOWN_TARGETS[path])
-        return AutoConfig.for_model(known.pop("model_type"), **known)
+        return AutoConfig.for_model(known.pop("model_type"), **known), f"the published config of {path} (train/plan.py)"
     try:
-        return AutoConfig.from_pretrained(path or resolve_target_path(cfg.target), revision=cfg.target.revision)
+        return AutoConfig.from_pretrained(path, revision=cfg.target.revision), f"config.json of {path} on the Hub"
     except Exception as e:  # offline / gated / typo: say what would work
         raise PlanError(f"cannot read the config of target {path!r} ({type(e).__name__}: {e}); pass target.path=<local "
                         f"folder with config.json> or one of {sorted(KNOWN_TARGETS)}") from None
@@ -229,7 +242,10 @@ def count_target_params(config) -> tuple[int, int]:
 
 def plan_shape(cfg, config=None) -> Shape:
     """Target and head shape for `cfg` (EAGLE-2 head from the target config; EAGLE-3 per head.kind)."""
-    config = config or target_config(cfg)
+    source = "the run's target"
+    if config is None:
+        config, source = target_config(cfg)
+    check_head_fits_target(cfg.head, config)  # what training would refuse (aux layers, draft vocabulary)
     c = text_config(config)
     hc = head_config_from_target(config, bias=cfg.head.bias)
     kind = cfg.head.get("kind", "eagle2")  # a recipe.yaml of an older export may lack it
@@ -241,7 +257,7 @@ def plan_shape(cfg, config=None) -> Shape:
     shape = Shape(hidden=H, intermediate=hc.intermediate_size, heads=hc.num_attention_heads,
                   kv_heads=hc.num_key_value_heads, head_dim=D, vocab=hc.vocab_size, layers=c.num_hidden_layers,
                   max_positions=hc.max_position_embeddings, target_params=total, target_active_params=active,
-                  head_trainable=sum(trainable), head_largest=max(trainable), kind=kind)
+                  head_trainable=sum(trainable), head_largest=max(trainable), kind=kind, target_source=source)
     training_class(kind).plan_shape(shape, hc, cfg.head)  # what the kind adds to the EAGLE-2 layer measured above
     return shape
 
@@ -415,12 +431,21 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
                     + ("set " + " | or ".join(plan.knobs) if plan.knobs else
                        "no single knob is enough: use GPUs with more memory"))
     # ---------------------------------------------------------------- disk and time
-    records, per_record, source = data_size(cfg)
-    n_tokens = tokens or records * per_record
+    data = data_size(cfg)
+    plan.assumptions += [f"target shape: {s.target_source}", f"data: {data.source}"]
+    if tokens:
+        plan.assumptions.append(f"training tokens: {tokens:,} (--tokens)")
+    n_tokens = tokens or data.records * data.tokens_per_record
+    if not n_tokens:
+        plan.assumptions.append("disk and time not planned: the size of the data is unknown (pass --tokens N)")
+        return plan
     for dt in ("bfloat16", "float16", "int8", "float32"):
         bpt = bytes_per_token(s.hidden * s.cache_row, dt)
         mark = " (recipe)" if dt == cfg.data.cache_dtype else ""
-        plan.disk.append(Item(f"feature cache {dt}{mark}", bpt * n_tokens, f"{bpt} B/token x {n_tokens:,} tokens ({source})"))
+        plan.disk.append(Item(f"feature cache {dt}{mark}", bpt * n_tokens, f"{bpt} B/token x {n_tokens:,} tokens"))
+    if not hw.host:
+        plan.assumptions.append(f"GPU throughput: {hw.tflops:g} TFLOPS x MFU {hw.mfu:.0%}; regeneration at "
+                                f"{hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s")
     peak = hw.tflops * 1e12 * hw.mfu * world
     prefill = 2 * s.target_active_params * n_tokens / peak
     gen_tokens = n_tokens * 0.5  # regenerated replies: about half of the tokens (assumption)
@@ -431,27 +456,75 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     head_flops = 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
     steps = t.epochs * n_tokens * (1 - t.eval_fraction)
     train_s = head_flops * steps / peak
-    plan.time += [
-        Item("data prep: regenerate replies", gen, f"~{gen_tokens:,.0f} new tokens, batch {cfg.data.gen_batch_size}, "
-             f"{replicas} target replica(s) of {per_replica} GPU(s) ({weight_bytes / GB:.0f} GB of weights) at "
-             f"{hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s (HF generate; data.backend=openai with a serving engine "
-             f"is faster)"),
-        Item("data prep: cache features (prefill)", prefill, f"2 x {s.target_active_params / 1e9:.1f}B x tokens"),
-        Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.1f} GFLOP/token (head 6P + lm_head)"),
-    ]
+    if data.regenerates:
+        plan.time.append(Item(
+            "data prep: regenerate replies", gen, f"~{gen_tokens:,.0f} new tokens (assumed half of the tokens), batch "
+            f"{cfg.data.gen_batch_size}, {replicas} target replica(s) of {per_replica} GPU(s) ({weight_bytes / GB:.2g} GB "
+            f"of weights) at {hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s (HF generate; data.backend=openai with a "
+            "serving engine is faster)"))
+    if data.caches:
+        plan.time.append(Item("data prep: cache features (prefill)", prefill,
+                              f"2 x {_count(s.target_active_params)} x tokens"))
+    plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (head 6P + "
+                                               "lm_head)"))
     return plan
 
 
-def data_size(cfg) -> tuple[int, int, str]:
-    """(records, tokens per record, where from): a finished cache's manifest, else data.max_records, else the
-    ShareGPT assumption."""
+@dataclass
+class DataSize:
+    """How much data the plan counts with, and which data-prep stages are still to run."""
+
+    records: int
+    tokens_per_record: int
+    source: str  # what was read or assumed (printed)
+    regenerates: bool = False  # data prep will regenerate the replies
+    caches: bool = False  # a feature cache is still to be built (by data prep or train.corpus_cache)
+
+
+def data_size(cfg) -> DataSize:
+    """The recipe's own data: a finished cache's manifest (nothing left to prepare); else data.source (a local file
+    is counted; a hub dataset is assumed ShareGPT-sized); else, for the embedded default target, its conversations;
+    else (no data.source, e.g. stories260k, whose cache train.corpus_cache builds) unknown: 0 records."""
+    d = cfg.data
     manifest = layout.cache_dir(cfg) / "manifest.json"
     if manifest.exists():
         m = json.loads(manifest.read_text())
-        return int(m["num_records"]), max(1, int(m["num_tokens"]) // max(1, int(m["num_records"]))), f"cache {manifest}"
-    records = cfg.data.max_records or DEFAULT_RECORDS
-    per = min(DEFAULT_TOKENS_PER_RECORD, cfg.data.max_length)
-    return int(records), per, f"assumed {records:,} records x {per} tokens"
+        n = int(m["num_records"])
+        return DataSize(n, max(1, int(m["num_tokens"]) // max(1, n)), f"{n:,} records, {int(m['num_tokens']):,} tokens "
+                        f"in the feature cache {manifest} (data prep done)")
+    per = min(DEFAULT_TOKENS_PER_RECORD, d.max_length)
+    tokens = f"x {per} tokens each (assumed: {DEFAULT_TOKENS_PER_RECORD} per record, at most data.max_length)"
+    stages = dict(regenerates=d.regenerate, caches=True)
+    if d.source:
+        counted = count_records(Path(d.source)) if Path(d.source).is_file() else None
+        if counted is not None:
+            n = min(counted, d.max_records or counted)
+            return DataSize(n, per, f"{n:,} records of {d.source} {tokens}", **stages)
+        n = d.max_records or DEFAULT_RECORDS
+        how = "data.max_records" if d.max_records else "assumed: the size of ShareGPT_V4.3, not found here to count"
+        return DataSize(n, per, f"{n:,} records of {d.source} ({how}) {tokens}", **stages)
+    if not cfg.target.path:
+        n = len(default_conversations("train"))
+        n = min(n, d.max_records or n)
+        return DataSize(n, per, f"{n:,} conversations of the embedded default target (the data.source the demo "
+                        f"passes) {tokens}", **stages)
+    return DataSize(0, per, "data.source is empty and no feature cache exists at "
+                    f"{layout.cache_dir(cfg)}: build it (data_prep with data.source=..., or train.corpus_cache for raw "
+                    "text) or pass --tokens", caches=True)
+
+
+def count_records(path: Path) -> int | None:
+    """Records in a local .json (a list) or .jsonl file; None for other formats (parquet, csv: not counted here)."""
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, OSError):
+            return None
+        return len(data) if isinstance(data, list) else None
+    return None
 
 
 def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
@@ -489,7 +562,17 @@ def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
 def _hms(seconds: float) -> str:
     if seconds >= 86400:
         return f"{seconds / 86400:.1f} days"
+    if seconds < 60:
+        return f"{seconds:.2g} s"
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def _count(n: float) -> str:
+    """A parameter count at a readable scale (8.03B, 0.87M, 260K)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def format_plan(cfg, plan: Plan) -> str:
@@ -498,33 +581,40 @@ def format_plan(cfg, plan: Plan) -> str:
     where = (f"1 CPU process (host mode, {t.precision if t.precision != 'fp16' else 'fp32'})" if hw.host else
              f"{hw.nodes} node(s) x {hw.gpus} GPU(s) x {hw.gpu_mem_gb:g} GB")
     lines = [f"plan for recipe {cfg.name}: {where}; {s.kind} head, {s.head_trainable / 1e6:.1f}M trainable params over a "
-             f"{s.target_params / 1e9:.2f}B target (H {s.hidden}, V {s.vocab}, I {s.intermediate}, "
+             f"{_count(s.target_params)} target (H {s.hidden}, V {s.vocab}, I {s.intermediate}, "
              f"{s.heads}/{s.kv_heads} heads); {t.mode} mode, ZeRO-{t.zero_stage}, {t.precision}, micro-batch "
              f"{t.micro_batch_size} x {cfg.data.max_length} tokens, loss_chunk {t.loss_chunk}",
              f"  {'memory per ' + ('process' if hw.host else 'GPU'):<36} {'GB':>7}  note"]
     for i in plan.memory:
         when = " + ".join(i.phases) + " only" if i.phases else ""
         note = "; ".join(x for x in (i.note, when) if x)
-        lines.append(f"  {i.name:<36} {i.bytes / GB:7.2f}  {note}")
+        lines.append(f"  {i.name:<36} {_gb(i.bytes)}  {note}")
     need, phase = peak_bytes([i for i in plan.memory if i.name != "allocator reserve"])
-    lines.append(f"  {'peak (without the reserve)':<36} {need / GB:7.2f}  in the {phase} -> {plan.verdict}")
-    lines.append(f"  {'disk':<36} {'GB':>7}")
+    lines.append(f"  {'peak (without the reserve)':<36} {_gb(need)}  in the {phase} -> {plan.verdict}")
+    if plan.disk:
+        lines.append(f"  {'disk':<36} {'GB':>7}")
     for i in plan.disk:
-        lines.append(f"  {i.name:<36} {i.bytes / GB:7.1f}  {i.note}")
+        lines.append(f"  {i.name:<36} {_gb(i.bytes)}  {i.note}")
     if hw.host:
         lines.append("  time: not planned in host mode (the figures assume GPUs)")
-        return "\n".join(lines)
-    lines.append(f"  {'time (' + str(hw.world) + ' GPUs)':<36} {'':>7}  "
-                 f"assumed {hw.tflops:g} TFLOPS x MFU {hw.mfu:.0%} per GPU")
-    for i in plan.time:
-        lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
+    elif plan.time:
+        lines.append(f"  {'time (' + str(hw.world) + ' GPUs)':<36}")
+        for i in plan.time:
+            lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
+    lines += [f"  assumed: {a}" for a in plan.assumptions]
     return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    """Bytes as GB in the table's 7-character column, small sizes with their significant digits."""
+    return f"{n / GB:7.2f}" if n >= 0.01 * GB or n == 0 else f"{n / GB:7.1e}"
 
 
 def plan_as_dict(plan: Plan) -> dict:
     return {"fits": plan.fits, "verdict": plan.verdict, "total_bytes": plan.total,
             "memory": {i.name: i.bytes for i in plan.memory}, "disk": {i.name: i.bytes for i in plan.disk},
-            "time_s": {i.name: i.bytes for i in plan.time}, "shape": plan.shape.__dict__, "knobs": plan.knobs}
+            "time_s": {i.name: i.bytes for i in plan.time}, "shape": plan.shape.__dict__, "knobs": plan.knobs,
+            "assumptions": plan.assumptions}
 
 
 def hardware_for_run(ctx) -> Hardware:
