@@ -28,6 +28,13 @@ CASES = [  # (cli, override, needles): each a distinct bad value or key
     ("train", "train.betas=[0.9]", ["train.betas"]),
     ("train", "train.max_loss_ratio=0.5", ["train.max_loss_ratio"]),
     ("train", "train.max_steps=abc", ["train.max_steps"]),
+    # issue 28 item 7: a value of the wrong type names the key, the type it takes and an example, in our words
+    ("train", "train.lr=abc", ["train.lr='abc': expected a number, e.g. train.lr="]),
+    ("train", "train.betas=0.9", ["train.betas=0.9: expected a list of numbers, e.g. train.betas=[0.9,0.95]"]),
+    ("train", "head.bias=maybe", ["head.bias='maybe': expected true or false, e.g. head.bias=true"]),
+    ("train", "head.aux_layers=[1,x,3]", ["head.aux_layers[1]='x': expected a whole number", "head.aux_layers=[1,2,3]"]),
+    ("train", "data.max_records=many", ["data.max_records='many': expected a whole number or null"]),
+    ("train", "target=5", ["target='5': target is a section", "target.path"]),
     ("train", "train.learning_rate=1", ["unknown recipe key 'train.learning_rate'", "train.lr"]),
     ("train", "train.deepspeed.optimizer.type=SGD", ["train.deepspeed", "optimizer"]),
     ("train", "logging.backend=csv", ["logging.backend"]),
@@ -83,7 +90,7 @@ RECIPE_FILES = [  # (file content, needles): broken recipe files, named in the m
     (b"- just\n- a list\n", ["expected a mapping"]),
     (b"name: caf\xe9\n", ["not valid UTF-8"]),
     (b"train:\n  nope: 1\n", ["unknown recipe key 'train.nope'"]),
-    (b"train:\n  lr: fast\n", ["train.lr"]),
+    (b"train:\n  lr: fast\n", ["train.lr='fast' (recipe ", "broken.yaml): expected a number"]),
 ]
 
 
