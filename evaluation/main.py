@@ -38,6 +38,7 @@ from eagle.decoding_config import DecodingConfig  # noqa: E402
 from eagle.ea_model import EaModel, save_tree_config  # noqa: E402
 from eagle.head_config import check_head_fits_target  # noqa: E402
 from eagle.head_files import check_head_files, head_config_of, load_head  # noqa: E402
+from eagle.hub_ids import looks_local  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from evaluation.autotune import autotune_tree, grid  # noqa: E402
 from evaluation.calibration import calibrate  # noqa: E402
@@ -136,10 +137,10 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
     before loading anything (bench, chi2; autotune writes the tree that the `tuned` method reads)."""
     if cfg.eval.threads > 0:
         torch.set_num_threads(int(cfg.eval.threads))
-    target_path = resolve_target_path(cfg.target)
     head_path = layout.eval_head(cfg)
-    if Path(head_path).is_dir() or Path(head_path).exists():  # a bad head folder fails before the target loads
+    if Path(head_path).exists() or looks_local(head_path):  # a bad or missing head fails before the target is built
         check_head_files(head_path)
+    target_path = resolve_target_path(cfg.target)
     if cfg.eval.compare_head:  # so does a bad or ill-fitting second head
         if Path(str(cfg.eval.compare_head)).exists():
             check_head_files(str(cfg.eval.compare_head))

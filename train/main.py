@@ -26,7 +26,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from data_prep.feature_cache import FeatureCacheReader  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
@@ -36,7 +35,7 @@ from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
 from train.checkpoint import (CheckpointError, commit_checkpoint, discard_uncommitted, latest_tag,  # noqa: E402
                               load_checkpoint, save_checkpoint)
-from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions,  # noqa: E402
+from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions, open_feature_cache,  # noqa: E402
                         micro_batch_loader, split_train_eval)
 from train.distributed import (all_reduce_sum, destroy_process_groups, exit_process, import_deepspeed,  # noqa: E402
                                init_distributed, shutdown_distributed)
@@ -136,7 +135,7 @@ class Trainer:
         self.part = training_kind(cfg, self.target_config)  # what differs between head kinds (train/head_kinds.py)
         if t.mode == "offline":
             cdir = layout.cache_dir(cfg)
-            self.source = FeatureCacheReader(cdir, verify=t.verify_cache)
+            self.source = open_feature_cache(cfg, t.verify_cache)
             check_cache_matches_target(self.source.manifest, cdir, self.target_path, self.target_config, self.part.layers)
         else:
             self.source = TokenizedRecords(layout.tokenized_file(cfg), cfg.data.max_length)
