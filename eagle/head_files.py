@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from eagle.cli_errors import FileFormatError, UserError, file_error
 from eagle.head_config import HeadConfig, read_head_config
+from eagle.head_kinds import EAGLE3
 from eagle.hub_ids import check_local_exists
 
 CONFIG_NAME = "config.json"
@@ -63,7 +64,8 @@ def engine_export(config_file: str, weights_file: str) -> str | None:
         return "vLLM"
     engine = next((ENGINE_ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in ENGINE_ARCHITECTURES), None)
     fc = shapes.get("fc.weight", ())
-    if engine is None and len(fc) == 2 and fc[1] == 2 * fc[0] and "embed_tokens.weight" not in shapes:
+    eagle3 = EAGLE3.recognises(cfg)  # an EAGLE-3 checkpoint may leave the embedding out
+    if engine is None and not eagle3 and len(fc) == 2 and fc[1] == 2 * fc[0] and "embed_tokens.weight" not in shapes:
         engine = "vLLM"  # an EAGLE-1/2 fc [H, 2H] without the embedding it reads
     return engine
 
@@ -122,9 +124,13 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
     optional = config.head_kind.optional_weights(config)  # e.g. EAGLE-3's t2d and the target's embedding
     expect = {k: v for k, v in expect.items() if k in shapes or k not in optional}
     if shapes != expect:
-        diff = sorted(k for k in set(shapes) | set(expect) if shapes.get(k) != expect.get(k))
-        raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {diff[:4]} "
-                              f"(file {[shapes.get(k) for k in diff[:4]]}, config {[expect.get(k) for k in diff[:4]]})")
+        missing, unexpected = sorted(set(expect) - set(shapes)), sorted(set(shapes) - set(expect))
+        differ = sorted(k for k in set(shapes) & set(expect) if shapes[k] != expect[k])
+        parts = ([f"missing keys {missing[:4]}"] if missing else []) + \
+                ([f"unexpected keys {unexpected[:4]}"] if unexpected else []) + \
+                ([f"shapes of {differ[:4]} (file {[shapes[k] for k in differ[:4]]}, config "
+                  f"{[expect[k] for k in differ[:4]]})"] if differ else [])
+        raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {', '.join(parts)}")
     return config
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from data_prep.target import load_target_config
+from eagle.cli_errors import UserError
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
 from eagle.eagle2 import EagleHead
@@ -46,8 +47,8 @@ SUPPORTED_HEAD_DIMS = {"vllm": (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 51
 DEFAULT_TOLERANCE = 0.05  # relative difference of mean acceptance lengths
 
 
-class ServeCheckError(RuntimeError):
-    """The engine could not run (the message holds the end of its log)."""
+class ServeCheckError(UserError):
+    """The engine could not run (the message holds the end of its log, folded into the error line)."""
 
 
 @dataclasses.dataclass

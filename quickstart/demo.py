@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("WANDB_MODE", "disabled")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if debug_enabled():  # --debug: every stage shows the traceback of its error too
+        env[DEBUG_ENV] = "1"
     # One intra-op thread in every stage, the default target's training included: the tiny recipe's models are
     # per-op-overhead bound, so a second OpenMP thread gains at most ~1.9x on an idle 2-core machine, and when
     # another job holds a core the two threads wait on each other at every op (measured: target training

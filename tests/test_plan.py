@@ -117,9 +117,13 @@ def test_cli_table_help_and_one_line_errors(capsys):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "fits:" in ok.stdout and "token-loss logits" in ok.stdout and "feature cache bfloat16" in ok.stdout
     capsys.readouterr()
-    assert main(["--recipe", "llama3-8b", "--gpus", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --gpus=0")
+    from fault_helpers import assert_one_line_error, run_cli
+
+    for flag, value, needle in (("--gpus", "0", "an integer >= 1"), ("--mfu", "1.5", "> 0 and <= 1"),
+                                ("--reserve", "1", ">= 0 and < 1"), ("--tokens", "-5", ">= 1"),
+                                ("--gpu-mem-gb", "nan", "a finite number > 0"), ("--cuda-context-gb", "-1", ">= 0")):
+        code, _, err = run_cli(main, ["--recipe", "llama3-8b", flag, value], capsys)  # issue 28 item 12
+        assert_one_line_error(code, err, f"argument {flag}: {value}: expected", needle)
     assert main(["--recipe", "llama3-8b", "train.nope=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("error: unknown recipe key 'train.nope'") and not any("Traceback" in e for e in err)

@@ -47,12 +47,12 @@ from data_prep.default_target import built_default_target, default_target_config
 from data_prep.docstring_corpus import default_conversations  # noqa: E402
 from data_prep.feature_cache import bytes_per_token  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
-from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.eagle2 import EagleHead  # noqa: E402
 from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
 from eagle.head_config import head_config_from_target  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
-from recipes import RecipeError, add_print_config, command_config, layout  # noqa: E402
+from recipes import add_print_config, command_config, layout  # noqa: E402
 from recipes.head import check_head_fits_target  # noqa: E402
 from train.distributed import import_deepspeed  # noqa: E402
 from train.ds_config import deepspeed_config  # noqa: E402
@@ -643,15 +643,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides (as for train/main.py)")
     d = Hardware()
-    p.add_argument("--gpus", type=int, default=d.gpus, help="GPUs per node (default %(default)s)")
-    p.add_argument("--nodes", type=int, default=d.nodes, help="nodes (default %(default)s)")
-    p.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb, help="memory per GPU in GB (default %(default)s, RTX 3090)")
-    p.add_argument("--tflops", type=float, default=d.tflops, help="GPU dense 16-bit peak TFLOPS (default %(default)s, RTX 3090)")
-    p.add_argument("--mfu", type=float, default=d.mfu, help="achieved fraction of peak (default %(default)s)")
-    p.add_argument("--mem-bw-gbs", type=float, default=d.mem_bw_gbs, help="GPU memory bandwidth GB/s (default %(default)s)")
-    p.add_argument("--cuda-context-gb", type=float, default=d.cuda_context_gb, help="per-process CUDA context (default %(default)s)")
-    p.add_argument("--reserve", type=float, default=d.reserve, help="fraction kept free for fragmentation (default %(default)s)")
-    p.add_argument("--tokens", type=int, default=None, help="training tokens (default: the cache manifest, else an assumption)")
+    count, positive = bounded(int, at_least=1), bounded(float, above=0)
+    p.add_argument("--gpus", type=count, default=d.gpus, help="GPUs per node (default %(default)s)")
+    p.add_argument("--nodes", type=count, default=d.nodes, help="nodes (default %(default)s)")
+    p.add_argument("--gpu-mem-gb", type=positive, default=d.gpu_mem_gb, help="memory per GPU in GB (default %(default)s, RTX 3090)")
+    p.add_argument("--tflops", type=positive, default=d.tflops, help="GPU dense 16-bit peak TFLOPS (default %(default)s, RTX 3090)")
+    p.add_argument("--mfu", type=bounded(float, above=0, at_most=1), default=d.mfu,
+                   help="achieved fraction of peak (default %(default)s)")
+    p.add_argument("--mem-bw-gbs", type=positive, default=d.mem_bw_gbs, help="GPU memory bandwidth GB/s (default %(default)s)")
+    p.add_argument("--cuda-context-gb", type=bounded(float, at_least=0), default=d.cuda_context_gb,
+                   help="per-process CUDA context (default %(default)s)")
+    p.add_argument("--reserve", type=bounded(float, at_least=0, below=1), default=d.reserve,
+                   help="fraction kept free for fragmentation (default %(default)s)")
+    p.add_argument("--tokens", type=count, default=None, help="training tokens (default: the cache manifest, else an assumption)")
     p.add_argument("--host", action="store_true", help="one CPU process instead of GPUs (--gpu-mem-gb = RAM for it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     add_print_config(p)
@@ -660,25 +664,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @one_line_errors
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        for name in ("gpus", "nodes"):
-            if getattr(args, name) < 1:
-                raise PlanError(f"--{name}={getattr(args, name)}: expected >= 1")
-        for name in ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs"):
-            if getattr(args, name) <= 0:
-                raise PlanError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
-        if not 0 <= args.reserve < 1:
-            raise PlanError(f"--reserve={args.reserve}: expected 0 <= reserve < 1")
-
-        cfg = command_config(args)
-        hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
-                      mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
-                      host=args.host)
-        plan = build_plan(cfg, hw, tokens=args.tokens)
-    except (PlanError, RecipeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parse_args(argv)  # every number range-checked here (eagle.cli_errors.bounded)
+    cfg = command_config(args)
+    hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
+                  mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
+                  host=args.host)
+    plan = build_plan(cfg, hw, tokens=args.tokens)  # errors: one line from one_line_errors (--debug: the traceback)
     print(json.dumps(plan_as_dict(plan), indent=1) if args.json else format_plan(cfg, plan))
     return 0
 
