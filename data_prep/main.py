@@ -280,10 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
         disable_progress_bars()
     run = Run(cfg, shard, num_shards, distributed, progress=not args.no_progress)
-    preflight(run, stage)  # the whole run's inputs, before the first stage writes anything
-    run.data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):
+        with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):  # a busy folder: refused at once
+            preflight(run, stage)  # the whole run's inputs, before the first stage writes (a failure leaves no folder)
             run_stages(run, stage, args.inspect)
     finally:
         if distributed:

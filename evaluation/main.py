@@ -47,7 +47,7 @@ from evaluation.chat_format import ChatFormat  # noqa: E402
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.metrics import compare_all_pairs, summarize  # noqa: E402
-from evaluation.questions import QuestionError, load_questions  # noqa: E402
+from evaluation.questions import STANDARD_SET, QuestionError, load_questions  # noqa: E402
 from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,  # noqa: E402
                                write_report)
 from evaluation.runner import GenerationArgs, run_benchmark  # noqa: E402
@@ -145,12 +145,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def question_source(cfg) -> str:
+    """eval.questions; unset: the embedded default target's held-out questions, or (any other target) MT-bench, shipped
+    with the package (evaluation/question_sets/)."""
     if cfg.eval.questions:
         return str(cfg.eval.questions)
     if not cfg.target.path:
         return str(ensure_default_target() / QUESTIONS_FILE)
-    raise QuestionError("set eval.questions (or --questions): a .jsonl question file, a .txt prompt file, "
-                     "paragraphs:FILE or hf:DATASET")
+    return STANDARD_SET
 
 
 def load_all_questions(cfg) -> list:

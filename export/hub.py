@@ -3,7 +3,7 @@
     python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b [--dry-run] [--head DIR]
     python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b-vllm --format vllm   # engine format
 
-Everything to upload is first staged in {output_dir}/hub_upload/ (head files, recipe, training summary,
+Everything to upload is first staged in {output_dir}/hub_upload/ (hub_upload-vllm/ etc. for --format; head files, recipe, training summary,
 README.md model card, evaluation report + plots when {output_dir}/eval has them); `--dry-run` stops there
 and lists it. The token comes from the environment variable named by export.token_env (HF_TOKEN).
 """
@@ -83,7 +83,7 @@ def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False, 
     if not repo_id:
         raise HubPushError("export.repo_id is empty: set export.repo_id=USER/NAME")
     head_dir = Path(head_dir) if head_dir else layout.head_dir(cfg)
-    staging = Path(cfg.output_dir) / "hub_upload"
+    staging = layout.hub_staging_dir(cfg, fmt)
     files = stage_upload(cfg, head_dir, staging, repo_id, fmt)
     result = {"repo_id": repo_id, "private": bool(cfg.export.private), "staging": str(staging),
               "files": [str(f) for f in files], "url": None}

@@ -279,3 +279,23 @@ def test_plan_and_training_refuse_the_same_head_keys(override, key, tmp_path, ca
     with pytest.raises(RecipeError) as e:
         training_kind(cfg, target_config(cfg)[0])
     assert str(e.value) == line.removeprefix("error: ")
+
+
+def test_plan_reads_the_cache_parts_not_the_derived_manifest(tmp_path, capsys):
+    """Issue 28 item 16: manifest.json is a derived summary nothing reads: a hand-edited one changes no plan."""
+    from fault_helpers import run_cli
+    from test_train_helpers import save_target, write_cache
+    from train.plan import main
+
+    target = save_target(tmp_path / "target")
+    cache = write_cache(tmp_path / "cache", target, n=12)
+    args = ["--recipe", "tiny", f"target.path={target}", f"train.cache_dir={cache}", "--json"]
+    code, out, err = run_cli(main, args, capsys)
+    assert code == 0, err
+    before = json.loads(out)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest.update(num_records=999999, num_tokens=10**9, hidden_size=4096)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli(main, args, capsys)
+    assert code == 0 and json.loads(out)["disk"] == before["disk"]
+    assert any("12 records" in a for a in before["assumptions"])

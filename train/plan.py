@@ -45,7 +45,7 @@ if __package__ in (None, ""):
 
 from data_prep.default_target import built_default_target, default_target_config  # noqa: E402
 from data_prep.docstring_corpus import default_conversations  # noqa: E402
-from data_prep.feature_cache import bytes_per_token  # noqa: E402
+from data_prep.feature_cache import bytes_per_token, merge_manifests  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.eagle2 import EagleHead  # noqa: E402
@@ -486,12 +486,12 @@ def data_size(cfg) -> DataSize:
     is counted; a hub dataset is assumed ShareGPT-sized); else, for the embedded default target, its conversations;
     else (no data.source, e.g. stories260k, whose cache train.corpus_cache builds) unknown: 0 records."""
     d = cfg.data
-    manifest = layout.cache_dir(cfg) / "manifest.json"
-    if manifest.exists():
-        m = json.loads(manifest.read_text())
+    cache = layout.cache_dir(cfg)
+    if (cache / "parts").is_dir():  # the part manifests (manifest.json is a derived summary nothing reads)
+        m = merge_manifests(cache)
         n = int(m["num_records"])
         return DataSize(n, max(1, int(m["num_tokens"]) // max(1, n)), f"{n:,} records, {int(m['num_tokens']):,} tokens "
-                        f"in the feature cache {manifest} (data prep done)")
+                        f"in the feature cache {cache} (data prep done)")
     per = min(DEFAULT_TOKENS_PER_RECORD, d.max_length)
     tokens = f"x {per} tokens each (assumed: {DEFAULT_TOKENS_PER_RECORD} per record, at most data.max_length)"
     stages = dict(regenerates=d.regenerate, caches=True)
