@@ -14,6 +14,9 @@ class DecodingConfig:
     total_token / depth / top_k: EAGLE-2 published defaults 60 / 5 / 10.
     static_choices: name of a shipped choice list (see eagle.static_trees) for mode "static".
     chain_length: draft tokens per round for mode "chain".
+    calibrate: mode "dynamic" ranks the tree by the head's calibrated acceptance for the sampling setting being
+        decoded when its tree_config.json holds a map fitted for it (eagle/score_calibration.py), else by the raw
+        draft probabilities (the published EAGLE-2 rule, and what `calibrate: false` always uses).
     """
 
     mode: str = "dynamic"
@@ -22,6 +25,7 @@ class DecodingConfig:
     top_k: int = 10
     static_choices: str = "mc_sim_7b_63"
     chain_length: int = 5
+    calibrate: bool = True
 
     @classmethod
     def from_section(cls, section) -> "DecodingConfig":

@@ -15,6 +15,7 @@ import torch
 
 from eagle.head_decoder import HeadDecoder
 from eagle.head_module import HeadModule
+from eagle.score_calibration import ScoreCalibration
 from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree
 
 
@@ -53,13 +54,18 @@ class Drafter:
 
     @torch.no_grad()
     def draft_dynamic(self, root: torch.Tensor, feature: torch.Tensor, total_token: int, depth: int,
-                      top_k: int) -> DraftTree:
-        """EAGLE-2 dynamic tree. root [1] token, feature [1, H] predicted feature at the root."""
+                      top_k: int, calibration: ScoreCalibration | None = None) -> DraftTree:
+        """EAGLE-2 dynamic tree. root [1] token, feature [1, H] predicted feature at the root.
+
+        calibration: rank paths by calibrated acceptance (eagle/score_calibration.py) instead of the draft's raw
+        probabilities; only the choice of nodes changes (siblings stay in the draft's rank order)."""
         committed = self.decoder.length
         dev = root.device
         k = top_k
+        score = (lambda lp, d: lp) if calibration is None else calibration.log_score  # noqa: E731
         lp, tok = (t[0] for t in self._topk(feature, k))  # [k], [k] depth-1 candidates
-        cand_tok, cand_lp, cand_path, bests = [tok], [lp], [lp], []
+        front_score = score(lp, 1)  # [k] log calibrated acceptance (= lp uncalibrated)
+        cand_tok, cand_lp, cand_path, cand_score, bests = [tok], [lp], [lp], [front_score], []
         front_feat = feature.expand(k, -1)  # [k, H] input feature of each frontier node (its parent's prediction)
         front_tok, front_path = tok, lp  # [k] each
         # [k, committed + depth k] attention rows of the frontier: the whole committed prefix, then the tree
@@ -75,13 +81,20 @@ class Drafter:
             out = self.decoder.forward(front_feat, front_tok, committed + d, mask.narrow(1, 0, end))  # [k, H]; one position per level
             lp, tok = self._topk(out, k)  # [k, k]
             path = (front_path.unsqueeze(1) + lp).flatten()  # [k k] value = log of the product of confidences
+            ranked = path if calibration is None else (front_score.unsqueeze(1) + score(lp, d + 2)).flatten()  # [k k]
             lp, tok = lp.flatten(), tok.flatten()  # [k k]: children of frontier row r at r k .. r k + k - 1
             cand_tok.append(tok)
             cand_lp.append(lp)
             cand_path.append(path)
+            cand_score.append(ranked)
             if d == depth - 1:
                 break  # the last level's children are candidates only, never expanded
-            front_path, best = path.topk(k)  # [k] new frontier among the k k children
+            if calibration is None:
+                front_path, best = path.topk(k)  # [k] new frontier among the k k children
+                front_score = front_path
+            else:
+                front_score, best = ranked.topk(k)
+                front_path = path.index_select(0, best)
             bests.append(best)
             parent_row = best // k
             front_feat, front_tok = out.index_select(0, parent_row), tok.index_select(0, best)
@@ -89,7 +102,8 @@ class Drafter:
         self.decoder.truncate(committed)
         return rerank_tree(root, torch.cat(cand_tok), torch.cat(cand_lp), torch.cat(cand_path),
                            self._candidate_parents(bests, k, depth, dev), self._candidate_depth(k, depth, dev),
-                           total_token)
+                           total_token, cand_score=None if calibration is None else torch.cat(cand_score),
+                           cand_rank=self._candidate_rank(k, depth, dev))
 
     def _candidate_parents(self, bests: list[torch.Tensor], k: int, depth: int, device) -> torch.Tensor:
         """[k + depth k^2] parent candidate id of every candidate: -1 (the root) for level 1, then each
@@ -102,6 +116,14 @@ class Drafter:
         root_parents, level0, level_start = self._layouts[key]
         fronts = torch.stack([level0] + bests) + level_start  # [depth, k] candidate ids of each level's frontier
         return torch.cat([root_parents, fronts[:, :, None].expand(depth, k, k).flatten()])
+
+    def _candidate_rank(self, k: int, depth: int, device) -> torch.Tensor:
+        """[k + depth k^2] rank of every candidate among its parent's top-k: every level lists k children per
+        parent in rank order, starting at a multiple of k, so the rank is the candidate id mod k."""
+        key = ("rank", k, depth, str(device))
+        if key not in self._layouts:
+            self._layouts[key] = torch.arange(k + depth * k * k, device=device) % k
+        return self._layouts[key]
 
     def _candidate_depth(self, k: int, depth: int, device) -> torch.Tensor:
         """[k + depth k^2] tree depth of every candidate `draft_dynamic` generates (fixed by k and depth)."""
@@ -143,4 +165,4 @@ class Drafter:
             path_lp += torch.where(anc > 0, logprob[anc], 0.0)
             anc = parents.clamp(min=0)[anc]
         return DraftTree(tokens=tokens, parents=parents.clone(), depth=depth.clone(), prob=logprob.exp(),
-                         path_logprob=path_lp, ancestors=ancestors)  # the fixed shape's mask, built once per spec
+                         path_logprob=path_lp, ancestors=ancestors, rank=ranks)  # the fixed shape's mask, built once per spec

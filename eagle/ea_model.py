@@ -20,6 +20,7 @@ from eagle.head_files import head_config_of, load_head
 from eagle.head_kinds import text_config
 from eagle.head_module import HeadModule
 from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
+from eagle.score_calibration import ScoreCalibration, pick_calibration
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
 from eagle.target import Target
@@ -77,6 +78,9 @@ class EaModel(nn.Module):
         self.target = Target(base_model, capacity=0, fused=fused_target)
         self.drafter = Drafter(ea_layer, self.target.lm_head, capacity=0)
         self.tokenizer = None
+        # tree-score maps fitted for this head, one per sampling setting (tree_config.json "calibration"); the
+        # dynamic tree uses the one matching the decoding setting when `decoding.calibrate` is on
+        self.calibrations: list[ScoreCalibration] = []
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -88,7 +92,8 @@ class EaModel(nn.Module):
         `yuhuili/EAGLE3-*`, SpecForge exports); an EAGLE-3 head takes the target's embedding.
 
         Tree settings: explicit arguments > `tree_config.json` saved next to the head by the
-        auto-tuner > DecodingConfig defaults (60 / 5 / 10).
+        auto-tuner > DecodingConfig defaults (60 / 5 / 10). The calibrated tree scores in that file (one map per
+        sampling setting) are used by dynamic trees decoded at a setting they were fitted for (`calibrate`).
         """
         # lazy: transformers' model classes cost seconds at import; only loading from a folder or the Hub needs them
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -106,6 +111,7 @@ class EaModel(nn.Module):
         decoding = replace(decoding, **{k: v for k, v in overrides.items() if v is not None})
         custom_tree = static_choices(static_tree) if isinstance(static_tree, list) else None
         model = cls(base, head, decoding, static_tree=custom_tree)
+        model.calibrations = load_calibrations(ea_model_path)
         try:
             model.tokenizer = AutoTokenizer.from_pretrained(base_model_path)
         except (OSError, ValueError):  # a target folder without a tokenizer is usable with token ids
@@ -249,6 +255,7 @@ class EaModel(nn.Module):
         """
         decoding.validate(vocab_size=self.draft_vocab_size)
         spec = self._tree_spec(decoding)
+        calibration = self.calibration_for(decoding, sampling)
         tree_nodes, draft_slots = self._max_tree_nodes(decoding, spec)
         prompt_len = input_ids.shape[1]
         self.target.reset(capacity=prompt_len + stop.budget + tree_nodes + 1)
@@ -283,7 +290,7 @@ class EaModel(nn.Module):
                 draft_feat = self.drafter.extend(feats, next_ids)  # commit: [1, H]
                 if spec is None:
                     tree = self.drafter.draft_dynamic(root, draft_feat, decoding.total_token, decoding.depth,
-                                                      decoding.top_k)
+                                                      decoding.top_k, calibration)
                 else:
                     tree = self.drafter.draft_static(root, draft_feat, spec)
                 t1 = time.perf_counter()
@@ -317,6 +324,12 @@ class EaModel(nn.Module):
                 feats, next_ids = feats_all[:, path], new[None]  # the draft commits the accepted positions next round
             root = new[-1:]
 
+    def calibration_for(self, decoding: DecodingConfig, sampling: SamplingParams) -> ScoreCalibration | None:
+        """The tree-score map a dynamic tree uses at this sampling setting (None: raw draft probabilities)."""
+        if decoding.mode != "dynamic" or not decoding.calibrate:
+            return None
+        return pick_calibration(self.calibrations, sampling.temperature, sampling.top_p, sampling.top_k)
+
     def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """[1, V] logits -> [1] next token (argmax, or a draw from the processed distribution)."""
         if sampling.greedy:
@@ -333,6 +346,11 @@ class EaModel(nn.Module):
                               commit_s=verify_s + commit_s)
         accepted = torch.zeros(tree.size, dtype=torch.bool)
         accepted[path.cpu()] = True
+        node_score = node_path_score = None
+        if tree.path_score is not None:
+            score = tree.path_score.float().cpu()  # [N] log calibrated acceptance root->node
+            node_path_score = score[1:].exp()
+            node_score = (score[1:] - score[tree.parents[1:].cpu()]).exp()
         return RoundStats(
             accept_length=path.numel() - 1,
             new_tokens=committed,
@@ -341,26 +359,59 @@ class EaModel(nn.Module):
             node_path_prob=tree.path_logprob[1:].float().exp().cpu(),
             node_accepted=accepted[1:],
             node_parent=(tree.parents[1:] - 1).cpu(),  # node i+1 of the tree is entry i here; the root becomes -1
+            node_rank=None if tree.rank is None else tree.rank[1:].cpu(),
+            node_score=node_score,
+            node_path_score=node_path_score,
             draft_s=draft_s,
             verify_s=verify_s,
             commit_s=commit_s,
         )
 
 
-def load_tree_config(head_path: str | Path) -> DecodingConfig:
-    """DecodingConfig saved next to a head by the auto-tuner, else the defaults."""
+CALIBRATION_KEY = "calibration"  # tree_config.json: list of ScoreCalibration dicts, one per sampling setting
+
+
+def _read_tree_config(head_path: str | Path) -> dict:
+    """tree_config.json as a dict ({} when absent); unknown keys fail loudly."""
     p = Path(head_path) / TREE_CONFIG_NAME
     if not p.exists():
-        return DecodingConfig()
+        return {}
     data = json.loads(p.read_text())
-    known = set(asdict(DecodingConfig()))
+    known = set(asdict(DecodingConfig())) | {CALIBRATION_KEY}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{p}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    return data
+
+
+def load_tree_config(head_path: str | Path) -> DecodingConfig:
+    """DecodingConfig saved next to a head by the auto-tuner, else the defaults."""
+    data = _read_tree_config(head_path)
+    data.pop(CALIBRATION_KEY, None)
     return DecodingConfig(**data).validate()
 
 
-def save_tree_config(head_path: str | Path, decoding: DecodingConfig) -> Path:
+def load_calibrations(head_path: str | Path) -> list[ScoreCalibration]:
+    """The tree-score maps saved next to a head (tree_config.json "calibration"), [] when there are none."""
+    entries = _read_tree_config(head_path).get(CALIBRATION_KEY, [])
+    where = Path(head_path) / TREE_CONFIG_NAME
+    return [ScoreCalibration.from_dict(e, f"{where} calibration[{i}]") for i, e in enumerate(entries)]
+
+
+def save_tree_config(head_path: str | Path, decoding: DecodingConfig | None = None,
+                     calibration: ScoreCalibration | None = None) -> Path:
+    """Write tree_config.json next to a head: `decoding` replaces the tree settings (None keeps the saved ones),
+    `calibration` replaces the map of its sampling setting (the others are kept)."""
     p = Path(head_path) / TREE_CONFIG_NAME
-    p.write_text(json.dumps(asdict(decoding), indent=2) + "\n")
+    data = _read_tree_config(head_path)
+    maps = data.pop(CALIBRATION_KEY, [])
+    if decoding is not None:
+        data = asdict(decoding)
+    if calibration is not None:
+        c = calibration
+        maps = [m for m in maps if not ScoreCalibration.from_dict(m).matches(c.temperature, c.top_p, c.top_k)]
+        maps.append(c.to_dict())
+    if maps:
+        data[CALIBRATION_KEY] = maps
+    p.write_text(json.dumps(data, indent=2) + "\n")
     return p

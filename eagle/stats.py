@@ -21,6 +21,10 @@ class RoundStats:
     node_path_prob: torch.Tensor  # [N] float32 product of draft probabilities along root->node
     node_accepted: torch.Tensor  # [N] bool node lies on the accepted path
     node_parent: torch.Tensor | None = None  # [N] int64 index of the parent among these N nodes, -1 = the root
+    node_rank: torch.Tensor | None = None  # [N] int64 rank of the node's token among its parent's top-k draft tokens
+    # calibrated acceptance the tree was ranked by (eagle/score_calibration.py); None when the tree used raw probs
+    node_score: torch.Tensor | None = None  # [N] float32 of the node given its parent
+    node_path_score: torch.Tensor | None = None  # [N] float32 product along root->node
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0

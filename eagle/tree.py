@@ -17,6 +17,10 @@ class DraftTree:
     depth: torch.Tensor  # [N] int64, root 0
     prob: torch.Tensor  # [N] float32, draft prob of the token given its parent (root 1.0)
     path_logprob: torch.Tensor  # [N] float32, cumulative draft log-prob root->node (root 0)
+    # [N] float32 what the tree was ranked by: log calibrated acceptance root->node (eagle/score_calibration.py);
+    # None = path_logprob (no calibration)
+    path_score: torch.Tensor | None = None
+    rank: torch.Tensor | None = None  # [N] int64 the node's rank among its parent's top-k draft tokens (root 0)
     ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [N, N]; see attention_mask
 
     @property
@@ -75,18 +79,23 @@ def rerank_tree(
     cand_parent: torch.Tensor,
     cand_depth: torch.Tensor,
     total_token: int,
+    cand_score: torch.Tensor | None = None,
+    cand_rank: torch.Tensor | None = None,
 ) -> DraftTree:
     """EAGLE-2 rerank: keep the total_token - 1 candidates with the highest path value.
 
     Candidates must be listed parents-before-children (as drafting generates them level by level);
     cand_parent indexes candidates (-1 = root), cand_depth is each candidate's depth (root's children 1).
+    cand_score: calibrated path values to rank by instead of cand_path_logprob (eagle/score_calibration.py).
+    cand_rank: each candidate's rank among its parent's top-k (kept in the tree's `rank`, for statistics).
     Path values never increase along a path and ties go to the lower candidate index, so every kept
     node's parent is kept: the result is a tree.
     """
     m = cand_tokens.numel()
     dev = cand_tokens.device
     keep_n = min(total_token - 1, m)
-    order = torch.sort(cand_path_logprob, descending=True, stable=True).indices[:keep_n]  # [K]
+    ranked = cand_path_logprob if cand_score is None else cand_score
+    order = torch.sort(ranked, descending=True, stable=True).indices[:keep_n]  # [K]
     keep = torch.sort(order).values  # [K] candidate ids, parents first
     node_of = torch.full((m + 1,), -1, dtype=torch.long, device=dev)  # cand id -> node; id -1 (root) -> slot m
     node_of[m] = 0
@@ -102,6 +111,8 @@ def rerank_tree(
         depth=torch.cat([zero, cand_depth[keep]]),
         prob=torch.cat([torch.ones(1, device=dev), cand_logprob[keep].float().exp()]),
         path_logprob=torch.cat([torch.zeros(1, device=dev), cand_path_logprob[keep].float()]),
+        path_score=None if cand_score is None else torch.cat([torch.zeros(1, device=dev), cand_score[keep].float()]),
+        rank=None if cand_rank is None else torch.cat([zero, cand_rank[keep]]),
     )
 
 

@@ -16,9 +16,12 @@ import random
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from eagle.decoding_config import DecodingConfig
+from eagle.score_calibration import ScoreCalibration
+from evaluation.calibration import fit_score_calibration
 from evaluation.methods import Method
 from evaluation.runner import GenerationArgs, generate
 
@@ -145,3 +148,34 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
     result.best = dataclasses.replace(configs[0], mode="dynamic", total_token=best.total_token, depth=best.depth,
                                       top_k=best.top_k)
     return result
+
+
+def fit_tree_calibration(model, prompts: list[list[int]], base: DecodingConfig, gen: GenerationArgs, *,
+                         passes: int = 2, progress: bool = True, fitted_on: dict | None = None) -> ScoreCalibration:
+    """Fit the head's tree-score map (eagle/score_calibration.py) for the sampling setting of `gen` on held-out
+    `prompts`, and install it on `model` (replacing a map for the same setting).
+
+    Pass 1 decodes with the dynamic tree `base` ranked by the raw draft probabilities; every later pass decodes with
+    the map fitted so far (its trees reach deeper, so deeper depths get data of their own) and refits on the nodes of
+    all passes. Sampling passes (T > 0) draw with a fixed seed per prompt and pass."""
+    tree = dataclasses.replace(base, mode="dynamic", calibrate=True)
+    rounds: list = []
+    cal = None
+    bar = tqdm(total=passes * len(prompts), disable=not progress, desc="calibration")
+    for i in range(passes):
+        model.calibrations = [c for c in model.calibrations
+                              if not c.matches(gen.temperature, gen.top_p, gen.top_k)] + ([cal] if cal else [])
+        method = Method(f"calibration pass {i + 1}", tree if cal else dataclasses.replace(tree, calibrate=False))
+        for j, p in enumerate(prompts):
+            generator = None
+            if gen.temperature > 0:
+                generator = torch.Generator(device=model.target.device).manual_seed(1_000_003 * (i + 1) + j)
+            _, stats, _ = generate(model, method, p, gen, generator)
+            rounds += stats.rounds
+            bar.update(1)
+        info = {"prompts": len(prompts), "passes": i + 1, "tree": f"{tree.total_token}/{tree.depth}/{tree.top_k}",
+                "max_new_tokens": gen.max_new_tokens, **(fitted_on or {})}
+        cal = fit_score_calibration(rounds, gen.temperature, gen.top_p, gen.top_k, fitted_on=info)
+    bar.close()
+    model.calibrations = [c for c in model.calibrations if not c.matches(gen.temperature, gen.top_p, gen.top_k)] + [cal]
+    return cal

@@ -36,14 +36,17 @@ from data_prep.default_target import QUESTIONS_FILE, ensure_default_target  # no
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.decoding_config import DecodingConfig  # noqa: E402
-from eagle.ea_model import EaModel, save_tree_config  # noqa: E402
+from eagle.ea_model import EaModel, load_calibrations, save_tree_config  # noqa: E402
 from eagle.head_config import check_head_fits_target  # noqa: E402
 from eagle.head_files import check_head_files, head_config_of, load_head  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from eagle.hub_ids import looks_local  # noqa: E402
-from evaluation.autotune import autotune_tree, grid  # noqa: E402
+from eagle.sampling import SamplingParams  # noqa: E402
+from eagle.score_calibration import ScoreCalibration  # noqa: E402
+from evaluation.autotune import autotune_tree, fit_tree_calibration, grid  # noqa: E402
 from evaluation.calibration import calibrate  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
+from evaluation.head_health import acceptance_warning, warn, weights_warning  # noqa: E402
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.metrics import compare_all_pairs, summarize  # noqa: E402
@@ -196,10 +199,14 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
                                     attn_implementation=cfg.target.attn_implementation,
                                     revision=cfg.target.revision)
     models = {"A": model}
+    warn(weights_warning(model.ea_layer, head_path))  # a NaN head still decodes (losslessly) but never drafts right
     if cfg.eval.compare_head:
         head_b = load_head(str(cfg.eval.compare_head), dtype=model.base_model.dtype,  # EAGLE-2 or EAGLE-3
                            device=model.base_model.get_output_embeddings().weight.device)
         models["B"] = EaModel(model.base_model, head_b, base_decoding)
+        warn(weights_warning(head_b, str(cfg.eval.compare_head)))
+        if local_head_dir(str(cfg.eval.compare_head)) is not None:
+            models["B"].calibrations = load_calibrations(str(cfg.eval.compare_head))
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError(f"{target_path} has no tokenizer: evaluation needs one to encode prompts")
@@ -235,14 +242,26 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
         "target": s.target_path, "head": s.head_path, "compare_head": str(s.cfg.eval.compare_head or ""),
         "questions": question_source(s.cfg), "chat_format": s.fmt.name, "dtype": str(s.cfg.target.dtype),
         "generation": dataclasses.asdict(s.gen),
-        "methods": {m.label: {**dataclasses.asdict(m.decoding), "head": m.head, "describe": m.describe()}
-                    for m in methods},
+        "methods": {m.label: {**dataclasses.asdict(m.decoding), "head": m.head, "describe": m.describe(),
+                              "calibration": tree_scores(s, m)} for m in methods},
         "hardware": {"machine": platform.machine(), "processor": platform.processor() or "?",
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
         "command": " ".join(["python evaluation/main.py", *s.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "code": code_version(),
     }
+
+
+def tree_scores(s: Setup, m: Method) -> str:
+    """What a dynamic-tree method ranks its tree by at the run's sampling setting ("" for other modes)."""
+
+    if m.decoding.mode != "dynamic":
+        return ""
+    sampling = SamplingParams(s.gen.temperature, s.gen.top_p, s.gen.top_k)
+    cal = s.models[m.head].calibration_for(m.decoding, sampling)
+    if cal is not None:
+        return f"calibrated ({cal.describe()}, fitted on {cal.fitted_on.get('nodes', '?')} nodes)"
+    return "raw draft probabilities" + ("" if m.decoding.calibrate else " (calibrate=false)")
 
 
 def code_version() -> str:
@@ -271,6 +290,11 @@ def bench(s: Setup, questions: list) -> int:
     stat_kw = dict(n_resamples=ev.bootstrap_samples, confidence_level=ev.confidence_level, seed=s.cfg.seed)
     summaries = summarize(run.results, **stat_kw)
     speculative = [m.label for m in methods if not m.is_vanilla]
+    heads = {m.label: s.head_path if m.head == "A" else str(s.cfg.eval.compare_head) for m in methods}
+    for summary in summaries:
+        if summary.category == "overall" and summary.method in speculative:
+            warn(acceptance_warning(f"method {summary.method}", heads[summary.method], summary.tau.value,
+                                    summary.rounds))
     greedy = None
     if s.gen.temperature == 0:
         greedy = explain_mismatches(s.models["A"].base_model, run.results, check_greedy(run.results), ev.tie_ulps)
@@ -298,11 +322,38 @@ def bench(s: Setup, questions: list) -> int:
     return 0
 
 
+def calibrate_tree(s: Setup, held_out: list) -> ScoreCalibration | None:
+    """Fit the head's tree-score map at eval.temperature on held-out questions (never the bench's) and install it
+    on head A's model; None when eval.calibration_prompts is 0 or no held-out question is left."""
+
+    ev = s.cfg.eval
+    if ev.calibration_prompts == 0:
+        return None
+    prompts = [p for p in (s.fmt.first_prompt(q.turns[0]) for q in held_out[: ev.calibration_prompts])
+               if len(p) + s.gen.max_new_tokens <= s.gen.max_length]
+    if not prompts:
+        log.warning("calibration: no held-out question left after the bench's and the tuning's (eval.questions has "
+                    "too few); the tree keeps ranking by the raw draft probabilities")
+        return None
+    log.info("calibration: fitting the tree-score map on %d held-out prompts, %d passes, T=%g", len(prompts),
+             ev.calibration_passes, s.gen.temperature)
+    try:
+        cal = fit_tree_calibration(s.models["A"], prompts, s.base_decoding, s.gen, passes=int(ev.calibration_passes),
+                                   fitted_on={"question_ids": [q.question_id for q in held_out[: len(prompts)]]})
+    except ValueError as e:  # too few nodes to fit: say so and tune the uncalibrated tree
+        log.warning("calibration not fitted (%s); the tree keeps ranking by the raw draft probabilities", e)
+        return None
+    per_depth = ", ".join(f"depth {d['depth']}: {d['accepted']}/{d['nodes']}" for d in cal.fitted_on["per_depth"])
+    print(f"calibration ({cal.describe()}): accepted/nodes with an accepted parent per depth: {per_depth}")
+    return cal
+
+
 def autotune(s: Setup, questions: list) -> int:
     ev = s.cfg.eval
     # tune on prompts the benchmark does not use (those after the first num_questions) when there are enough
     bench_n = ev.num_questions if ev.num_questions > 0 else len(questions)
     disjoint = len(questions) >= bench_n + ev.tune_prompts
+    calibration = calibrate_tree(s, questions[bench_n + ev.tune_prompts:] if disjoint else [])
     questions = questions[bench_n: bench_n + ev.tune_prompts] if disjoint else questions[: ev.tune_prompts]
     gen = dataclasses.replace(s.gen, max_new_tokens=int(ev.tune_max_new_tokens))
     prompts = [p for p in (s.fmt.first_prompt(q.turns[0]) for q in questions)
@@ -319,7 +370,10 @@ def autotune(s: Setup, questions: list) -> int:
     meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "hardware", "command", "date", "code")}
     meta.update(prompts=len(prompts), prompt_ids=[q.question_id for q in questions],
                 disjoint_from_bench=disjoint, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                finalists=ev.tune_finalists, repeats=ev.tune_repeats)
+                finalists=ev.tune_finalists, repeats=ev.tune_repeats,
+                calibration=(f"{calibration.describe()}, fitted on {calibration.fitted_on['nodes']} nodes of "
+                             f"{calibration.fitted_on['prompts']} held-out prompts (the map: head/tree_config.json)"
+                             if calibration else "none (trees ranked by raw draft probabilities)"))
     paths = write_autotune_report(result, meta, s.out_dir / "autotune")
     b = result.best
     best = next(p for p in result.points if (p.total_token, p.depth, p.top_k) == (b.total_token, b.depth, b.top_k))
@@ -328,7 +382,8 @@ def autotune(s: Setup, questions: list) -> int:
           f"(vanilla {result.vanilla_tokens_per_s:.1f}), tau {best.tau:.2f}")
     head_dir = local_head_dir(s.head_path)
     if ev.tune_save and head_dir is not None:
-        print(f"saved {save_tree_config(head_dir, b)} (EaModel.from_pretrained uses it when no tree is given)")
+        print(f"saved {save_tree_config(head_dir, b, calibration)} (EaModel.from_pretrained uses it when no tree is "
+              "given" + (", and its calibrated tree scores at this sampling setting" if calibration else "") + ")")
     elif ev.tune_save:
         print(f"the head {s.head_path} is not a local folder: tree_config.json not saved")
     print(f"report: {paths['markdown']}")

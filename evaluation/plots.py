@@ -94,31 +94,40 @@ def plot_depth_acceptance(summaries: list[MethodSummary], path: Path) -> Path:
 
 
 def plot_calibration(calibrations: dict[str, Calibration], title: str, path: Path) -> Path:
-    """Reliability diagram (top) and node counts per bin (bottom) for each quantity."""
-    qs = list(calibrations)
+    """Reliability diagram (top) and node counts per bin (bottom): one panel for path values, one for node values,
+    each with the draft's raw probabilities (before calibration) and, when the tree was ranked by a fitted map,
+    its calibrated scores (after)."""
+    panels = [(kind, [(q, calibrations[q]) for q in (f"{kind}_prob", f"{kind}_score") if q in calibrations])
+              for kind in ("path", "node")]
+    panels = [(kind, cals) for kind, cals in panels if cals]
     plt = pyplot()
-    fig, axes = plt.subplots(2, len(qs), figsize=(5 * len(qs), 6), height_ratios=[3, 1], squeeze=False)
-    for j, q in enumerate(qs):
-        cal = calibrations[q]
+    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 6), height_ratios=[3, 1], squeeze=False)
+    for j, (kind, cals) in enumerate(panels):
         top, bottom = axes[0, j], axes[1, j]
-        full = [b for b in cal.bins if b.count]
         top.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--", label="perfect calibration")
-        top.plot([b.mean_confidence for b in full], [b.acceptance_rate for b in full], marker="o",
-                 label="observed")
-        for b in full:
-            top.annotate(str(b.count), (b.mean_confidence, b.acceptance_rate), fontsize=7, xytext=(3, -9),
-                         textcoords="offset points")
+        titles = []
+        for i, (q, cal) in enumerate(cals):
+            label = "raw draft probability (before)" if q.endswith("_prob") else "calibrated score (after)"
+            full = [b for b in cal.bins if b.count]
+            line, = top.plot([b.mean_confidence for b in full], [b.acceptance_rate for b in full], marker="o",
+                             label=f"{label}: ECE {cal.ece:.3f}, bins {cal.ece_bins:.3f}")
+            for b in full:
+                top.annotate(str(b.count), (b.mean_confidence, b.acceptance_rate), fontsize=6, color=line.get_color(),
+                             xytext=(3, -9), textcoords="offset points")
+            width = (cal.bins[0].high - cal.bins[0].low) / (len(cals) + 0.5)
+            bottom.bar([b.low + (i + 0.75) * width for b in cal.bins], [b.count for b in cal.bins], width=width,
+                       color=line.get_color())
+            titles.append(f"r {cal.pearson_r:.2f}")
         top.set_xlim(0, 1)
         top.set_ylim(0, 1.02)
         top.set_ylabel("observed acceptance rate")
-        top.set_title(f"{q}: ECE {cal.ece:.3f}, r {cal.pearson_r:.2f} (binned {cal.binned_pearson_r:.2f})", fontsize=9)
-        top.legend(fontsize=8, loc="upper left")
+        top.set_title(f"{kind} value ({'given an accepted parent' if kind == 'node' else 'root to node'}): "
+                      + ", ".join(titles), fontsize=9)
+        top.legend(fontsize=7, loc="upper left")
         top.grid(alpha=0.3)
-        centers = [(b.low + b.high) / 2 for b in cal.bins]
-        bottom.bar(centers, [b.count for b in cal.bins], width=(cal.bins[0].high - cal.bins[0].low) * 0.9)
         bottom.set_yscale("log")
         bottom.set_xlim(0, 1)
-        bottom.set_xlabel(f"draft confidence ({q})")
+        bottom.set_xlabel(f"confidence ({kind} value)")
         bottom.set_ylabel("nodes")
     fig.suptitle(title)
     fig.tight_layout()

@@ -137,13 +137,22 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
     lines.append("")
     if report.calibration:
         lines += ["## Calibration (draft confidence vs acceptance)", "",
-                  "| method | quantity | nodes | ECE | Pearson r (nodes) | Pearson r (bins) |", "|---|---|---|---|---|---|"]
+                  "path_prob / node_prob: the draft's own probabilities (before calibration); path_score / node_score: "
+                  "the calibrated acceptance the tree was ranked by (after; only for trees ranked by a fitted map). "
+                  "node_*: nodes whose parent was accepted. ECE: count-weighted |acceptance - confidence| over "
+                  "equal-width bins; ECE (bins): its unweighted mean over the non-empty bins.", "",
+                  "| method | quantity | nodes | ECE | ECE (bins) | Pearson r (nodes) | Pearson r (bins) |",
+                  "|---|---|---|---|---|---|---|"]
         for meth, cals in report.calibration.items():
             for q, c in cals.items():
                 note = f" ({c.note})" if c.note else ""
-                lines.append(f"| {meth} | {q}{note} | {c.nodes} | {_num(c.ece, 3)} | {_num(c.pearson_r)} | "
-                             f"{_num(c.binned_pearson_r)} |")
+                lines.append(f"| {meth} | {q}{note} | {c.nodes} | {_num(c.ece, 3)} | {_num(c.ece_bins, 3)} | "
+                             f"{_num(c.pearson_r)} | {_num(c.binned_pearson_r)} |")
         lines.append("")
+        maps = {k: v["calibration"] for k, v in m.get("methods", {}).items() if v.get("calibration")}
+        if maps:
+            lines += ["Tree scores per method (maps fitted by `evaluation/main.py autotune` on held-out prompts and saved "
+                      "in the head's tree_config.json): " + "; ".join(f"`{k}`: {v}" for k, v in maps.items()), ""]
     lines += ["## Where the time goes (seconds, overall)", "", "| method | total | prefill | draft | verify | commit |",
               "|---|---|---|---|---|---|"]
     for s in overall:

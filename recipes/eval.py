@@ -60,6 +60,11 @@ class EvalSettings:
     tune_finalists: int = 5  # the fastest screened settings that are re-timed
     tune_repeats: int = 5  # re-timed repeats of every finalist (and vanilla); the median speedup decides
     tune_save: bool = True  # write tree_config.json next to the head (when it is a local folder)
+    # --- calibrated tree scores (`autotune` fits them first; eagle/score_calibration.py) -------------------
+    # held-out prompts decoded (after the bench's and the tuning's) to fit the map from draft probability to
+    # acceptance at eval.temperature (/top_p/top_k); 0 = fit none (trees rank by the raw draft probabilities)
+    calibration_prompts: int = 16
+    calibration_passes: int = 2  # pass 1 with raw scores, then refits with the map so far (deeper trees, deeper data)
     # --- distribution test at T > 0 (`chi2` command; tests every speculative method) ------
     chi2_samples: int = 400  # samples per method
     chi2_positions: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # 0-based generated positions
@@ -75,10 +80,10 @@ def validate_eval_section(ev) -> None:
         ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
         check(ok, f"eval.{key}", v, f"expected a number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
 
-    for key in ("num_questions", "max_length", "top_k", "warmup", "threads"):
+    for key in ("num_questions", "max_length", "top_k", "warmup", "threads", "calibration_prompts"):
         check(ev[key] >= 0, f"eval.{key}", ev[key], "expected >= 0")
     for key in ("max_new_tokens", "bootstrap_samples", "calibration_bins", "paragraph_sentences", "tune_prompts",
-                "tune_max_new_tokens", "tune_finalists", "tune_repeats", "chi2_samples"):
+                "tune_max_new_tokens", "tune_finalists", "tune_repeats", "chi2_samples", "calibration_passes"):
         check(ev[key] >= 1, f"eval.{key}", ev[key], "expected >= 1")
     finite("temperature", 0)
     finite("top_p", 0, 1)

@@ -5,7 +5,6 @@
     {output_dir}/head/            the exported head (export.dir moves it)
     {output_dir}/eval/            evaluation reports (eval.output_dir moves them)
     {output_dir}/tune/            the quickstart demo's auto-tuning report
-    {output_dir}/hub_upload[-FMT]/ what a Hub push uploads, staged per format (eagle: hub_upload/, vllm: hub_upload-vllm/)
 
 Every stage finds another stage's output through these functions, never by joining path parts itself.
 """
@@ -21,7 +20,6 @@ CHECKPOINTS_DIR = "checkpoints"  # in TRAIN_DIR
 HEAD_DIR = "head"
 EVAL_DIR = "eval"
 TUNE_DIR = "tune"
-HUB_STAGING_DIR = "hub_upload"  # + "-{format}" for an engine format
 
 
 def data_dir(cfg) -> Path:
@@ -62,9 +60,3 @@ def eval_head(cfg) -> str:
 def eval_dir(cfg) -> Path:
     """Evaluation reports: eval.output_dir, or {output_dir}/eval."""
     return Path(cfg.eval.output_dir or Path(cfg.output_dir) / EVAL_DIR)
-
-
-def hub_staging_dir(cfg, fmt: str = "eagle") -> Path:
-    """Where a Hub push stages the head in format `fmt`: {output_dir}/hub_upload (the official format) or
-    {output_dir}/hub_upload-{fmt}, so a dry run of one format never overwrites what another staged."""
-    return Path(cfg.output_dir) / (HUB_STAGING_DIR if fmt == "eagle" else f"{HUB_STAGING_DIR}-{fmt}")
