@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir,
                                       ensure_default_target, read_build_info)
 from data_prep.docstring_corpus import default_conversations, default_questions
-from eagle.cli_errors import ArgumentParser, one_line_errors
+from eagle.cli_errors import DEBUG_ENV, ArgumentParser, debug_enabled, one_line_errors
 from evaluation.headline import headline_text
 from recipes import layout, load_config
 
