@@ -102,12 +102,7 @@ def ensure_default_target(cache_dir: str | Path | None = None, *, size: str = "d
     cache_dir: parent folder (default `$EAGLE_HOME` or ~/.cache/eagle2-train); size: a key of SIZES;
     steps: override the preset's optimizer steps; rebuild: build even if a matching cache exists.
     """
-    if size not in SIZES:
-        raise ValueError(f"size={size!r}: expected one of {sorted(SIZES)}")
-    preset = SIZES[size] if steps is None else replace(SIZES[size], steps=steps)
-    if preset.steps < 1:
-        raise ValueError(f"steps={preset.steps}: must be >= 1")
-    fingerprint = {"format_version": FORMAT_VERSION, "size": size, "seed": seed, **asdict(preset)}
+    preset, fingerprint = _preset(size, steps, seed)
     target = default_target_dir(cache_dir, size)
     target.parent.mkdir(parents=True, exist_ok=True)
     if not rebuild and _matches(target, fingerprint):
@@ -125,6 +120,39 @@ def ensure_default_target(cache_dir: str | Path | None = None, *, size: str = "d
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _preset(size: str, steps: int | None, seed: int) -> tuple[TargetSize, dict]:
+    """The size preset (steps overridden) and the fingerprint a build of it records."""
+    if size not in SIZES:
+        raise ValueError(f"size={size!r}: expected one of {sorted(SIZES)}")
+    preset = SIZES[size] if steps is None else replace(SIZES[size], steps=steps)
+    if preset.steps < 1:
+        raise ValueError(f"steps={preset.steps}: must be >= 1")
+    return preset, {"format_version": FORMAT_VERSION, "size": size, "seed": seed, **asdict(preset)}
+
+
+def built_default_target(cache_dir: str | Path | None = None, size: str = "default") -> Path | None:
+    """The default target's folder when a complete build of the current recipe is there, else None. Never builds:
+    for commands that only read what exists (train.plan)."""
+    target = default_target_dir(cache_dir, size)
+    return target if _matches(target, _preset(size, None, 0)[1]) else None
+
+
+def default_target_config(preset: TargetSize = SIZES["default"], tokenizer=None):
+    """The LlamaConfig of a default-target build of `preset`. Without the build's `tokenizer`, the vocabulary is the
+    preset's size (the build trains its BPE tokenizer to exactly that many tokens) and the special ids are unset."""
+    # lazy: transformers' model classes cost seconds at import; only building or planning the default target needs them
+    from transformers import LlamaConfig
+
+    ids = {} if tokenizer is None else dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                            pad_token_id=tokenizer.pad_token_id)
+    return LlamaConfig(
+        vocab_size=preset.vocab_size if tokenizer is None else len(tokenizer), hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads,
+        intermediate_size=preset.intermediate_size, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,  # like Llama-2/3 7B/8B: the head's lm_head is its own tensor
+        attn_implementation="sdpa", dtype="float32", **ids)
 
 
 def read_build_info(target: str | Path) -> dict:
@@ -279,17 +307,9 @@ def pack_conversations(tokenizer, records: list[dict], block_size: int) -> torch
 
 def build_model(preset: TargetSize, tokenizer):
     # lazy: transformers' model classes cost seconds at import; only building the default target needs them
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=preset.hidden_size, num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads,
-        intermediate_size=preset.intermediate_size, max_position_embeddings=2048, rms_norm_eps=1e-5,
-        tie_word_embeddings=False,  # like Llama-2/3 7B/8B: the head's lm_head is its own tensor
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        attn_implementation="sdpa", dtype="float32",
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(default_target_config(preset, tokenizer))
 
 
 def _lr_at(step: int, preset: TargetSize) -> float:

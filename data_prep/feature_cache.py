@@ -5,7 +5,10 @@ Layout of a cache directory::
 
     shards/{part}-{k:05d}.safetensors   one shard = many records, concatenated along tokens (no padding)
     parts/{part}.json                   what one writer (one rank / `--shard i/n`) has committed
-    manifest.json                       merged summary of all parts, rewritten by every `close()`
+    manifest.json                       merged summary of all parts, rewritten by every `close()`: derived, for
+                                        people and tools; no loader reads it (FeatureCacheReader and train.plan
+                                        merge parts/*.json, checked against the shards), so a hand edit changes
+                                        nothing and the next `close()` overwrites it
 
 A shard holds ``hidden`` [N, W] (bf16 / fp16 / fp32, or int8 with ``scales`` [N] fp16 per row; [N, S] with one
 scale per layer segment when the meta names S > 1 ``feature_layers``). W = H for EAGLE-2; W = 4H for EAGLE-3

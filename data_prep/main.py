@@ -38,12 +38,13 @@ from data_prep.feature_layers import feature_layers  # noqa: E402
 from data_prep.loss_mask import render_masked, tokenize_records  # noqa: E402
 from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,  # noqa: E402
                                   read_parts, regenerate_shard)
-from data_prep.target import (load_target_model, load_target_tokenizer, pick_device, resolve_target_path,  # noqa: E402
-                              target_config_hash)
+from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer, pick_device,  # noqa: E402
+                              resolve_target_path, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from data_prep.vllm_server import recipe_server  # noqa: E402
-from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
+from eagle.hub_ids import check_local_exists  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
 from recipes import add_print_config, command_config, layout  # noqa: E402
 
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="data_prep/main.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="recipe name (recipes/NAME.yaml) or path")
     p.add_argument("--shard", type=parse_shard, default=None, help="i/n: do the i-th of n shares of regenerate/cache")
-    p.add_argument("--inspect", type=int, default=0, metavar="N", help="print N tokenised records, trained-on tokens highlighted")
+    p.add_argument("--inspect", type=bounded(int, at_least=0), default=0, metavar="N", help="print N tokenised records, trained-on tokens highlighted")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     add_print_config(p)
     p.add_argument("rest", nargs="*", help=f"key=value recipe overrides and at most one stage of {STAGES}")
@@ -311,15 +312,29 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
         disable_progress_bars()
     run = Run(cfg, shard, num_shards, distributed, progress=not args.no_progress)
-    run.data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):
+        with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):  # a busy folder: refused at once
+            preflight(run, stage)  # the whole run's inputs, before the first stage writes (a failure leaves no folder)
             run_stages(run, stage, args.inspect)
     finally:
         if distributed:
             dist.barrier()
             dist.destroy_process_group()
     return 0
+
+
+def preflight(run: Run, stage: str) -> None:
+    """Check what the stages of this run will read, before any of them writes: the data source (load), the target's
+    folder or hub id, its config and its tokenizer with the chat template (every later stage). A bad target.path then
+    fails here, not after the load stage has written conversations.jsonl."""
+    d = run.cfg.data
+    if stage in ("all", "load"):
+        if not d.source:
+            raise ValueError("data.source is empty: set it to a .json/.jsonl file or a HF dataset id (data.source=...)")
+        check_local_exists(str(d.source), "data.source", "a local .json/.jsonl/.parquet/.csv file")
+    if stage != "load":
+        load_target_config(resolve_target_path(run.cfg.target), run.cfg.target.revision)
+        run.tokenizer()
 
 
 def run_stages(run: Run, stage: str, inspect_n: int) -> None:

@@ -5,13 +5,13 @@ import contextlib
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import torch
 
 from data_prep.chat_template import setup_chat_template
 from data_prep.default_target import ensure_default_target
 from eagle.cli_errors import UserError
+from eagle.hub_ids import check_local_exists
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config keys that do not change the features (versions, paths, compute dtype recorded separately)
@@ -24,9 +24,7 @@ def resolve_target_path(target_cfg) -> str:
     an error naming it (transformers would report it as a malformed hub id)."""
     if target_cfg.path:
         path = str(target_cfg.path)
-        if looks_local(path) and not Path(path).expanduser().exists():
-            raise UserError(f"target.path {path} does not exist (relative paths are read from the current directory, "
-                            f"{Path.cwd()}); give a local folder or a hub id like owner/name")
+        check_local_exists(path, "target.path", "a local folder")
         return path
     return str(ensure_default_target())
 
@@ -50,11 +48,6 @@ def load_target_config(path, revision=None):
 
     with naming_target(path, "target config of"):
         return AutoConfig.from_pretrained(str(path), revision=revision)
-
-
-def looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub id (`owner/name` or `name`)."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
 
 
 def target_config_hash(config) -> str:

@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import math
 import os
 import pickle
 import sys
+import traceback
 from pathlib import Path
 
 import yaml
@@ -106,9 +108,17 @@ def file_error(path: str | Path, exc: BaseException, what: str = "") -> FileForm
     return FileFormatError(f"{what + ' ' if what else ''}{path}: {kind} ({detail})")
 
 
+_debug_depth = 0  # > 0 while a CLI runs with --debug / EAGLE_DEBUG=1
+
+
 def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
     debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     return [a for a in argv if a != DEBUG_FLAG], debug
+
+
+def debug_enabled() -> bool:
+    """True inside a CLI run with --debug or EAGLE_DEBUG=1 (commands that start others pass it on: EAGLE_DEBUG=1)."""
+    return _debug_depth > 0 or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def one_line_errors(main):
@@ -116,12 +126,15 @@ def one_line_errors(main):
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
+        global _debug_depth
         args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+        _debug_depth += debug
         try:
             code = main(args)
         except SystemExit as e:  # `raise SystemExit("message")` is an expected error too
             if isinstance(e.code, str):
-                if debug:
+                if debug:  # SystemExit prints only its message: the traceback first
+                    traceback.print_exc(file=sys.stderr)
                     raise
                 print(f"error: {' '.join(e.code.split())}", file=sys.stderr, flush=True)
                 return EXIT_USER_ERROR
@@ -131,6 +144,8 @@ def one_line_errors(main):
                 raise
             print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
+        finally:
+            _debug_depth -= debug
         return 0 if code is None else int(code)
 
     return wrapper
@@ -145,4 +160,28 @@ class ArgumentParser(argparse.ArgumentParser):
                           help=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")
 
     def error(self, message: str):
+        if debug_enabled():  # a usage error has no exception: show where the parse was called from
+            traceback.print_stack(file=sys.stderr)
         self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {' '.join(message.split())} (see --help)\n")
+
+
+def bounded(kind: type = int, *, at_least: float | None = None, above: float | None = None,
+            at_most: float | None = None, below: float | None = None):
+    """An argparse `type=` that parses `kind` (int, or a finite float) and checks its range, so a bad number is a
+    one-line usage error before any work (`--first -3` would otherwise count from the end)."""
+    bounds = [(at_least, ">=", lambda v, b: v >= b), (above, ">", lambda v, b: v > b),
+              (at_most, "<=", lambda v, b: v <= b), (below, "<", lambda v, b: v < b)]
+    wanted = " and ".join(f"{op} {b:g}" for b, op, _ in bounds if b is not None)
+    noun = "an integer" if kind is int else "a finite number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {noun}{' ' + wanted if wanted else ''}") from None
+        if kind is float and not math.isfinite(value) or not all(b is None or ok(value, b) for b, _, ok in bounds):
+            raise argparse.ArgumentTypeError(f"{text}: expected {noun} {wanted}".rstrip())
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

@@ -2,6 +2,7 @@
 checked before a target loads, read without running code, and loaded as the module of its kind."""
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -11,9 +12,11 @@ from huggingface_hub.errors import EntryNotFoundError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from eagle.cli_errors import FileFormatError, file_error
+from eagle.cli_errors import FileFormatError, UserError, file_error
 from eagle.head_checks import expected_shapes
 from eagle.head_config import HeadConfig, read_head_config
+from eagle.head_kinds import EAGLE3
+from eagle.hub_ids import check_local_exists
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -35,7 +38,47 @@ def load_head(path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revi
 
 def head_config_of(path_or_hub_id: str | Path, revision: str | None = None) -> HeadConfig:
     """The HeadConfig of a head folder or hub id (its config.json only; one-line errors naming the file)."""
-    return read_head_config(_resolve_head_files(str(path_or_hub_id), revision)[0])
+    config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+    refuse_engine_export(config_file, weights_file)
+    return read_head_config(config_file)
+
+
+# config.json `architectures` only engine exports carry (export/engine_formats.py: SGLang's EAGLE-1/2 classes)
+ENGINE_ARCHITECTURES = {"LlamaForCausalLMEagle": "SGLang", "Qwen2ForCausalLMEagle": "SGLang"}
+
+
+def engine_export(config_file: str, weights_file: str) -> str | None:
+    """The engine ("vLLM", "SGLang") whose format a head folder is in (export/engine_formats.py), None for an official
+    head: vLLM's EAGLE-3 speculators config; SGLang's EAGLE-1/2 architectures; an EAGLE-1/2 layer without the
+    embedding (both engines take the target's; an official EAGLE-1/2 checkpoint always has embed_tokens)."""
+    try:
+        cfg = json.loads(Path(config_file).read_text())
+        shapes = {}
+        if weights_file.endswith(".safetensors"):
+            with safe_open(weights_file, "pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (OSError, ValueError, SafetensorError):
+        return None  # unreadable: the loader's own check names the file
+    if not isinstance(cfg, dict):
+        return None
+    if "speculators_model_type" in cfg:
+        return "vLLM"
+    engine = next((ENGINE_ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in ENGINE_ARCHITECTURES), None)
+    fc = shapes.get("fc.weight", ())
+    eagle3 = EAGLE3.recognises(cfg)  # an EAGLE-3 checkpoint may leave the embedding out
+    if engine is None and not eagle3 and len(fc) == 2 and fc[1] == 2 * fc[0] and "embed_tokens.weight" not in shapes:
+        engine = "vLLM"  # an EAGLE-1/2 fc [H, 2H] without the embedding it reads
+    return engine
+
+
+def refuse_engine_export(config_file: str, weights_file: str) -> None:
+    """A UserError saying what to pass instead when a head folder is a vLLM / SGLang engine export."""
+    engine = engine_export(config_file, weights_file)
+    if engine is not None:
+        folder = Path(config_file).parent
+        raise UserError(f"head {folder} is a {engine} engine export, not an official EAGLE head (engines take the "
+                        f"target's embedding; the project's loaders need the official layout): pass the head it was made "
+                        f"from ({{output_dir}}/head of the training run), and give {folder} to {engine} itself")
 
 
 def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str, str]:
@@ -50,6 +93,7 @@ def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str,
         raise FileNotFoundError(f"head folder {p} has neither {SAFE_WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}")
     if p.exists():
         raise ValueError(f"{p} is a file; pass the head folder (config.json + weights)")
+    check_local_exists(path_or_hub_id, "head", "a head folder (config.json + model.safetensors)")
     try:
         cfg = hf_hub_download(path_or_hub_id, CONFIG_NAME, revision=revision)
         try:
@@ -66,6 +110,7 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
     opens (safetensors header / weights-only unpickling) and holds the tensors its config implies (EAGLE-1/2 or
     EAGLE-3 layout, by the config's kind)."""
     config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+    refuse_engine_export(config_file, weights_file)
     config = read_head_config(config_file)
     if weights_file.endswith(".safetensors"):
         try:
@@ -77,9 +122,13 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
         shapes = {k: tuple(v.shape) for k, v in _load_weights(weights_file).items()}
     expect = expected_shapes(config, set(shapes))  # eagle/head_checks.py: the kind's module on the meta device
     if shapes != expect:
-        diff = sorted(k for k in set(shapes) | set(expect) if shapes.get(k) != expect.get(k))
-        raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {diff[:4]} "
-                              f"(file {[shapes.get(k) for k in diff[:4]]}, config {[expect.get(k) for k in diff[:4]]})")
+        missing, unexpected = sorted(set(expect) - set(shapes)), sorted(set(shapes) - set(expect))
+        differ = sorted(k for k in set(shapes) & set(expect) if shapes[k] != expect[k])
+        parts = ([f"missing keys {missing[:4]}"] if missing else []) + \
+                ([f"unexpected keys {unexpected[:4]}"] if unexpected else []) + \
+                ([f"shapes of {differ[:4]} (file {[shapes[k] for k in differ[:4]]}, config "
+                  f"{[expect[k] for k in differ[:4]]})"] if differ else [])
+        raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {', '.join(parts)}")
     return config
 
 

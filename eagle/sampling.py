@@ -6,6 +6,7 @@ Order follows transformers' `generate`: temperature, then top-k, then top-p.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ class SamplingParams:
         if self.top_k != int(self.top_k):
             raise ValueError(f"top_k={self.top_k!r}: expected a whole number of tokens")
         object.__setattr__(self, "top_k", int(self.top_k))
+        if self.top_p > 1:  # accepted (the EAGLE API's convention), but likely a mistake for a probability mass
+            warnings.warn(f"top_p={self.top_p} > 1 means no nucleus cut (top_p 0 or >= 1 = off, the EAGLE convention); "
+                          "for a nucleus pass a mass in (0, 1)", UserWarning, stacklevel=1)
 
     @property
     def greedy(self) -> bool:

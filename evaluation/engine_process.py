@@ -9,13 +9,14 @@ import subprocess
 from pathlib import Path
 
 from data_prep.vllm_server import engine_env
+from eagle.cli_errors import UserError
 
 ENGINES = ("vllm",)
 ENGINE_SCRIPTS = {"vllm": Path(__file__).resolve().parent / "engine_vllm.py"}
 
 
-class ServeCheckError(RuntimeError):
-    """The engine could not run (the message holds the end of its log)."""
+class ServeCheckError(UserError):
+    """The engine could not run (the message holds the end of its log, folded into the error line)."""
 
 
 def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeout: float = 3600) -> dict:

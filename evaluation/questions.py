@@ -25,6 +25,12 @@ class QuestionError(ValueError):
     """A prompt source is missing or a record does not match the schema (the message names it)."""
 
 
+# Named question sets shipped with the package (evaluation/question_sets/README.md says where they come from):
+# `eval.questions: mt-bench` works on a fresh clone, offline.
+QUESTION_SETS = {"mt-bench": Path(__file__).resolve().parent / "question_sets" / "mt_bench.jsonl"}
+STANDARD_SET = "mt-bench"  # what a recipe evaluates on when it names no questions (and has a target of its own)
+
+
 def load_questions(
     source: str,
     *,
@@ -40,8 +46,10 @@ def load_questions(
     requested categories, then the first `num_questions` (0 = all)."""
     if not source:
         raise QuestionError("no prompt source: set eval.questions (a .jsonl question file, a .txt prompt file, "
-                            "paragraphs:FILE or hf:DATASET)")
-    if source.startswith("hf:"):
+                            f"paragraphs:FILE, hf:DATASET or a shipped set: {', '.join(QUESTION_SETS)})")
+    if source in QUESTION_SETS:
+        questions = _load_jsonl(QUESTION_SETS[source])
+    elif source.startswith("hf:"):
         questions = _load_hf(source[3:], hf_split, hf_column, hf_category_column)
     elif source.startswith("paragraphs:"):
         questions = paragraph_openings(Path(source[len("paragraphs:"):]), paragraph_sentences, paragraph_from_end)

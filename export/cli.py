@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from data_prep.target import load_target_config
-from eagle.cli_errors import ArgumentParser, one_line_errors
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
 from export.engine_formats import FORMATS, convert_eagle3_folder
 from export.head_kinds import write_engine_head
 from recipes import add_print_config, command_config, layout
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different head already in --out (whole; without it such a folder is refused)")
     p.add_argument("--dtype", default=None, choices=sorted(EXPORT_DTYPES), help="weights dtype (default: the head's)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3,
+    p.add_argument("--num-speculative-tokens", type=bounded(int, at_least=1), default=3,
                    help="EAGLE-3 vllm: speculative_tokens written into the speculators config")
     add_print_config(p)
     args = p.parse_args(argv)

@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir,
                                       ensure_default_target, read_build_info)
 from data_prep.docstring_corpus import default_conversations, default_questions
-from eagle.cli_errors import ArgumentParser, one_line_errors
+from eagle.cli_errors import DEBUG_ENV, ArgumentParser, debug_enabled, one_line_errors
 from evaluation.headline import headline_text
 from recipes import layout, load_config
 
@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("WANDB_MODE", "disabled")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if debug_enabled():  # --debug: every stage shows the traceback of its error too
+        env[DEBUG_ENV] = "1"
     # One intra-op thread in every stage, the default target's training included: the tiny recipe's models are
     # per-op-overhead bound, so a second OpenMP thread gains at most ~1.9x on an idle 2-core machine, and when
     # another job holds a core the two threads wait on each other at every op (measured: target training

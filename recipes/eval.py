@@ -20,8 +20,9 @@ class EvalSettings:
     # --- prompts ----------------------------------------------------------------------
     # questions: *.jsonl[.gz] in the MT-bench/Spec-Bench schema (question_id, category, turns),
     # *.txt with one prompt per line, "paragraphs:FILE" (opening sentences of blank-line separated
-    # paragraphs), or "hf:DATASET[:CONFIG]" (see hf_* keys). "" = the embedded default target's
-    # questions_eval.jsonl when target.path is "" (an error otherwise).
+    # paragraphs), "hf:DATASET[:CONFIG]" (see hf_* keys), or a set shipped with the package: "mt-bench"
+    # (evaluation/question_sets/). "" = the embedded default target's questions_eval.jsonl when target.path
+    # is "", else mt-bench.
     questions: str = ""
     num_questions: int = 0  # 0 = all (after the category filter)
     categories: list[str] = field(default_factory=list)  # [] = all categories

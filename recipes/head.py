@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle.head_kinds import EAGLE3, HEAD_KINDS
-from recipes.check import check
+from eagle.head_kinds import EAGLE3, HEAD_KINDS, HeadConfigError, fitted_aux_layers, text_config
+from recipes.check import RecipeError, check
 
 
 @dataclass
@@ -57,3 +57,19 @@ def validate_head_section(h) -> None:
             check(value == getattr(defaults, key), f"head.{key}", value, f"only used by head.kind={other.name}")
     if check_own is not None:
         check_own(h)
+
+
+def check_head_fits_target(h, target_config) -> None:
+    """The head section's checks that need the target (its config, not its weights): the aux layers are layers of it,
+    the draft vocabulary is no larger than its vocabulary. Every command that knows the target runs this, after
+    `load_config` (train/main.py, train.plan), so what one command accepts the others accept."""
+    if HEAD_KINDS[h.kind] is not EAGLE3:
+        return
+    c = text_config(target_config)
+    try:
+        fitted_aux_layers(list(h.aux_layers) or None, int(c.num_hidden_layers))
+    except HeadConfigError as e:
+        raise RecipeError(f"head.aux_layers={list(h.aux_layers)}: {e}") from None
+    vocab = int(c.vocab_size)
+    check(h.draft_vocab_size <= vocab, "head.draft_vocab_size", h.draft_vocab_size,
+          f"larger than the target's vocabulary ({vocab}); 0 = the full vocabulary")

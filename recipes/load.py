@@ -9,7 +9,10 @@ bad values raise RecipeError naming the key. Every command loads its recipe thro
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import re
+import typing
 from pathlib import Path
 
 import yaml
@@ -58,8 +61,8 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
         key = getattr(e, "full_key", None) or str(e)
         raise RecipeError(f"unknown recipe key {key!r} in {name_or_path}{_did_you_mean(str(key))}; "
                           "`python train/main.py --help` lists every key") from None
-    except ValidationError as e:  # a value of the wrong type: name the key
-        raise RecipeError(f"recipe {name_or_path}: {' '.join(e.msg.split())} (key {e.full_key})") from None
+    except ValidationError as e:  # a value of the wrong type: the key, the type it takes, an example
+        raise RecipeError(type_error(e, name_or_path, overrides)) from None
     except OmegaConfBaseException as e:  # a syntax error in an override, a bad interpolation...
         raise RecipeError(f"recipe {name_or_path}: {' '.join(str(e).split())}") from None
     except yaml.YAMLError as e:  # a malformed YAML file: name it and the line
@@ -122,3 +125,62 @@ def _did_you_mean(key: str) -> str:
     listing = f"valid keys of {section[:-1]}: {', '.join(same_section)}" if same_section else \
         f"valid sections: {', '.join(sorted({k.split('.')[0] for k in valid}))}"
     return (f": did you mean {' or '.join(close)}? " if close else ": ") + listing
+
+
+def type_error(e: ValidationError, recipe, overrides) -> str:
+    """One line for a value omegaconf cannot store in its key: `key=value: expected <type>, e.g. key=<example>`."""
+    key, value = e.full_key, getattr(e, "value", None)
+    if not key:  # a whole section given a plain value (`target=5`): omegaconf names no key
+        sections = [f.name for f in dataclasses.fields(Recipe) if dataclasses.is_dataclass(_key_type(f.name))]
+        given = [o.split("=", 1)[0].strip() for o in overrides if "=" in o]
+        key = next((k for k in given if k in sections), None)
+        if key is None:
+            return f"recipe {recipe}: {' '.join(str(e.msg or e).split())}"
+        value = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == key)
+    base = re.sub(r"\[\d+\]$", "", key)
+    tp = _key_type(base)
+    if base != key:  # one element of a list
+        tp = (typing.get_args(tp) or (typing.Any,))[0]
+    if dataclasses.is_dataclass(tp):
+        keys = [k for k in valid_keys(Recipe) if k.startswith(key + ".")]
+        return f"{key}={value!r}: {key} is a section, not a value: set its keys ({', '.join(keys[:6])}, ...)"
+    where = "" if any(o.split("=", 1)[0].strip() in (key, base) for o in overrides) else f" (recipe {recipe})"
+    return f"{key}={value!r}{where}: expected {_describe(tp)}, e.g. {base}={_example(base, _key_type(base))}"
+
+
+def _key_type(key: str):
+    """The schema's type of dotted `key` (typing.Any when the schema does not say)."""
+    tp = Recipe
+    for part in key.split("."):
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return typing.Any
+        tp = hints[part]
+    return tp
+
+
+_NAMES = {bool: ("true or false", "true or false values"), int: ("a whole number", "whole numbers"),
+          float: ("a number", "numbers"), str: ("a string", "strings")}
+
+
+def _describe(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if type(None) in typing.get_args(tp) and len(args) == 1:
+        return f"{_describe(args[0])} or null"
+    if typing.get_origin(tp) in (list, tuple):
+        return f"a list of {_NAMES.get(args[0], ('', 'values'))[1] if args else 'values'}"
+    return _NAMES.get(tp, ("a value of type " + getattr(tp, "__name__", str(tp)), ""))[0]
+
+
+def _example(key: str, tp) -> str:
+    """The schema default of `key` as an override would spell it (a made-up value when the default is empty)."""
+    default = OmegaConf.select(OmegaConf.structured(Recipe), key)
+    if isinstance(default, (list, tuple)) or OmegaConf.is_list(default):
+        default = list(default)
+        if not default:
+            element = (typing.get_args(tp) or (int,))[0]
+            default = {int: [1, 2, 3], float: [0.5, 0.25], str: ["a", "b"]}.get(element, [1, 2])
+        return "[" + ",".join(str(x) for x in default) + "]"
+    if default is None or default == "":
+        return {int: "1", float: "0.5", bool: "true"}.get(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "...")
+    return str(default).lower() if isinstance(default, bool) else str(default)

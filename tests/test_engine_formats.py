@@ -321,6 +321,10 @@ def test_hub_stages_an_engine_format_with_serving_commands(tmp_path, fmt):
     staged = json.loads((tmp_path / "run" / f"hub_upload-{fmt}" / "config.json").read_text())  # one folder per format
     assert staged.get("bias") in (None, False)
     card = (tmp_path / "run" / f"hub_upload-{fmt}" / "README.md").read_text()
+    official = push_to_hub(cfg, dry_run=True)  # issue 28 item 17: a staging folder per format
+    assert official["staging"] == str(tmp_path / "run" / "hub_upload") and result["staging"] != official["staging"]
+    again = json.loads((tmp_path / "run" / f"hub_upload-{fmt}" / "config.json").read_text())
+    assert again == staged  # the official dry run left the engine format's staging alone
     assert "## Serving" in card and f"vllm serve {tmp_path / 'target'} --speculative-config" in card
     assert "python -m sglang.launch_server" in card and "--speculative-algorithm EAGLE " in card
     assert ('"model": "someone/head-x"' in card) == (fmt == "vllm")

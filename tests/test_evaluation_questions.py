@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -144,3 +145,30 @@ def test_method_specs(tmp_path):
     save_tree_config(tmp_path, DecodingConfig(total_token=24, depth=4, top_k=6))
     assert load_tuned(tmp_path) == DecodingConfig(total_token=24, depth=4, top_k=6)
     assert parse_method("tuned", base, tmp_path).decoding.total_token == 24
+
+
+def test_every_shipped_recipe_has_questions_out_of_the_box(monkeypatch):
+    """Issue 28 item 1: a recipe with a target of its own and no eval.questions evaluates on MT-bench, shipped with the
+    package (no ../shared, no network: HF_HUB_OFFLINE); tiny's default target brings its own questions, stories260k
+    names a corpus in ../shared."""
+    from evaluation.main import load_all_questions, question_source
+    from evaluation.questions import QUESTION_SETS
+    from recipes import list_recipes, load_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shipped = QUESTION_SETS["mt-bench"]
+    assert shipped.is_relative_to(Path(__file__).resolve().parent.parent / "evaluation")
+    sources = {}
+    for name in list_recipes():
+        cfg = load_config(name)
+        if not cfg.target.path:  # the embedded default target: its questions_eval.jsonl (built with it)
+            assert not cfg.eval.questions, name
+            continue
+        sources[name] = question_source(cfg)
+        if sources[name] == "mt-bench":
+            questions = load_all_questions(cfg)
+            assert len(questions) == 80 and len({q.category for q in questions}) == 8, name
+            assert all(len(q.turns) == 2 for q in questions)
+    assert {n for n, s in sources.items() if s != "mt-bench"} <= {"stories260k", "stories260k-eagle3"}
+    assert sum(s == "mt-bench" for s in sources.values()) >= 10  # the 7B/8B recipes, EAGLE-2 and EAGLE-3
+    assert [q.question_id for q in load_questions("mt-bench", num_questions=2)] == ["81", "82"]

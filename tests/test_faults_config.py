@@ -28,6 +28,13 @@ CASES = [  # (cli, override, needles): each a distinct bad value or key
     ("train", "train.betas=[0.9]", ["train.betas"]),
     ("train", "train.max_loss_ratio=0.5", ["train.max_loss_ratio"]),
     ("train", "train.max_steps=abc", ["train.max_steps"]),
+    # issue 28 item 7: a value of the wrong type names the key, the type it takes and an example, in our words
+    ("train", "train.lr=abc", ["train.lr='abc': expected a number, e.g. train.lr="]),
+    ("train", "train.betas=0.9", ["train.betas=0.9: expected a list of numbers, e.g. train.betas=[0.9,0.95]"]),
+    ("train", "head.bias=maybe", ["head.bias='maybe': expected true or false, e.g. head.bias=true"]),
+    ("train", "head.aux_layers=[1,x,3]", ["head.aux_layers[1]='x': expected a whole number", "head.aux_layers=[1,2,3]"]),
+    ("train", "data.max_records=many", ["data.max_records='many': expected a whole number or null"]),
+    ("train", "target=5", ["target='5': target is a section", "target.path"]),
     ("train", "train.learning_rate=1", ["unknown recipe key 'train.learning_rate'", "train.lr"]),
     ("train", "train.deepspeed.optimizer.type=SGD", ["train.deepspeed", "optimizer"]),
     ("train", "logging.backend=csv", ["logging.backend"]),
@@ -83,7 +90,7 @@ RECIPE_FILES = [  # (file content, needles): broken recipe files, named in the m
     (b"- just\n- a list\n", ["expected a mapping"]),
     (b"name: caf\xe9\n", ["not valid UTF-8"]),
     (b"train:\n  nope: 1\n", ["unknown recipe key 'train.nope'"]),
-    (b"train:\n  lr: fast\n", ["train.lr"]),
+    (b"train:\n  lr: fast\n", ["train.lr='fast' (recipe ", "broken.yaml): expected a number"]),
 ]
 
 
@@ -160,3 +167,75 @@ def test_quickstart_stage_failure_is_one_line(tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(cli_main("quickstart"), argv, capsys)  # the rerun reuses the target and fails the same way
     assert assert_one_line_error(code, err) == line
     assert_unchanged(before, target)
+
+
+# ----------------------------------------------------------------------------- issue 28 items 11-12: the CLIs' edges
+NUMERIC_FLAGS = [  # (cli module, argv, needles): every numeric flag is range-checked before any work
+    ("train.corpus_cache", ["--text", "t.txt", "--first", "-3"], ["--first: -3: expected an integer >= 0"]),
+    ("train.corpus_cache", ["--text", "t.txt", "--continue-with-target", "-4"], ["--continue-with-target: -4"]),
+    ("train.corpus_cache", ["--text", "t.txt", "--batch-size", "0"], ["--batch-size: 0: expected an integer >= 1"]),
+    ("train.corpus_cache", ["--text", "t.txt", "--temperature", "-1"], ["--temperature: -1: expected a finite number >= 0"]),
+    ("train.corpus_cache", ["--text", "t.txt", "--first", "ten"], ["--first: 'ten': expected an integer"]),
+    ("data_prep.main", ["--inspect", "-1"], ["--inspect: -1"]),
+    ("export.cli", ["--format", "vllm", "--head", "h", "--num-speculative-tokens", "0"], ["--num-speculative-tokens: 0"]),
+    ("evaluation.main", ["serve-check", "--num-speculative-tokens", "0"], ["--num-speculative-tokens: 0"]),
+    ("evaluation.main", ["serve-check", "--tolerance", "inf"], ["--tolerance: inf: expected a finite number >= 0"]),
+    ("evaluation.main", ["serve-check", "--num-prompts", "0"], ["--num-prompts: 0"]),
+]
+
+
+@pytest.mark.parametrize("module,argv,needles", NUMERIC_FLAGS, ids=[f"{m}:{a[-2]}" for m, a, _ in NUMERIC_FLAGS])
+def test_numeric_flags_are_range_checked_before_any_work(module, argv, needles, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(module).main
+    code, _, err = run_cli(main, [*argv, "--recipe", "tiny"], capsys)  # evaluation: the command comes first
+    assert_one_line_error(code, err, *needles)
+    assert not any(tmp_path.iterdir())
+
+
+def test_unknown_evaluation_command_and_per_command_help(capsys):
+    main = cli_main("evaluation")
+    code, _, err = run_cli(main, ["autotun", "--recipe", "tiny"], capsys)
+    assert_one_line_error(code, err, "unknown command 'autotun'", "did you mean autotune?", "serve-check")
+    helps = {}
+    for command in ("bench", "autotune", "chi2", "serve-check"):
+        code, out, _ = run_cli(main, [command, "--help"], capsys)
+        assert code == 0 and f"evaluation/main.py {command}" in out
+        helps[command] = out
+    assert "--engine-python" in helps["serve-check"] and "--engine-python" not in helps["autotune"]
+    assert "tree_config.json" in helps["autotune"] and "losslessness at temperature" in helps["chi2"]
+    assert len(set(helps.values())) == 4
+    code, out, _ = run_cli(main, ["--help"], capsys)  # the top level lists every command
+    assert code == 0 and all(c in out for c in helps) and "COMMAND --help" in out
+    code, _, err = run_cli(main, ["autotune", "--engine-python", "x"], capsys)  # another command's option
+    assert_one_line_error(code, err, "--engine-python")
+
+
+def test_debug_shows_a_traceback_for_every_kind_of_error(tmp_path, monkeypatch, capsys):
+    """Issue 28 item 15: --debug / EAGLE_DEBUG=1 show where an error came from whatever its kind: an exception, a
+    `raise SystemExit("message")`, an argparse usage error, an error a command used to print itself (train.plan)."""
+    from eagle.cli_errors import debug_enabled, one_line_errors
+    from recipes import RecipeError
+    from train.plan import main as plan_main
+
+    data_prep = cli_main("data_prep")
+    args = ["--recipe", "tiny", f"output_dir={tmp_path}", "load", "cache"]
+    code, _, err = run_cli(data_prep, args, capsys)  # without: one line
+    assert_one_line_error(code, err, "at most one stage")
+    code, _, err = run_cli(data_prep, [*args, "--debug"], capsys)  # SystemExit("message"): traceback, then the message
+    assert "Traceback" in err and "at most one stage" in err and "data_prep/main.py" in err
+    with pytest.raises(RecipeError):
+        plan_main(["--recipe", "tiny", "head.kind=eagle9", "--debug"])
+    monkeypatch.setenv("EAGLE_DEBUG", "1")
+    code, _, err = run_cli(cli_main("train"), ["--recipe", "tiny", "--bogus"], capsys)  # usage error: the call stack
+    assert code == 2 and 'File "' in err and "--bogus" in err.splitlines()[-1]
+    monkeypatch.delenv("EAGLE_DEBUG")
+
+    seen = []
+
+    @one_line_errors
+    def probe(argv):
+        seen.append(debug_enabled())  # what quickstart asks before passing EAGLE_DEBUG=1 to its stages
+        return 0
+
+    assert probe(["--debug"]) == 0 and probe([]) == 0 and seen == [True, False]

@@ -196,3 +196,17 @@ def test_question_file_that_is_not_utf8_is_named(tmp_path, capsys):
     code, _, err = run_cli(eval_main, ["--recipe", "tiny", "--questions", tmp_path / "q.jsonl", "--base", tmp_path],
                            capsys)
     assert_one_line_error(code, err, "q.jsonl:2", "turns")
+
+
+@pytest.mark.parametrize("target_kind", ["missing-folder", "not-a-model"])
+def test_whole_run_is_checked_before_the_first_stage_writes(good, tmp_path, capsys, target_kind):
+    """Issue 28 item 14: a bad target.path fails before the load stage writes conversations.jsonl: the run folder is
+    never created (and an earlier run's files are untouched)."""
+    target = tmp_path / "no-target"
+    if target_kind == "not-a-model":
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+    fresh = tmp_path / "fresh"
+    code, _, err = run_cli(main, ["--recipe", recipe(tmp_path, target, good["source"], fresh), "--no-progress"], capsys)
+    assert_one_line_error(code, err, str(target))
+    assert not fresh.exists()

@@ -392,3 +392,78 @@ def test_missing_local_target_is_named_not_a_hub_error(toy, tmp_path, capsys, mo
                                   f"train.cache_dir={toy['cache']}"], capsys)
     line = assert_one_line_error(code, err, f"target.path {path} does not exist", str(tmp_path))
     assert "Repo id" not in line
+
+
+# ----------------------------------------------------------------------------- issue 28: what a newcomer passes
+@pytest.mark.parametrize("cli", ["evaluation", "eval_head"])
+@pytest.mark.parametrize("path", ["/nonexistent/head", "./runs/none/head", "runs/none/head"])
+def test_missing_local_head_is_named_not_a_hub_error(toy, tmp_path, capsys, monkeypatch, cli, path):
+    """Item 8: a --head that looks local and does not exist: the path and the directory it was read from, before any
+    target is resolved (the default target is never built for it)."""
+    from evaluation.main import main as eval_main
+    from train.eval_head import main as eval_head_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EAGLE_HOME", str(tmp_path / "home"))
+    (tmp_path / "q.txt").write_text("1 2 3\n")
+    main, extra = (eval_main, ["--questions", tmp_path / "q.txt"]) if cli == "evaluation" else (eval_head_main, [])
+    code, _, err = run_cli(main, ["--recipe", "tiny", "--head", path, *extra, f"output_dir={tmp_path / 'run'}"], capsys)
+    line = assert_one_line_error(code, err, f"head {path} does not exist", str(tmp_path))
+    assert "Repo id" not in line and "Hub" not in line
+    assert [p.name for p in tmp_path.iterdir()] == ["q.txt"]  # no default target build, no run folder
+
+
+def _engine_folders(toy, root):
+    """The toy head in every engine format (EAGLE-2 vLLM and SGLang; an EAGLE-3 head in vLLM's speculators layout)."""
+    from test_engine_formats import eagle3_folder
+    from transformers import AutoConfig
+
+    from export.engine_formats import convert_eagle3_folder
+    from export.head_kinds import write_engine_head
+
+    config = AutoConfig.from_pretrained(toy["target"])
+    write_engine_head(toy["head"], root / "vllm", "vllm", config)
+    write_engine_head(toy["head"], root / "sglang", "sglang", config)
+    eagle3_folder(root / "e3")
+    convert_eagle3_folder(root / "e3", root / "vllm3", "vllm", verifier="org/target",
+                          verifier_architectures=["LlamaForCausalLM"])
+    return {"vllm": ("vLLM", root / "vllm"), "sglang": ("SGLang", root / "sglang"), "vllm3": ("vLLM", root / "vllm3")}
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "vllm3"])
+def test_engine_export_given_as_head_says_what_to_pass(toy, tmp_path, capsys, fmt):
+    """Item 9: a vLLM / SGLang folder is named as an engine export with what to pass instead (not "missing keys")."""
+    from evaluation.main import main as eval_main
+    from train.eval_head import main as eval_head_main
+
+    from eagle.head import load_head
+
+    engine, folder = _engine_folders(toy, tmp_path)[fmt]
+    run = tmp_path / "run"
+    for main, extra in ((eval_head_main, [f"train.cache_dir={toy['cache']}"]), (eval_main, ["--questions", tmp_path / "q.txt"])):
+        (tmp_path / "q.txt").write_text("1 2 3\n")
+        before = snapshot(tmp_path)
+        code, _, err = run_cli(main, ["--recipe", "tiny", "--head", folder, f"target.path={toy['target']}",
+                                      f"output_dir={run}", *extra], capsys)
+        assert_one_line_error(code, err, f"head {folder} is a {engine} engine export", "{output_dir}/head")
+    with pytest.raises(Exception, match="engine export"):
+        load_head(folder)
+    assert_unchanged(before, tmp_path)
+    load_head(toy["head"])  # the official folder still loads
+
+
+@pytest.mark.parametrize("recipe_keys, needles", [
+    ([], ["no data.source", "python -m train.corpus_cache --recipe tiny --text FILE"]),
+    (["data.source=chats.json"], ["python data_prep/main.py --recipe tiny"]),
+])
+def test_missing_cache_names_the_command_that_builds_it(toy, tmp_path, capsys, recipe_keys, needles):
+    """Item 10: a recipe without data.source (stories260k) builds its cache with train.corpus_cache; one with a source
+    with data prep; training and eval_head say which."""
+    from train.eval_head import main as eval_head_main
+    from train.main import main as train_main
+
+    run = tmp_path / "run"
+    args = ["--recipe", "tiny", *overrides(toy["target"], run, *recipe_keys)]
+    for main, extra in ((train_main, []), (eval_head_main, ["--head", toy["head"]])):
+        code, _, err = run_cli(main, [*args, *extra], capsys)
+        assert_one_line_error(code, err, f"feature cache {run / 'data' / 'features'} does not exist", *needles)

@@ -307,3 +307,35 @@ def test_kill9_during_data_prep_then_rerun_completes_identically(tmp_path):
     for rid in r1.ids:
         x, y = r1[r1.ids.index(rid)], r2[r2.ids.index(rid)]
         assert torch.equal(x["hidden_states"], y["hidden_states"]) and torch.equal(x["input_ids"], y["input_ids"])
+
+
+def test_a_lock_leaves_nothing_behind_and_a_stale_opener_relocks(tmp_path):
+    """Issue 28 item 17: the lock file goes with its holder; the folders the lock created go too when nothing was
+    written in them, and stay (with their content) when something was."""
+    import fcntl
+
+    from eagle.run_lock import run_lock
+
+    run = tmp_path / "runs" / "x" / "train"
+    with pytest.raises(ValueError):
+        with run_lock(run, "rank0", "training") as lock:
+            assert lock.exists()
+            raise ValueError("config error found in setup")
+    assert not (tmp_path / "runs").exists()
+    with run_lock(run, "rank0", "training"):
+        (run / "summary.json").write_text("{}")
+    assert [p.name for p in run.iterdir()] == ["summary.json"]
+    # a process that opened the file just before its holder removed it must not hold a lock on a dead file
+    with run_lock(run, "rank0", "training") as lock:
+        stale = os.open(lock, os.O_RDWR)
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it gets the old inode's lock ...
+    with run_lock(run, "rank0", "training") as lock:  # ... while run_lock takes the path's own file
+        assert lock.exists()
+    os.close(stale)
+
+
+def test_training_that_fails_in_setup_leaves_no_run_folder(toy, tmp_path, capsys):
+    run = tmp_path / "runs" / "llama"
+    code, _, err = train_cli(toy, run, capsys, f"train.cache_dir={tmp_path / 'no-cache'}")
+    assert_one_line_error(code, err, "does not exist")
+    assert not (tmp_path / "runs").exists()

@@ -365,7 +365,7 @@ def test_bad_released_folders_are_one_line_errors(tmp_path, case, match):
 CLI_FAULTS = [
     ("hidden_size", "hidden_size=64 (fc reads 3 x 64) does not fit the target's hidden_size=32"),
     ("too_few_target_layers", "aux layer id(s) [3] out of range for a 3-layer target"),
-    ("d2t_length", "['d2t'] (file [(39,)], config [(40,)])"),
+    ("d2t_length", "shapes of ['d2t'] (file [(39,)], config [(40,)])"),
     ("aux_out_of_range", "aux layer id(s) [9] out of range for a 4-layer target"),
 ]
 

@@ -2,6 +2,7 @@
 names, the CLI, and the plan printed at the start of a run."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -139,15 +140,29 @@ def test_cli_table_help_and_one_line_errors(capsys):
                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "inter-node traffic per step, per node" in two.stdout and "time (16 GPUs on 2 nodes)" in two.stdout
     capsys.readouterr()
-    assert main(["--recipe", "llama3-8b", "--gpus", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --gpus=0")
+    from fault_helpers import assert_one_line_error, run_cli
+
+    for flag, value, needle in (("--gpus", "0", "an integer >= 1"), ("--mfu", "1.5", "> 0 and <= 1"),
+                                ("--reserve", "1", ">= 0 and < 1"), ("--tokens", "-5", ">= 1"),
+                                ("--gpu-mem-gb", "nan", "a finite number > 0"), ("--cuda-context-gb", "-1", ">= 0")):
+        code, _, err = run_cli(main, ["--recipe", "llama3-8b", flag, value], capsys)  # issue 28 item 12
+        assert_one_line_error(code, err, f"argument {flag}: {value}: expected", needle)
     assert main(["--recipe", "llama3-8b", "train.nope=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("error: unknown recipe key 'train.nope'") and not any("Traceback" in e for e in err)
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--gpu-mem-gb" in capsys.readouterr().out
+
+
+def test_json_output_is_only_json_and_deepspeed_logs_go_to_stderr():
+    """Issue 28 item 2: DeepSpeed's "Setting accelerator to CPU" warning (printed at import) must not precede the JSON."""
+    proc = subprocess.run([sys.executable, "-m", "train.plan", "--recipe", "llama3-8b", "--json"],
+                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)  # the whole of stdout parses
+    assert plan["fits"] in (True, False) and plan["memory"]["token-loss logits"] > 0
+    assert "accelerator" in proc.stderr  # the library's line still reaches the user, on stderr
 
 
 def test_training_prints_the_plan_first(tmp_path):
@@ -223,3 +238,87 @@ def test_activation_bytes_are_what_autograd_keeps(dtype):
     later = sum(B * rows.numel() * planned("eagle3", j, keys) for j in range(2, 8))
     later += B * T * 2 * kv * (H // h) * cb  # the unroll's contiguous copy of the step-1 keys and values
     assert seven - one == pytest.approx(later, rel=0.05)
+
+
+def test_plan_never_builds_the_default_target_and_says_what_it_assumed(tmp_path, monkeypatch, capsys):
+    """Issue 28 items 3-4: `train.plan --recipe tiny` before the default target exists plans from its build recipe
+    (nothing is built or written), counts the default target's own conversations, and prints its assumptions."""
+    from fault_helpers import run_cli
+    from train.plan import main
+
+    home = tmp_path / "eagle_home"
+    monkeypatch.setenv("EAGLE_HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(main, ["--recipe", "tiny", "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert not any(tmp_path.iterdir()), f"the plan wrote {list(tmp_path.iterdir())}"  # no target build, no run folder
+    assert plan["shape"]["vocab"] == 1024 and plan["shape"]["hidden"] == 64  # data_prep/default_target.py's preset
+    said = " | ".join(plan["assumptions"])
+    assert "not built yet" in said and "conversations of the embedded default target" in said
+    assert "68,000" not in said  # not ShareGPT's size
+    assert "data prep: regenerate replies" in plan["time_s"]
+    code, out, err = run_cli(main, ["--recipe", "tiny"], capsys)
+    assert code == 0 and "0.0 min" not in out and "0.00B" not in out and "assumed: target shape:" in out
+
+
+def test_plan_without_a_data_source_plans_no_data_prep(tmp_path, capsys):
+    """A recipe whose cache another builder makes (stories260k: train.corpus_cache) gets no invented record count
+    and no regeneration estimate; --tokens supplies the size."""
+    from fault_helpers import run_cli
+    from test_train_helpers import save_target
+    from train.plan import main
+
+    target = save_target(tmp_path / "target")
+    args = ["--recipe", "tiny", f"target.path={target}", f"output_dir={tmp_path / 'run'}", "--json"]
+    code, out, err = run_cli(main, args, capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["disk"] == {} and plan["time_s"] == {}
+    assert any("data.source is empty" in a and "--tokens" in a for a in plan["assumptions"])
+    code, out, err = run_cli(main, [*args, "--tokens", "1000"], capsys)
+    plan = json.loads(out)
+    assert code == 0 and plan["disk"]["feature cache bfloat16 (recipe)"] > 0
+    assert "data prep: regenerate replies" not in plan["time_s"] and "training" in plan["time_s"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, key", [("head.aux_layers=[1,2,99]", "head.aux_layers"),
+                                           ("head.draft_vocab_size=999999", "head.draft_vocab_size")])
+def test_plan_and_training_refuse_the_same_head_keys(override, key, tmp_path, capsys):
+    """Issue 28 item 13: one check of the target-dependent head keys (recipes.head.check_head_fits_target), run by the
+    plan and by training (train/head_kinds.py: training_kind) alike."""
+    from fault_helpers import assert_one_line_error, run_cli
+    from recipes import RecipeError
+    from test_train_helpers import save_target
+    from train.head_kinds import training_kind
+    from train.plan import main, target_config
+
+    target = save_target(tmp_path / "target", num_layers=8)  # default aux layers (2, 4, 5): 2 layers have none
+    args = [f"target.path={target}", f"output_dir={tmp_path / 'run'}", "head.kind=eagle3", override]
+    code, out, err = run_cli(main, ["--recipe", "tiny", *args], capsys)
+    line = assert_one_line_error(code, err, key)
+    cfg = load_config("tiny", args)
+    with pytest.raises(RecipeError) as e:
+        training_kind(cfg, target_config(cfg)[0])
+    assert str(e.value) == line.removeprefix("error: ")
+
+
+def test_plan_reads_the_cache_parts_not_the_derived_manifest(tmp_path, capsys):
+    """Issue 28 item 16: manifest.json is a derived summary nothing reads: a hand-edited one changes no plan."""
+    from fault_helpers import run_cli
+    from test_train_helpers import save_target, write_cache
+    from train.plan import main
+
+    target = save_target(tmp_path / "target")
+    cache = write_cache(tmp_path / "cache", target, n=12)
+    args = ["--recipe", "tiny", f"target.path={target}", f"train.cache_dir={cache}", "--json"]
+    code, out, err = run_cli(main, args, capsys)
+    assert code == 0, err
+    before = json.loads(out)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest.update(num_records=999999, num_tokens=10**9, hidden_size=4096)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli(main, args, capsys)
+    assert code == 0 and json.loads(out)["disk"] == before["disk"]
+    assert any("12 records" in a for a in before["assumptions"])

@@ -249,3 +249,22 @@ def test_tiny_temperature_is_greedy():
     model = EaModel(target, head)
     greedy = model.eagenerate(prompt, max_new_tokens=10)
     assert torch.equal(model.eagenerate(prompt, temperature=1e-6, max_new_tokens=10), greedy)
+
+
+def test_top_p_above_one_is_off_and_warns():
+    """Issue 28 item 16: top_p > 1 keeps the EAGLE convention (no nucleus cut) but says so, once per value."""
+    import warnings
+
+    import torch
+
+    from eagle.sampling import SamplingParams, target_probs
+
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"top_p=1.5 > 1 means no nucleus cut"):
+        loose = SamplingParams(temperature=0.7, top_p=1.5)
+    off = SamplingParams(temperature=0.7, top_p=0.0)
+    assert torch.equal(target_probs(logits, loose), target_probs(logits, off))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SamplingParams(temperature=0.7, top_p=1.0)  # exactly 1: off, no warning
+        SamplingParams(temperature=0.7, top_p=0.9)

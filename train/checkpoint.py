@@ -22,7 +22,7 @@ import torch
 
 from eagle.cli_errors import UserError
 from eagle.head_kinds import head_kind
-from train.distributed import barrier
+from train.distributed import barrier, import_deepspeed
 
 TAG_PREFIX = "step-"
 _TORCH_LOAD = torch.load  # the real one: `weights_only_torch_load` swaps torch.load for `weights_only_load` for a while
@@ -36,7 +36,8 @@ class CheckpointError(UserError, RuntimeError):
 
 def safe_globals() -> list:
     """The non-tensor classes DeepSpeed writes into its checkpoints (ZeRO 0-3, fp32/bf16/fp16): plain data."""
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only a resume needs these
+    import_deepspeed()  # its log lines to stderr
+    # lazy: deepspeed costs a second at import; only a resume needs these
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

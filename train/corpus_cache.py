@@ -34,7 +34,7 @@ from data_prep.chat_template import stop_token_ids
 from data_prep.feature_cache import FeatureCacheWriter
 from data_prep.feature_layers import feature_layers, target_features
 from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
-from eagle.cli_errors import ArgumentParser, one_line_errors
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
 from eagle.run_lock import run_lock
 from recipes import add_print_config, command_config, layout
 
@@ -150,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", required=True)
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--text", required=True, help="UTF-8 text file, paragraphs separated by blank lines")
-    p.add_argument("--first", type=int, default=0, help="use only the first N paragraphs (0 = all)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--continue-with-target", type=int, default=0, metavar="N",
+    p.add_argument("--first", type=bounded(int, at_least=0), default=0, metavar="N",
+                   help="use only the first N paragraphs (0 = all; the paragraphs after them stay unseen for evaluation)")
+    p.add_argument("--batch-size", type=bounded(int, at_least=1), default=16, metavar="N")
+    p.add_argument("--continue-with-target", type=bounded(int, at_least=0), default=0, metavar="N",
                    help="on-policy records: opening sentence + the target's own continuation of up to N tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="continuations: 0 = greedy, else sampled")
+    p.add_argument("--temperature", type=bounded(float, at_least=0), default=0.0,
+                   help="continuations: 0 = greedy, else sampled")
     add_print_config(p)
     args = p.parse_args(argv)
     cfg = command_config(args)

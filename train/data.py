@@ -12,9 +12,34 @@ from pathlib import Path
 
 import torch
 
+from data_prep.feature_cache import FeatureCacheReader
 from data_prep.tokenized import load_tokenized
+from eagle.cli_errors import UserError
 from eagle.head_config import head_config_from_target
 from eagle.head_files import head_config_of
+from recipes import layout
+
+def open_feature_cache(cfg, verify: str) -> FeatureCacheReader:
+    """The recipe's feature cache (layout.cache_dir); a missing one is one line naming the command that builds it."""
+    cdir = layout.cache_dir(cfg)
+    if not cdir.is_dir():
+        raise UserError(f"feature cache {cdir} does not exist: {cache_builder(cfg)}")
+    return FeatureCacheReader(cdir, verify=verify)
+
+
+def cache_builder(cfg) -> str:
+    """What builds the feature cache of recipe `cfg`: data prep when it has a data source (or the embedded default
+    target, whose conversations the demo passes), else train.corpus_cache (raw text, as stories260k)."""
+    name = cfg.name or "RECIPE"
+    if cfg.train.cache_dir:
+        return f"train.cache_dir={cfg.train.cache_dir} names no cache; point it at one, or unset it to use {{output_dir}}"
+    if cfg.data.source:
+        return f"build it with `python data_prep/main.py --recipe {name}` (plus the same key=value overrides)"
+    if not cfg.target.path:
+        return f"`python -m quickstart --recipe {name}` builds it (data prep of the default target's conversations)"
+    return (f"this recipe has no data.source: build it from raw text with `python -m train.corpus_cache --recipe {name} "
+            f"--text FILE` (see the recipe's header), or set data.source and run `python data_prep/main.py --recipe {name}`")
+
 
 class TokenizedRecords:
     """Online-mode records: tokenised conversations held in memory (features are computed in the loop)."""

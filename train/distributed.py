@@ -6,8 +6,10 @@ is gone (a lost node) or does not answer within `train.collective_timeout_s` end
 the lost ranks (`LostRankError`, found by `lost_ranks` through the rendezvous store)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
+import logging
 import os
 import signal
 import socket
@@ -102,11 +104,24 @@ def die_with_launcher() -> bool:
     return True
 
 
+def import_deepspeed():
+    """`import deepspeed` with its log lines on stderr. DeepSpeed binds its logger's handler to sys.stdout at import
+    and warns there ("Setting accelerator to CPU ..."): stdout is kept for what a command prints for machines
+    (`train.plan --json`, `--print-config`). Every project import of deepspeed goes through here first."""
+    if "deepspeed" not in sys.modules:
+        with contextlib.redirect_stdout(sys.stderr):  # the handler created during the import takes sys.stderr
+            # lazy: deepspeed costs a second at import; only training, checkpoints and the plan's estimators need it
+            import deepspeed  # noqa: F401
+    for h in logging.getLogger("DeepSpeed").handlers:  # imported before us (by a library or a test): move it too
+        if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.__stdout__):
+            h.stream = sys.stderr  # not setStream: it would flush the old stream, which may be closed
+    return sys.modules["deepspeed"]
+
+
 def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0) -> DistContext:
     """Join (or create) the process group; idempotent, so several runs can share one process (tests). A collective
     that waits longer than `collective_timeout_s` for a peer fails (recipe `train.collective_timeout_s`)."""
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only training needs it
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun, deepspeed)
         die_with_launcher()
@@ -140,7 +155,8 @@ def destroy_process_groups() -> None:
     process (tests) then fails inside DeepSpeed with "Group ... is not registered"."""
     if not dist.is_initialized():
         return
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout
+    import_deepspeed()
+    # lazy: deepspeed costs a second at import (import_deepspeed above keeps its log lines off stdout)
     from deepspeed import comm as ds_comm
 
     if ds_comm.is_initialized():

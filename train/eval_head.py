@@ -1,6 +1,6 @@
 """Held-out metrics of any head on a recipe's feature cache: the trainer's eval split and eval metrics.
 
-    python -m train.eval_head --recipe stories260k --head runs/stories260k-onpolicy/head [key=value ...]
+    python -m train.eval_head --recipe stories260k --head runs/stories260k/head [key=value ...]
 
 Same split (train.eval_fraction, seed, by record id), same metrics as the trainer's evaluation: loss parts,
 top-1/2/3 agreement with the target's argmax, self-fed step accuracies and the simulated acceptance length.
@@ -14,12 +14,11 @@ import sys
 
 import torch
 
-from data_prep.feature_cache import FeatureCacheReader
 from data_prep.target import load_target_config, pick_device, resolve_target_path
 from eagle.cli_errors import ArgumentParser, one_line_errors
-from eagle.head_files import load_head
+from eagle.head_files import check_head_files, load_head
 from recipes import add_print_config, command_config, layout
-from train.data import Subset, split_train_eval
+from train.data import Subset, open_feature_cache, split_train_eval
 from train.ds_config import COMPUTE_DTYPES
 from train.frozen_target import check_cache_matches_target, load_frozen_target
 from train.head_kinds import training_kind
@@ -29,9 +28,10 @@ from train.metrics import evaluate
 def evaluate_head(cfg, head_path: str) -> dict:
     """Eval metrics of the head at `head_path` on the eval split of `cfg`'s feature cache (offline)."""
     t = cfg.train
-    target_path = resolve_target_path(cfg.target)
+    check_head_files(head_path)  # a missing, broken or engine-format head fails before anything loads
+    source = open_feature_cache(cfg, t.verify_cache)
     cdir = layout.cache_dir(cfg)
-    source = FeatureCacheReader(cdir, verify=t.verify_cache)
+    target_path = resolve_target_path(cfg.target)
     target_config = load_target_config(target_path)
     part = training_kind(cfg, target_config)  # the recipe's head.kind decides the cache layout and the metrics
     check_cache_matches_target(source.manifest, cdir, target_path, target_config, part.layers)

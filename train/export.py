@@ -24,6 +24,7 @@ from eagle.cli_errors import UserError
 from eagle.head_checks import check_head_weights
 from eagle.head_files import head_class
 from eagle.head_module import HeadModule
+from train.distributed import import_deepspeed
 from train.divergence import DivergenceError
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
@@ -41,8 +42,7 @@ def full_state_dict(module, zero_stage: int) -> dict[str, torch.Tensor]:
     """CPU copy of the module's weights (floating ones in float32); under ZeRO-3 the partitions are gathered
     (collective)."""
     if zero_stage == 3:
-        # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only ZeRO-3 needs it
-        import deepspeed
+        deepspeed = import_deepspeed()  # lazy (inside): a second at import; only ZeRO-3 needs it
 
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: _cpu_copy(v) for k, v in module.state_dict().items()}

@@ -27,8 +27,7 @@ from eagle.eagle3 import Eagle3Head
 from eagle.head_config import head_config_from_target
 from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
-from recipes import RecipeError
-from recipes.head import ttt_weights
+from recipes.head import check_head_fits_target, ttt_weights
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedSoftCE, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
 from train.metrics import all_fed_rollout, chain_rollout
@@ -279,9 +278,7 @@ class Eagle3Training(TrainingKind):
         head.lm_head_init=target starts its lm_head [Vd, H] from the target's lm_head [V, H] rows of the draft tokens."""
         h = self.cfg.head
         V = int(text_config(target_config).vocab_size)
-        size = h.draft_vocab_size or V
-        if size > V:
-            raise RecipeError(f"head.draft_vocab_size={size}: larger than the target vocabulary ({V})")
+        size = h.draft_vocab_size or V  # <= V: recipes.head.check_head_fits_target (training_kind)
         expect = head_config_from_target(target_config, kind=self.kind.name, aux_layers=self.layers[:-1],
                                          draft_vocab_size=size)
         counts = count_loss_tokens(source, train_indices, V, self.cfg.data.max_length)
@@ -386,5 +383,6 @@ def training_class(kind_name: str) -> type[TrainingKind]:
 
 
 def training_kind(cfg, target_config) -> TrainingKind:
-    """The training behaviour of the recipe's head.kind."""
+    """The training behaviour of the recipe's head.kind (its target-dependent keys checked first, as train.plan does)."""
+    check_head_fits_target(cfg.head, target_config)
     return training_class(cfg.head.kind)(cfg, target_config)

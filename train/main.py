@@ -27,7 +27,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from data_prep.feature_cache import FeatureCacheReader  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
@@ -38,11 +37,11 @@ from train.batching import MicroBatchPlan  # noqa: E402
 from train.checkpoint import (CheckpointError, check_checkpoint_head, commit_checkpoint,  # noqa: E402
                               discard_uncommitted, latest_tag, load_checkpoint, make_universal, save_checkpoint,
                               saved_world_size)
-from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions,  # noqa: E402
+from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions, open_feature_cache,  # noqa: E402
                         micro_batch_loader, split_train_eval)
 from train.distributed import (all_reduce_sum, barrier, collective_failed, describe_ranks,  # noqa: E402
-                               destroy_process_groups, exit_process, init_distributed, lost_rank_error,
-                               shutdown_distributed)
+                               destroy_process_groups, exit_process, import_deepspeed, init_distributed,
+                               lost_rank_error, shutdown_distributed)
 from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember  # noqa: E402
 from train.ds_config import COMPUTE_DTYPES, deepspeed_config  # noqa: E402
 from train.export import export_head, full_state_dict, push_exported_head, standalone_head  # noqa: E402
@@ -196,7 +195,7 @@ class Trainer:
         self.part = training_kind(cfg, self.target_config)  # what differs between head kinds (train/head_kinds.py)
         if t.mode == "offline":
             cdir = layout.cache_dir(cfg)
-            self.source = FeatureCacheReader(cdir, verify=t.verify_cache)
+            self.source = open_feature_cache(cfg, t.verify_cache)
             check_cache_matches_target(self.source.manifest, cdir, self.target_path, self.target_config, self.part.layers)
         else:
             self.source = TokenizedRecords(layout.tokenized_file(cfg), cfg.data.max_length)
@@ -217,8 +216,7 @@ class Trainer:
     def setup_model(self) -> None:
         """A fresh (or given) head with the target's frozen embedding, in a DeepSpeed engine; the target's frozen
         lm_head (and online, the target) beside it."""
-        # lazy: deepspeed costs a second at import and prints its accelerator line on stdout; only training needs it
-        import deepspeed
+        deepspeed = import_deepspeed()  # lazy (inside): a second at import; only training needs it
 
         cfg, t, ctx, part = self.cfg, self.t, self.ctx, self.part
         self.frozen, embedding = load_frozen_target(t.mode, cfg.target, self.target_path, ctx.device, self.dtype,

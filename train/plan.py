@@ -50,14 +50,18 @@ from omegaconf import OmegaConf
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from data_prep.feature_cache import bytes_per_token  # noqa: E402
+from data_prep.default_target import built_default_target, default_target_config  # noqa: E402
+from data_prep.docstring_corpus import default_conversations  # noqa: E402
+from data_prep.feature_cache import bytes_per_token, merge_manifests  # noqa: E402
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
-from eagle.cli_errors import ArgumentParser, one_line_errors  # noqa: E402
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.eagle2 import EagleHead  # noqa: E402
 from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
 from eagle.head_config import head_config_from_target  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
-from recipes import RecipeError, add_print_config, command_config, layout  # noqa: E402
+from recipes import add_print_config, command_config, layout  # noqa: E402
+from recipes.head import check_head_fits_target  # noqa: E402
+from train.distributed import import_deepspeed  # noqa: E402
 from train.ds_config import deepspeed_config  # noqa: E402
 from train.head_kinds import training_class  # noqa: E402
 
@@ -143,6 +147,7 @@ class Shape:
     ttt_steps: int = 1  # eagle3: unrolled training-time-test steps (each a full head pass)
     ttt_row_stride: int = 1  # eagle3: steps >= 2 run at every n-th position only (head.ttt_row_stride)
     cache_row: int = 1  # hidden states cached per token (eagle2 1 = last layer; eagle3 4 = 3 aux + last)
+    target_source: str = ""  # where the target's shape was read (printed with the plan's assumptions)
 
 
 @dataclass
@@ -187,6 +192,7 @@ class Plan:
     verdict: str = ""
     fits: bool = False
     knobs: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)  # what the plan took as given (printed, and in --json)
 
     @property
     def total(self) -> float:
@@ -200,18 +206,26 @@ class Plan:
 
 # ----------------------------------------------------------------------------- shapes
 def target_config(cfg):
-    """HF config of the recipe's target: a local folder, the KNOWN_TARGETS table, or the Hub."""
+    """(HF config of the recipe's target, where it came from): a local folder, the KNOWN_TARGETS table, or the Hub.
+    The embedded default target (target.path "") is read where it is built; when it is not built yet, its
+    architecture comes from its build recipe: a plan never builds a target or starts any other job."""
     # lazy: transformers costs over a second at import; the plan's --help and its table of known shapes do not need it
     from transformers import AutoConfig
 
-    path = resolve_target_path(cfg.target) if cfg.target.path else ""
-    if path and Path(path).is_dir():
-        return load_target_config(path)
+    if not cfg.target.path:
+        built = built_default_target()
+        if built is not None:
+            return load_target_config(built), f"the embedded default target built at {built}"
+        return default_target_config(), ("the embedded default target's architecture from its build recipe "
+                                         "(data_prep/default_target.py; not built yet: data prep or the demo builds it)")
+    path = resolve_target_path(cfg.target)
+    if Path(path).is_dir():
+        return load_target_config(path), f"config.json of {path}"
     if path in KNOWN_TARGETS:
         known = dict(KNOWN_TARGETS[path])
-        return AutoConfig.for_model(known.pop("model_type"), **known)
+        return AutoConfig.for_model(known.pop("model_type"), **known), f"the published config of {path} (train/plan.py)"
     try:
-        return AutoConfig.from_pretrained(path or resolve_target_path(cfg.target), revision=cfg.target.revision)
+        return AutoConfig.from_pretrained(path, revision=cfg.target.revision), f"config.json of {path} on the Hub"
     except Exception as e:  # offline / gated / typo: say what would work
         raise PlanError(f"cannot read the config of target {path!r} ({type(e).__name__}: {e}); pass target.path=<local "
                         f"folder with config.json> or one of {sorted(KNOWN_TARGETS)}") from None
@@ -237,7 +251,10 @@ def count_target_params(config) -> tuple[int, int]:
 
 def plan_shape(cfg, config=None) -> Shape:
     """Target and head shape for `cfg` (EAGLE-2 head from the target config; EAGLE-3 per head.kind)."""
-    config = config or target_config(cfg)
+    source = "the run's target"
+    if config is None:
+        config, source = target_config(cfg)
+    check_head_fits_target(cfg.head, config)  # what training would refuse (aux layers, draft vocabulary)
     c = text_config(config)
     hc = head_config_from_target(config, bias=cfg.head.bias)
     kind = cfg.head.get("kind", "eagle2")  # a recipe.yaml of an older export may lack it
@@ -249,7 +266,7 @@ def plan_shape(cfg, config=None) -> Shape:
     shape = Shape(hidden=H, intermediate=hc.intermediate_size, heads=hc.num_attention_heads,
                   kv_heads=hc.num_key_value_heads, head_dim=D, vocab=hc.vocab_size, layers=c.num_hidden_layers,
                   max_positions=hc.max_position_embeddings, target_params=total, target_active_params=active,
-                  head_trainable=sum(trainable), head_largest=max(trainable), kind=kind)
+                  head_trainable=sum(trainable), head_largest=max(trainable), kind=kind, target_source=source)
     training_class(kind).plan_shape(shape, hc, cfg.head)  # what the kind adds to the EAGLE-2 layer measured above
     return shape
 
@@ -257,7 +274,8 @@ def plan_shape(cfg, config=None) -> Shape:
 # ----------------------------------------------------------------------------- memory
 def deepspeed_zero(cfg) -> dict:
     """The zero_optimization section DeepSpeed will run with (generated config + DeepSpeed's own defaults)."""
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
+    import_deepspeed()  # its log lines to stderr: --json prints only JSON on stdout
+    # lazy: deepspeed costs a second at import (--help does not need it)
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     ds = deepspeed_config(cfg.train, total_steps=1, world_size=1, on_cpu=False)
@@ -267,7 +285,8 @@ def deepspeed_zero(cfg) -> dict:
 def model_states(P: int, largest: int, stage: int, precision: str, world: int, gpus_per_node: int, nodes: int,
                  offload: bool, host: bool) -> list[Item]:
     """Head parameters / gradients / fp32 master / AdamW moments per rank (bytes)."""
-    # lazy: deepspeed costs a second at import and prints its accelerator line on stdout (--help, --json)
+    import_deepspeed()  # its log lines to stderr: --json prints only JSON on stdout
+    # lazy: deepspeed costs a second at import (--help does not need it)
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -421,12 +440,21 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
                     + ("set " + " | or ".join(plan.knobs) if plan.knobs else
                        "no single knob is enough: use GPUs with more memory"))
     # ---------------------------------------------------------------- disk and time
-    records, per_record, source = data_size(cfg)
-    n_tokens = tokens or records * per_record
+    data = data_size(cfg)
+    plan.assumptions += [f"target shape: {s.target_source}", f"data: {data.source}"]
+    if tokens:
+        plan.assumptions.append(f"training tokens: {tokens:,} (--tokens)")
+    n_tokens = tokens or data.records * data.tokens_per_record
+    if not n_tokens:
+        plan.assumptions.append("disk and time not planned: the size of the data is unknown (pass --tokens N)")
+        return plan
     for dt in ("bfloat16", "float16", "int8", "float32"):
         bpt = bytes_per_token(s.hidden * s.cache_row, dt)
         mark = " (recipe)" if dt == cfg.data.cache_dtype else ""
-        plan.disk.append(Item(f"feature cache {dt}{mark}", bpt * n_tokens, f"{bpt} B/token x {n_tokens:,} tokens ({source})"))
+        plan.disk.append(Item(f"feature cache {dt}{mark}", bpt * n_tokens, f"{bpt} B/token x {n_tokens:,} tokens"))
+    if not hw.host:
+        plan.assumptions.append(f"GPU throughput: {hw.tflops:g} TFLOPS x MFU {hw.mfu:.0%}; regeneration at "
+                                f"{hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s")
     peak = hw.tflops * 1e12 * hw.mfu * world
     prefill = 2 * s.target_active_params * n_tokens / peak
     gen_tokens = n_tokens * 0.5  # regenerated replies: about half of the tokens (assumption)
@@ -437,21 +465,25 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     head_flops = 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
     steps = t.epochs * n_tokens * (1 - t.eval_fraction)
     train_s = head_flops * steps / peak
+    if data.regenerates:
+        plan.time.append(Item(
+            "data prep: regenerate replies", gen, f"~{gen_tokens:,.0f} new tokens (assumed half of the tokens), batch "
+            f"{cfg.data.gen_batch_size}, {replicas} target replica(s) of {per_replica} GPU(s) ({weight_bytes / GB:.2g} GB "
+            f"of weights) at {hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s (HF generate; data.backend=openai with a "
+            "serving engine is faster)"))
+    if data.caches:
+        plan.time.append(Item("data prep: cache features (prefill)", prefill,
+                              f"2 x {_count(s.target_active_params)} x tokens"))
+    plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (head 6P + "
+                                               "lm_head)"))
     plan.traffic = traffic_items(cfg, hw, P)
-    opt_steps = t.epochs * records * (1 - t.eval_fraction) / (t.micro_batch_size * t.grad_accum * world)
-    net_s = sum(i.bytes for i in plan.traffic) * opt_steps / (hw.net_gbps * 1e9 / 8)
-    plan.time += [
-        Item("data prep: regenerate replies", gen, f"~{gen_tokens:,.0f} new tokens, batch {cfg.data.gen_batch_size}, "
-             f"{replicas} target replica(s) of {per_replica} GPU(s) ({weight_bytes / GB:.0f} GB of weights) at "
-             f"{hw.decode_eff:.0%} of {hw.mem_bw_gbs:g} GB/s (HF generate; data.backend=openai with a serving engine "
-             f"is faster)"),
-        Item("data prep: cache features (prefill)", prefill, f"2 x {s.target_active_params / 1e9:.1f}B x tokens"),
-        Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.1f} GFLOP/token (head 6P + lm_head)"),
-    ]
     if plan.traffic:
-        plan.time.append(Item("training: inter-node traffic", net_s,
-                              f"~{opt_steps:,.0f} steps x {sum(i.bytes for i in plan.traffic) / GB:.2f} GB at "
-                              f"{hw.net_gbps:g} Gb/s per node (not overlapped: an upper bound)"))
+        records = n_tokens / data.tokens_per_record
+        opt_steps = t.epochs * records * (1 - t.eval_fraction) / (t.micro_batch_size * t.grad_accum * world)
+        per_step = sum(i.bytes for i in plan.traffic)
+        plan.time.append(Item("training: inter-node traffic", per_step * opt_steps / (hw.net_gbps * 1e9 / 8),
+                              f"~{opt_steps:,.0f} steps x {per_step / GB:.2f} GB at {hw.net_gbps:g} Gb/s per node (not "
+                              "overlapped: an upper bound)"))
     return plan
 
 
@@ -475,16 +507,63 @@ def traffic_items(cfg, hw: Hardware, P: int) -> list[Item]:
     return items
 
 
-def data_size(cfg) -> tuple[int, int, str]:
-    """(records, tokens per record, where from): a finished cache's manifest, else data.max_records, else the
-    ShareGPT assumption."""
-    manifest = layout.cache_dir(cfg) / "manifest.json"
-    if manifest.exists():
-        m = json.loads(manifest.read_text())
-        return int(m["num_records"]), max(1, int(m["num_tokens"]) // max(1, int(m["num_records"]))), f"cache {manifest}"
-    records = cfg.data.max_records or DEFAULT_RECORDS
-    per = min(DEFAULT_TOKENS_PER_RECORD, cfg.data.max_length)
-    return int(records), per, f"assumed {records:,} records x {per} tokens"
+
+
+@dataclass
+class DataSize:
+    """How much data the plan counts with, and which data-prep stages are still to run."""
+
+    records: int
+    tokens_per_record: int
+    source: str  # what was read or assumed (printed)
+    regenerates: bool = False  # data prep will regenerate the replies
+    caches: bool = False  # a feature cache is still to be built (by data prep or train.corpus_cache)
+
+
+def data_size(cfg) -> DataSize:
+    """The recipe's own data: a finished cache's manifest (nothing left to prepare); else data.source (a local file
+    is counted; a hub dataset is assumed ShareGPT-sized); else, for the embedded default target, its conversations;
+    else (no data.source, e.g. stories260k, whose cache train.corpus_cache builds) unknown: 0 records."""
+    d = cfg.data
+    cache = layout.cache_dir(cfg)
+    if (cache / "parts").is_dir():  # the part manifests (manifest.json is a derived summary nothing reads)
+        m = merge_manifests(cache)
+        n = int(m["num_records"])
+        return DataSize(n, max(1, int(m["num_tokens"]) // max(1, n)), f"{n:,} records, {int(m['num_tokens']):,} tokens "
+                        f"in the feature cache {cache} (data prep done)")
+    per = min(DEFAULT_TOKENS_PER_RECORD, d.max_length)
+    tokens = f"x {per} tokens each (assumed: {DEFAULT_TOKENS_PER_RECORD} per record, at most data.max_length)"
+    stages = dict(regenerates=d.regenerate, caches=True)
+    if d.source:
+        counted = count_records(Path(d.source)) if Path(d.source).is_file() else None
+        if counted is not None:
+            n = min(counted, d.max_records or counted)
+            return DataSize(n, per, f"{n:,} records of {d.source} {tokens}", **stages)
+        n = d.max_records or DEFAULT_RECORDS
+        how = "data.max_records" if d.max_records else "assumed: the size of ShareGPT_V4.3, not found here to count"
+        return DataSize(n, per, f"{n:,} records of {d.source} ({how}) {tokens}", **stages)
+    if not cfg.target.path:
+        n = len(default_conversations("train"))
+        n = min(n, d.max_records or n)
+        return DataSize(n, per, f"{n:,} conversations of the embedded default target (the data.source the demo "
+                        f"passes) {tokens}", **stages)
+    return DataSize(0, per, "data.source is empty and no feature cache exists at "
+                    f"{layout.cache_dir(cfg)}: build it (data_prep with data.source=..., or train.corpus_cache for raw "
+                    "text) or pass --tokens", caches=True)
+
+
+def count_records(path: Path) -> int | None:
+    """Records in a local .json (a list) or .jsonl file; None for other formats (parquet, csv: not counted here)."""
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, OSError):
+            return None
+        return len(data) if isinstance(data, list) else None
+    return None
 
 
 def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
@@ -522,7 +601,17 @@ def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
 def _hms(seconds: float) -> str:
     if seconds >= 86400:
         return f"{seconds / 86400:.1f} days"
+    if seconds < 60:
+        return f"{seconds:.2g} s"
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def _count(n: float) -> str:
+    """A parameter count at a readable scale (8.03B, 0.87M, 260K)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def format_plan(cfg, plan: Plan) -> str:
@@ -531,39 +620,45 @@ def format_plan(cfg, plan: Plan) -> str:
     where = (f"1 CPU process (host mode, {t.precision if t.precision != 'fp16' else 'fp32'})" if hw.host else
              f"{hw.nodes} node(s) x {hw.gpus} GPU(s) x {hw.gpu_mem_gb:g} GB")
     lines = [f"plan for recipe {cfg.name}: {where}; {s.kind} head, {s.head_trainable / 1e6:.1f}M trainable params over a "
-             f"{s.target_params / 1e9:.2f}B target (H {s.hidden}, V {s.vocab}, I {s.intermediate}, "
+             f"{_count(s.target_params)} target (H {s.hidden}, V {s.vocab}, I {s.intermediate}, "
              f"{s.heads}/{s.kv_heads} heads); {t.mode} mode, ZeRO-{t.zero_stage}, {t.precision}, micro-batch "
              f"{t.micro_batch_size} x {cfg.data.max_length} tokens, loss_chunk {t.loss_chunk}",
              f"  {'memory per ' + ('process' if hw.host else 'GPU'):<36} {'GB':>7}  note"]
     for i in plan.memory:
         when = " + ".join(i.phases) + " only" if i.phases else ""
         note = "; ".join(x for x in (i.note, when) if x)
-        lines.append(f"  {i.name:<36} {i.bytes / GB:7.2f}  {note}")
+        lines.append(f"  {i.name:<36} {_gb(i.bytes)}  {note}")
     need, phase = peak_bytes([i for i in plan.memory if i.name != "allocator reserve"])
-    lines.append(f"  {'peak (without the reserve)':<36} {need / GB:7.2f}  in the {phase} -> {plan.verdict}")
-    lines.append(f"  {'disk':<36} {'GB':>7}")
+    lines.append(f"  {'peak (without the reserve)':<36} {_gb(need)}  in the {phase} -> {plan.verdict}")
+    if plan.disk:
+        lines.append(f"  {'disk':<36} {'GB':>7}")
     for i in plan.disk:
-        lines.append(f"  {i.name:<36} {i.bytes / GB:7.1f}  {i.note}")
+        lines.append(f"  {i.name:<36} {_gb(i.bytes)}  {i.note}")
     if hw.host:
         lines.append("  time: not planned in host mode (the figures assume GPUs)")
-        return "\n".join(lines)
-    if plan.traffic:
-        lines.append(f"  {'inter-node traffic per step, per node':<36} {'GB':>7}  ZeRO-{t.zero_stage}, "
-                     f"{hw.world} ranks in a ring over {hw.nodes} nodes")
-        for i in plan.traffic:
-            lines.append(f"  {i.name:<36} {i.bytes / GB:7.3f}  {i.note}")
-    lines.append(f"  {'time (' + str(hw.world) + ' GPUs' + (f' on {hw.nodes} nodes' if hw.nodes > 1 else '') + ')':<36} {'':>7}  "
-                 f"assumed {hw.tflops:g} TFLOPS x MFU {hw.mfu:.0%} per GPU")
-    for i in plan.time:
-        lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
+    elif plan.time:
+        if plan.traffic:
+            lines.append(f"  {'inter-node traffic per step, per node':<36} {'GB':>7}  ZeRO-{t.zero_stage}, "
+                         f"{hw.world} ranks in a ring over {hw.nodes} nodes")
+            for i in plan.traffic:
+                lines.append(f"  {i.name:<36} {i.bytes / GB:7.3f}  {i.note}")
+        lines.append(f"  {'time (' + str(hw.world) + ' GPUs' + (f' on {hw.nodes} nodes' if hw.nodes > 1 else '') + ')':<36}")
+        for i in plan.time:
+            lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
+    lines += [f"  assumed: {a}" for a in plan.assumptions]
     return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    """Bytes as GB in the table's 7-character column, small sizes with their significant digits."""
+    return f"{n / GB:7.2f}" if n >= 0.01 * GB or n == 0 else f"{n / GB:7.1e}"
 
 
 def plan_as_dict(plan: Plan) -> dict:
     return {"fits": plan.fits, "verdict": plan.verdict, "total_bytes": plan.total,
             "memory": {i.name: i.bytes for i in plan.memory}, "disk": {i.name: i.bytes for i in plan.disk},
             "time_s": {i.name: i.bytes for i in plan.time}, "traffic_per_step": {i.name: i.bytes for i in plan.traffic},
-            "shape": plan.shape.__dict__, "knobs": plan.knobs}
+            "shape": plan.shape.__dict__, "knobs": plan.knobs, "assumptions": plan.assumptions}
 
 
 def hardware_for_run(ctx) -> Hardware:
@@ -592,16 +687,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides (as for train/main.py)")
     d = Hardware()
-    p.add_argument("--gpus", type=int, default=d.gpus, help="GPUs per node (default %(default)s)")
-    p.add_argument("--nodes", type=int, default=d.nodes, help="nodes (default %(default)s)")
-    p.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb, help="memory per GPU in GB (default %(default)s, RTX 3090)")
-    p.add_argument("--tflops", type=float, default=d.tflops, help="GPU dense 16-bit peak TFLOPS (default %(default)s, RTX 3090)")
-    p.add_argument("--mfu", type=float, default=d.mfu, help="achieved fraction of peak (default %(default)s)")
-    p.add_argument("--mem-bw-gbs", type=float, default=d.mem_bw_gbs, help="GPU memory bandwidth GB/s (default %(default)s)")
-    p.add_argument("--cuda-context-gb", type=float, default=d.cuda_context_gb, help="per-process CUDA context (default %(default)s)")
-    p.add_argument("--reserve", type=float, default=d.reserve, help="fraction kept free for fragmentation (default %(default)s)")
-    p.add_argument("--net-gbps", type=float, default=d.net_gbps, help="inter-node network per node in Gbit/s (default %(default)s)")
-    p.add_argument("--tokens", type=int, default=None, help="training tokens (default: the cache manifest, else an assumption)")
+    count, positive = bounded(int, at_least=1), bounded(float, above=0)
+    p.add_argument("--gpus", type=count, default=d.gpus, help="GPUs per node (default %(default)s)")
+    p.add_argument("--nodes", type=count, default=d.nodes, help="nodes (default %(default)s)")
+    p.add_argument("--gpu-mem-gb", type=positive, default=d.gpu_mem_gb, help="memory per GPU in GB (default %(default)s, RTX 3090)")
+    p.add_argument("--tflops", type=positive, default=d.tflops, help="GPU dense 16-bit peak TFLOPS (default %(default)s, RTX 3090)")
+    p.add_argument("--mfu", type=bounded(float, above=0, at_most=1), default=d.mfu,
+                   help="achieved fraction of peak (default %(default)s)")
+    p.add_argument("--mem-bw-gbs", type=positive, default=d.mem_bw_gbs, help="GPU memory bandwidth GB/s (default %(default)s)")
+    p.add_argument("--cuda-context-gb", type=bounded(float, at_least=0), default=d.cuda_context_gb,
+                   help="per-process CUDA context (default %(default)s)")
+    p.add_argument("--reserve", type=bounded(float, at_least=0, below=1), default=d.reserve,
+                   help="fraction kept free for fragmentation (default %(default)s)")
+    p.add_argument("--net-gbps", type=positive, default=d.net_gbps, help="inter-node network per node in Gbit/s (default %(default)s)")
+    p.add_argument("--tokens", type=count, default=None, help="training tokens (default: the cache manifest, else an assumption)")
     p.add_argument("--host", action="store_true", help="one CPU process instead of GPUs (--gpu-mem-gb = RAM for it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     add_print_config(p)
@@ -610,25 +709,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @one_line_errors
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        for name in ("gpus", "nodes"):
-            if getattr(args, name) < 1:
-                raise PlanError(f"--{name}={getattr(args, name)}: expected >= 1")
-        for name in ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs", "net_gbps"):
-            if getattr(args, name) <= 0:
-                raise PlanError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
-        if not 0 <= args.reserve < 1:
-            raise PlanError(f"--reserve={args.reserve}: expected 0 <= reserve < 1")
-
-        cfg = command_config(args)
-        hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
-                      mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
-                      host=args.host, net_gbps=args.net_gbps)
-        plan = build_plan(cfg, hw, tokens=args.tokens)
-    except (PlanError, RecipeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parse_args(argv)  # every number range-checked here (eagle.cli_errors.bounded)
+    cfg = command_config(args)
+    hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
+                  mem_bw_gbs=args.mem_bw_gbs, cuda_context_gb=args.cuda_context_gb, reserve=args.reserve,
+                  host=args.host, net_gbps=args.net_gbps)
+    plan = build_plan(cfg, hw, tokens=args.tokens)  # errors: one line from one_line_errors (--debug: the traceback)
     print(json.dumps(plan_as_dict(plan), indent=1) if args.json else format_plan(cfg, plan))
     return 0
 
