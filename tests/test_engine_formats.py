@@ -317,10 +317,10 @@ def test_hub_stages_an_engine_format_with_serving_commands(tmp_path, fmt):
     cfg = load_config("tiny", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
                                "export.repo_id=someone/head-x"])
     result = push_to_hub(cfg, dry_run=True, fmt=fmt)
-    assert result["files"] == ["README.md", "config.json", "model.safetensors"]
-    staged = json.loads((tmp_path / "run" / "hub_upload" / "config.json").read_text())
+    assert result["files"] == ["README.md", "config.json", "model.safetensors", "recipe.yaml"]  # the card cites it
+    staged = json.loads((tmp_path / "run" / f"hub_upload-{fmt}" / "config.json").read_text())  # one folder per format
     assert staged.get("bias") in (None, False)
-    card = (tmp_path / "run" / "hub_upload" / "README.md").read_text()
+    card = (tmp_path / "run" / f"hub_upload-{fmt}" / "README.md").read_text()
     assert "## Serving" in card and f"vllm serve {tmp_path / 'target'} --speculative-config" in card
     assert "python -m sglang.launch_server" in card and "--speculative-algorithm EAGLE " in card
     assert ('"model": "someone/head-x"' in card) == (fmt == "vllm")

@@ -7,6 +7,7 @@ swaps in `weights_only_load` (torch's weights-only unpickler with an allow-list 
 its checkpoints hold, `SAFE_GLOBALS`); a checkpoint holding anything else is refused, naming the file."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -18,10 +19,12 @@ import numpy as np
 import torch
 
 from eagle.cli_errors import UserError
+from eagle.head_kinds import head_kind
 from train.distributed import barrier
 
 TAG_PREFIX = "step-"
 TAG_PATTERN = re.compile(r"step-\d{8}")
+HEAD_FILE = "head.json"  # in each checkpoint folder: the kind and tensor shapes of the head it holds
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -51,6 +54,47 @@ def weights_only_load(path, map_location=None):
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"checkpoint file {path} is unreadable ({' '.join(str(e).split())[:200]}); delete its folder "
                               "and rerun to resume from the previous checkpoint, or set train.resume=false") from None
+
+
+def head_signature(module) -> dict:
+    """The head a checkpoint holds, as resume compares it: its kind and every tensor's full shape (ZeRO-3 keeps a
+    partitioned parameter's full shape in `ds_shape`)."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {"kind": module.kind.name,
+            "shapes": {n: list(getattr(t, "ds_shape", None) or t.shape) for n, t in tensors}}
+
+
+def describe_head(sig: dict) -> str:
+    return f"an {head_kind(sig['kind']).title} head (kind {sig['kind']})"
+
+
+def check_checkpoint_head(ckpt: Path, module, config_name: str) -> None:
+    """CheckpointError (one line naming both heads and the way out) when checkpoint `ckpt` holds another head kind or
+    other shapes than this run's `module` (a rerun of the run folder with another recipe); checkpoints written before
+    the file existed are checked by the loader's own error (`load_checkpoint`)."""
+    f = Path(ckpt) / HEAD_FILE
+    if not f.exists():
+        return
+    try:
+        saved = json.loads(f.read_text())
+        saved_kind = saved["kind"]
+        head_kind(saved_kind)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {f.name} is damaged ({' '.join(str(e).split())[:120]}); delete "
+                              "the checkpoint folder to resume from an earlier one") from None
+    mine = head_signature(module)
+    if saved == mine:
+        return
+    way_out = (f"resume needs the same head: use a new output_dir for this recipe, or delete {Path(ckpt).parent} "
+               "to start this run over")
+    if saved_kind != mine["kind"]:
+        raise CheckpointError(f"checkpoint {ckpt} holds {describe_head(saved)}, but this run ({config_name}) builds "
+                              f"{describe_head(mine)}: {way_out}")
+    a, b = saved.get("shapes", {}), mine["shapes"]
+    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    shapes = ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in diff[:3])
+    raise CheckpointError(f"checkpoint {ckpt} holds {describe_head(saved)} of other shapes than this run's "
+                          f"({config_name}): {shapes} (checkpoint vs this run): {way_out}")
 
 
 def tag_for(step: int) -> str:
@@ -101,6 +145,8 @@ def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_las
         (root / tag).mkdir(parents=True, exist_ok=True)
         # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
         torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
+        if rank == 0:
+            (root / tag / HEAD_FILE).write_text(json.dumps(head_signature(engine.module)) + "\n")
         barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state}, save_latest=False)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -153,7 +199,17 @@ def load_checkpoint(engine, root: Path, tag: str, rank: int) -> dict:
             "resume with the same number of processes"
         )
     engine.checkpoint_engine.load = weights_only_load  # DeepSpeed's own load unpickles with weights_only=False
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    try:
+        path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+    except RuntimeError as e:  # an older checkpoint (no head.json) of another head: torch's state-dict mismatch
+        if "state_dict" not in str(e) and "size mismatch" not in str(e):
+            raise
+        first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln or "Missing key" in ln
+                      or "Unexpected key" in ln), str(e).splitlines()[0])
+        raise CheckpointError(f"checkpoint {root / tag} holds another head than this run builds ({first[:200]}): "
+                              f"resume needs the same head: use a new output_dir for this recipe, or delete {root} "
+                              "to start this run over") from None
     if path is None or "trainer_state" not in (client or {}):
         raise CheckpointError(f"could not load checkpoint {root / tag} (DeepSpeed returned {path!r})")
     set_rng_state(weights_only_load(rng_file))

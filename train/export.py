@@ -11,18 +11,17 @@ The folder also carries `recipe.yaml` and `train_summary.json` (read by the mode
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from safetensors import SafetensorError
 
+from eagle.atomic_folder import write_folder
 from eagle.cli_errors import UserError
+from eagle.head_checks import check_head_weights
 from eagle.head_files import head_class
 from eagle.head_module import HeadModule
 from train.divergence import DivergenceError
@@ -77,33 +76,23 @@ def check_exportable(state_dict: dict[str, torch.Tensor], dtype: str, out_dir: P
 
 def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtype: str, legacy_bin: bool,
                 recipe=None, summary: dict | None = None) -> Path:
-    """Write the head folder atomically (a temporary sibling renamed into place); `config` decides the layout. A
-    previous export is replaced only by a complete, finite one."""
-    check_exportable(state_dict, dtype, Path(out_dir))
+    """Write the head folder atomically (eagle/atomic_folder.py: a temporary sibling moved into place, the run's old
+    export replaced whole); `config` decides the layout. Checked first (nothing written otherwise): finite, not
+    exploded, fits the export dtype, and the checks every export shares (eagle/head_checks.py)."""
+    out_dir = Path(out_dir)
+    check_exportable(state_dict, dtype, out_dir)
+    check_head_weights(config, state_dict, f"not exporting to {out_dir}")
     head = head_class(config)(config)
     head.load_state_dict(state_dict, strict=True)
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+
+    def fill(tmp: Path) -> None:
         head.save_pretrained(tmp, legacy_bin=legacy_bin, dtype=EXPORT_DTYPES[dtype])
         if recipe is not None:
             (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
         if summary is not None:
             (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # the previous export (if any) was not touched
-        if isinstance(e, (OSError, RuntimeError, SafetensorError)) and not isinstance(e, DivergenceError):
-            raise UserError(f"could not export the head to {out_dir} ({' '.join(str(e).split())[:160]}); "
-                            "the previous export, if any, is unchanged") from None
-        raise
-    old = out_dir.with_name(out_dir.name + f".old{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)  # kept until the new folder is in place
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return out_dir
+
+    return write_folder(out_dir, fill, overwrite=True)  # the run's own head folder: a rerun replaces it
 
 
 def push_exported_head(head_dir: Path) -> None:

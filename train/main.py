@@ -34,8 +34,8 @@ from recipes import add_print_config, command_config, layout, list_recipes  # no
 from recipes.schema import describe_recipe_keys  # noqa: E402
 from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
-from train.checkpoint import (CheckpointError, commit_checkpoint, discard_uncommitted, latest_tag,  # noqa: E402
-                              load_checkpoint, save_checkpoint)
+from train.checkpoint import (CheckpointError, check_checkpoint_head, commit_checkpoint,  # noqa: E402
+                              discard_uncommitted, latest_tag, load_checkpoint, save_checkpoint)
 from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions,  # noqa: E402
                         micro_batch_loader, split_train_eval)
 from train.distributed import (all_reduce_sum, destroy_process_groups, exit_process, init_distributed,  # noqa: E402
@@ -188,7 +188,9 @@ class Trainer:
         state = {"step": 0, "micro_step": 0, "tokens": 0, "train_time": 0.0, "train_cpu": 0.0, "bad_in_row": 0,
                  "skipped": 0, "evaluated_epochs": 0, "data": fingerprint}
         tag = latest_tag(self.ckpt_root) if t.resume else None
-        if tag is not None:
+        if tag is not None:  # another head kind or shape (a rerun with another recipe): one line before torch's
+            check_checkpoint_head(self.ckpt_root / tag, self.engine.module,
+                                  f"recipe {self.cfg.name!r}, head.kind={self.cfg.head.kind}")
             state = load_checkpoint(self.engine, self.ckpt_root, tag, self.ctx.rank)
             if state["data"] != fingerprint:
                 raise CheckpointError(f"checkpoint {self.ckpt_root / tag} was made with data/batching {state['data']}, "
