@@ -14,7 +14,7 @@ from eagle.head import EagleHead
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function, float64
 from recipes import RecipeError, load_config
 from test_train_helpers import gloo_world, overrides, save_target, write_cache
-from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
+from tiny_models import assert_unroll_ignores_padding, random_head, single_thread, tiny_target  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 # one head step: fc over [embed; feature] (2H = 128 terms), then a decoder layer
@@ -92,19 +92,7 @@ def test_step_j_is_what_decoding_computes_for_a_drafted_chain(fast, kwargs):
 def test_unroll_with_padding_equals_the_unpadded_sequence(setup, side):
     target, head, ids, feats = setup
     head, feats = float64(copy.deepcopy(head), feats)
-    steps, n, pad = 3, 9, 3
-    ids_p = torch.zeros(1, n + pad, dtype=torch.long)
-    f_p = torch.zeros(1, n + pad, 64, dtype=torch.float64)
-    am = torch.zeros(1, n + pad, dtype=torch.long)
-    sl = slice(0, n) if side == "right" else slice(pad, n + pad)
-    ids_p[0, sl], f_p[0, sl], am[0, sl] = ids[0, :n], feats[0, :n], 1
-    with torch.no_grad():
-        hs = head.unroll(f_p, ids_p, am, steps=steps)
-        ref = head.unroll(feats[:1, :n], ids[:1, :n], steps=steps)
-    for j in range(steps):
-        valid = n - j  # indices whose step-j token is inside the real sequence
-        assert_same_function(hs[j][0, sl][:valid], ref[j][0, :valid], terms=STEP_TERMS,
-                             chained=(j + 1) * STEP_REDUCTIONS, msg=f"step {j + 1}")
+    assert_unroll_ignores_padding(head, ids, feats, side, STEP_TERMS, STEP_REDUCTIONS)
 
 
 def test_backward_of_later_steps_reaches_every_trained_parameter(setup):
