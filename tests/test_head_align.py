@@ -179,3 +179,15 @@ def test_plan_counts_the_aligned_steps():
     strided = items("head.align_steps=3", "head.align_row_stride=4")
     for name in ("head activations", "token-loss gradient"):
         assert plain[name] < strided[name] < three[name], name
+
+
+def test_model_card_states_the_alignment():
+    """The Hub card's loss row names the alignment of an aligned head (a plain head's card is pinned in
+    tests/test_export_pin.py)."""
+    from export.head_kinds import EXPORT
+    from eagle.head_kinds import EAGLE2
+
+    plain = EXPORT[EAGLE2].card_loss(load_config("tiny", []))
+    aligned = EXPORT[EAGLE2].card_loss(load_config("tiny", ["head.align_steps=3"]))
+    assert "alignment" not in plain
+    assert aligned.startswith(plain[:-2]) and "3 unrolled steps" in aligned and "1.00, 0.80, 0.64" in aligned
