@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eagle.head_checks import layout_problems
@@ -21,6 +22,7 @@ from eagle.head_files import _load_weights, _resolve_head_files, read_head_confi
 from eagle.head_kinds import EAGLE2, HeadConfigError
 from eagle.head_module import HeadModule
 from eagle.layers import DecoderLayer, Rotary, init_head_weights
+from eagle.unroll import padded_positions, unroll_self_fed
 
 
 class EagleHead(HeadModule, kind=EAGLE2):
@@ -61,12 +63,18 @@ class EagleHead(HeadModule, kind=EAGLE2):
         next_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        steps: int | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Training forward, causal over the sequence.
 
         features [B, T, H]: target features f_t;  next_ids [B, T]: the token that follows f_t;
         attention_mask [B, T]: 1 = real token (right or left padding). Returns predicted f_{t+1} [B, T, H].
+        steps (int): `unroll(features, next_ids, attention_mask, steps, rows)` instead (a list of hiddens), so a
+        DeepSpeed engine wrapping the head runs the unrolled training through its forward hooks.
         """
+        if steps is not None:
+            return self.unroll(features, next_ids, attention_mask, steps=steps, rows=rows)
         B, T, _ = features.shape
         x = self.fc(torch.cat([self.embed_tokens(next_ids).to(features.dtype), features], dim=-1))  # [B, T, H]
         mask = None
@@ -81,6 +89,45 @@ class EagleHead(HeadModule, kind=EAGLE2):
             position_ids = torch.arange(T, device=x.device)[None]  # [1, T]
         cos, sin = self.rotary(position_ids, x.dtype)
         return self.layers[0](x, cos, sin, mask, is_causal=mask is None)
+
+    def unroll(self, features: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training forward with HASS-style multi-step alignment: the head unrolled `steps` times on its own features.
+
+        Step 1 [B, T, H] = `forward` (index t reads the true f_t and x_{t+1}; predicts f_{t+1}). Step j >= 2
+        [B, R, H] at index t reads ITS OWN step j-1 prediction (of f_{t+j-1}) with the data's token x_{t+j} at
+        position t + j - 1, and attends to the step-1 keys at indices <= t plus its own steps 2..j: the context a
+        drafted chain sees when decoding (eagle/unroll.py). Step j's output at t predicts f_{t+j}; indices where
+        t + j - 1 runs off the sequence must be masked by the caller. rows [R] (sorted, None = all T): the indices
+        where steps >= 2 run. steps = 1 is `forward` itself (the plain EAGLE-2 training, bit for bit).
+        """
+        if steps < 1:
+            raise ValueError(f"steps={steps}: must be >= 1")
+        if steps == 1:
+            return [self(features, next_ids, attention_mask)]
+        B, T, _ = features.shape
+        layer, attn = self.layers[0], self.layers[0].self_attn
+        dev, dt = features.device, features.dtype
+        x = self.fc(torch.cat([self.embed_tokens(next_ids).to(dt), features], dim=-1))  # [B, T, H]
+        real, pos, mask = padded_positions(attention_mask, T, dev)  # [B, T] | None, [B|1, T], [B, 1, T, T] | None
+        cos, sin = self.rotary(pos, dt)
+        q, k1, v1 = attn.qkv(x, cos, sin)  # [B, h, T, D], [B, kv, T, D] x 2
+        out = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=attn.n_kv != attn.n_heads)  # [B, h, T, D]
+        hidden = self._finish(x, attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))  # [B, T, H]
+
+        def prepare(emb: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = self.fc(torch.cat([emb, prev], dim=-1))  # [B, R, H]: the attention input is also the residual
+            return x, x
+
+        return [hidden] + unroll_self_fed(attn, self.rotary, self.embed_tokens, prepare, self._finish, hidden, k1, v1,
+                                          next_ids, pos, real, steps, rows)
+
+    def _finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The decoder layer after its attention: residual, post-attention norm, MLP (as `DecoderLayer.forward`)."""
+        layer = self.layers[0]
+        x = x + attn_out
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     # -- checkpoint I/O ---------------------------------------------------------------
     @classmethod

@@ -10,7 +10,6 @@ and vLLM: id j = HF `output_hidden_states[j]` = the residual stream ENTERING dec
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -23,27 +22,8 @@ from eagle.head_decoder import Eagle3HeadDecoder
 from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError, draft_vocab_problems
 from eagle.head_module import HeadModule
-from eagle.layers import MLP, Attention, RMSNorm, Rotary, accumulation_dtype, init_head_weights
-
-
-UNROLL_ROW_CHUNKS = 4  # Eagle3Head.unroll splits the query rows of steps >= 2 into this many causal chunks
-
-
-def _prefix_diag_attention(q, k1, v1, bias, dk, dv):
-    """Attention of training-time-test step j: each query row r attends to the step-1 keys (additive bias masks the
-    ones after its index / padding) and to its OWN keys of steps 2..j (the diagonal).
-    q [B, h, R, D]; k1, v1 [B, kv, S, D]; bias [B|1, R, S]; dk, dv [B, kv, R, n, D] -> [B, h, R, D]."""
-    B, h, R, D = q.shape
-    kv, S, n = k1.shape[1], k1.shape[2], dk.shape[3]
-    g = h // kv
-    qg = q.reshape(B, kv, g * R, D) * (1.0 / math.sqrt(D))  # query heads of a kv group stacked: no K/V copies
-    s_prefix = (qg @ k1.transpose(-1, -2)).view(B, kv, g, R, S) + bias[:, None, None]  # [B, kv, g, R, S]
-    s_diag = (qg.view(B, kv, g, R, 1, D) * dk[:, :, None]).sum(-1)  # [B, kv, g, R, n]
-    s = torch.cat([s_prefix, s_diag], dim=-1)  # [B, kv, g, R, S + n]
-    p = s.softmax(-1, dtype=accumulation_dtype(q.dtype)).to(q.dtype)
-    o = (p[..., :S].reshape(B, kv, g * R, S) @ v1).view(B, kv, g, R, D)
-    o = o + (p[..., S:, None] * dv[:, :, None]).sum(-2)  # + diagonal values
-    return o.reshape(B, h, R, D)
+from eagle.layers import MLP, Attention, RMSNorm, Rotary, init_head_weights
+from eagle.unroll import padded_positions, unroll_self_fed
 
 
 class Eagle3Layer(nn.Module):
@@ -147,13 +127,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         dev, dt = aux.device, aux.dtype
         feat = self.fc(aux)  # [B, T, H]
         emb = self.embed_tokens(next_ids).to(dt)  # [B, T, H]
-        real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()  # [B, T]
-        pos = torch.arange(T, device=dev)[None] if real is None else (real.long().cumsum(-1) - 1).clamp(min=0)  # [B|1, T]
-        mask = None
-        if real is not None:
-            causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()  # [T, T]
-            mask = causal[None] & real[:, None, :] | torch.eye(T, dtype=torch.bool, device=dev)[None]  # pad rows see self
-            mask = mask.unsqueeze(1)  # [B, 1, T, T]
+        real, pos, mask = padded_positions(attention_mask, T, dev)  # [B, T] | None, [B|1, T], [B, 1, T, T] | None
         cos, sin = self.rotary(pos, dt)
         q, k1, v1 = attn.qkv(layer.attn_input(emb, feat), cos, sin)  # [B, h, T, D], [B, kv, T, D] x 2
         out = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, is_causal=mask is None,
@@ -162,36 +136,9 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         hiddens = [hidden]
         if steps == 1:
             return hiddens
-        h_, kv_, D = attn.n_heads, attn.n_kv, attn.head_dim
-        idx = torch.arange(T, device=dev) if rows is None else rows.to(dev)  # [R]
-        R = idx.numel()
-        # row chunks: chunk c reads step-1 keys [0, end_c) only (causality), ~(1 + 1/n) / 2 of the full score matrix
-        bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
-        bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
-        ends = (idx[torch.tensor([hi - 1 for _, hi in bounds], device=dev)] + 1).tolist()  # one host sync per unroll
-        visible = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
-        visible = visible[None] if real is None else visible[None] & real[:, None, :]  # [B|1, R, T]
-        bias = torch.zeros(visible.shape, dtype=dt, device=dev).masked_fill_(~visible, torch.finfo(dt).min)
-        ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
-        pos_r = pos[:, idx]  # [B|1, R]
-        prev = hidden if rows is None else hidden[:, idx]  # [B, R, H]
-        # k1/v1 are transposed views of the projections ([B, T, kv, D] underneath): with B > 1 every prefix slice
-        # below would be copied by matmul (per chunk and per step, and kept for backward); one copy serves them all
-        k1, v1 = k1.contiguous(), v1.contiguous()  # [B, kv, T, D]
-        diag_k, diag_v = [], []  # per step >= 2: [B, kv, R, D]
-        for j in range(2, steps + 1):
-            tok_emb = self.embed_tokens(ids_ext[:, idx + j - 1]).to(dt)  # [B, R, H]
-            cos, sin = self.rotary(pos_r + j - 1, dt)
-            q, k, v = attn.qkv(layer.attn_input(tok_emb, prev), cos, sin)  # [B, h, R, D], [B, kv, R, D] x 2
-            diag_k.append(k)
-            diag_v.append(v)
-            dk, dv = torch.stack(diag_k, dim=-2), torch.stack(diag_v, dim=-2)  # [B, kv, R, j - 1, D]
-            o = torch.cat([_prefix_diag_attention(q[:, :, lo:hi], k1[:, :, :end], v1[:, :, :end],
-                                                  bias[:, lo:hi, :end], dk[:, :, lo:hi], dv[:, :, lo:hi])
-                           for (lo, hi), end in zip(bounds, ends)], dim=2)  # [B, h, R, D]
-            prev = layer.finish(prev, attn.o_proj(o.transpose(1, 2).reshape(B, R, h_ * D)))  # [B, R, H]
-            hiddens.append(prev)
-        return hiddens
+        return hiddens + unroll_self_fed(attn, self.rotary, self.embed_tokens,
+                                         lambda emb, prev: (layer.attn_input(emb, prev), prev), layer.finish,
+                                         hidden, k1, v1, next_ids, pos, real, steps, rows)
 
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:

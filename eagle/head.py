@@ -3,7 +3,7 @@ eagle/eagle3.py), their config (eagle/head_config.py), their kinds (eagle/head_k
 (eagle/head_files.py) and the target tensors they take (eagle/target_weights.py). This module only hands those
 names on, so `from eagle.head import ...` keeps working; code inside the project imports them where they live."""
 from eagle.eagle2 import EagleHead
-from eagle.eagle3 import UNROLL_ROW_CHUNKS, Eagle3Head, Eagle3Layer, _prefix_diag_attention
+from eagle.eagle3 import Eagle3Head, Eagle3Layer
 from eagle.head_config import HeadConfig, check_head_fits_target, head_config_from_target, read_head_config
 from eagle.head_files import (CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAME, _load_weights, _resolve_head_files,
                               check_head_files, head_class, load_head)
@@ -13,6 +13,7 @@ from eagle.head_module import HeadModule, count_parameters
 from eagle.layers import (MLP, Attention, DecoderLayer, RMSNorm, Rotary, accumulation_dtype, init_head_weights, linear_t,
                           positions_end, rms_norm, rotate_half, rotate_rolled, rows_at, signed_sin)
 from eagle.target_weights import EMBED_KEYS, LM_HEAD_KEYS, load_target_embedding_and_lm_head
+from eagle.unroll import UNROLL_ROW_CHUNKS, prefix_diag_attention, unroll_self_fed
 
 __all__ = [
     "HeadConfig", "HeadConfigError", "EagleHead", "Eagle3Head", "load_head", "head_class", "head_config_from_target",
@@ -21,5 +22,5 @@ __all__ = [
     "check_head_fits_target", "read_head_config", "check_head_files", "HeadModule", "Eagle3Layer", "UNROLL_ROW_CHUNKS",
     "MLP", "Attention", "DecoderLayer", "RMSNorm", "Rotary", "init_head_weights", "linear_t", "positions_end",
     "rms_norm", "rotate_half", "rotate_rolled", "rows_at", "signed_sin", "EMBED_KEYS", "LM_HEAD_KEYS",
-    "_load_weights", "_resolve_head_files", "_prefix_diag_attention",
+    "_load_weights", "_resolve_head_files", "prefix_diag_attention", "unroll_self_fed",
 ]

@@ -16,6 +16,7 @@ from eagle.head_files import _load_weights, _resolve_head_files, read_head_confi
 from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, kind_of_config
 from export.engine_formats import (EngineFormatError, convert_eagle3_folder, read_eagle3_folder,
                                    write_eagle2_engine_head)
+from recipes.head import align_weights
 
 
 class ExportKind:
@@ -69,8 +70,13 @@ class Eagle2Export(ExportKind):
 
     def card_loss(self, cfg) -> str:
         t = cfg.train
+        steps = int(OmegaConf.select(cfg, "head.align_steps", default=1) or 1)  # recipes older than the key: 1
+        align = ""
+        if steps > 1:
+            align = (f"; HASS-style multi-step alignment: {steps} unrolled steps on its own features, step weights "
+                     + ", ".join(f"{x:.2f}" for x in align_weights(cfg.head)))
         return (f"| loss | {t.feature_weight} x SmoothL1(feature) + {t.token_weight} x soft CE(token); {t.noise} input "
-                f"noise {t.noise_std} |")
+                f"noise {t.noise_std}{align} |")
 
 
 class Eagle3Export(ExportKind):

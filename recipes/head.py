@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle.head_kinds import EAGLE3, HEAD_KINDS, HeadConfigError, fitted_aux_layers, text_config
+from eagle.head_kinds import EAGLE2, EAGLE3, HEAD_KINDS, HeadConfigError, fitted_aux_layers, text_config
 from recipes.check import RecipeError, check
 
 
@@ -12,6 +12,10 @@ class HeadSettings:
     kind: str = "eagle2"  # eagle2 (fc over the final hidden state + feature loss) | eagle3 (3 aux layers, training-time test)
     bias: bool = True  # EAGLE-2 fc bias; Llama-3 released heads use False, Vicuna/Llama-2/Mixtral True (eagle3: no fc bias)
     init_from: str = ""  # start from an existing head (folder or hub id) instead of a fresh init; "" = fresh
+    # --- eagle2 only: HASS-style multi-step alignment (the head also trained on its own predicted features)
+    align_steps: int = 1  # unrolled steps per position; 1 = the plain EAGLE-2 training (one step on true features)
+    align_step_weights: list[float] = field(default_factory=list)  # weight of step j's token AND feature loss; [] = 0.8^(j-1)
+    align_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
     # --- eagle3 only (an error with kind=eagle2 unless left at the default)
     aux_layers: list[int] = field(default_factory=list)  # 3 ids, id j = HF hidden_states[j] (0 = embeddings); [] = (2, L//2, L-3)
     draft_vocab_size: int = 0  # the N most frequent loss tokens of the training data (filled up by id if fewer occur); 0 = full
@@ -24,6 +28,19 @@ class HeadSettings:
 def ttt_weights(head) -> list[float]:
     """The per-step loss weights of an eagle3 head section: head.ttt_step_weights, or 0.8^(j-1) for j = 1..ttt_steps."""
     return [float(w) for w in head.ttt_step_weights] or [0.8 ** j for j in range(head.ttt_steps)]
+
+
+def align_weights(head) -> list[float]:
+    """The per-step loss weights of an eagle2 head section: head.align_step_weights, or 0.8^(j-1) for j = 1..align_steps."""
+    return [float(w) for w in head.align_step_weights] or [0.8 ** j for j in range(head.align_steps)]
+
+
+def validate_eagle2_keys(h) -> None:
+    check(h.align_steps >= 1, "head.align_steps", h.align_steps, "expected >= 1 (1 = plain EAGLE-2 training)")
+    w = list(h.align_step_weights)
+    check(not w or (len(w) == h.align_steps and all(x >= 0 for x in w) and w[0] > 0), "head.align_step_weights", w,
+          f"expected [] or {h.align_steps} weights >= 0 (one per head.align_steps), the first > 0")
+    check(h.align_row_stride >= 1, "head.align_row_stride", h.align_row_stride, "expected >= 1")
 
 
 def validate_eagle3_keys(h) -> None:
@@ -41,7 +58,8 @@ def validate_eagle3_keys(h) -> None:
 
 # The recipe's per-kind part: the head.* keys a kind reads beyond kind / bias / init_from, and their check. Keys of
 # other kinds must stay at their defaults.
-KIND_KEYS = {EAGLE3: (("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
+KIND_KEYS = {EAGLE2: (("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys),
+             EAGLE3: (("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
                        "lm_head_init"), validate_eagle3_keys)}
 
 

@@ -18,7 +18,7 @@ from eagle.head import (
     load_head,
 )
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function, float64
-from tiny_models import single_thread, tiny_target  # noqa: F401
+from tiny_models import assert_unroll_ignores_padding, single_thread, tiny_target  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
 AUX = [1, 2, 3]
@@ -188,19 +188,7 @@ def test_unroll_step_j_is_what_decoding_computes_for_a_drafted_chain(setup):
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_unroll_with_padding_equals_the_unpadded_sequence(setup, side):
     target, head, ids, aux = setup
-    steps, n, pad = 3, 9, 3
-    ids_p = torch.zeros(1, n + pad, dtype=torch.long)
-    aux_p = torch.zeros(1, n + pad, aux.shape[-1])
-    am = torch.zeros(1, n + pad, dtype=torch.long)
-    sl = slice(0, n) if side == "right" else slice(pad, n + pad)
-    ids_p[0, sl], aux_p[0, sl], am[0, sl] = ids[0, :n], aux[0, :n], 1
-    with torch.no_grad():
-        hs = head.unroll(aux_p, ids_p, am, steps=steps)
-        ref = head.unroll(aux[:1, :n], ids[:1, :n], steps=steps)
-    for j in range(steps):
-        valid = n - j  # indices whose step-j token is inside the real sequence
-        assert_same_function(hs[j][0, sl][:valid], ref[j][0, :valid], terms=STEP_TERMS,
-                             chained=(j + 1) * STEP_REDUCTIONS, msg=f"step {j + 1}")
+    assert_unroll_ignores_padding(head, ids, aux, side, STEP_TERMS, STEP_REDUCTIONS)
 
 
 def test_unroll_backward_reaches_every_trained_parameter(setup):

@@ -199,7 +199,8 @@ def _saved_bytes(module, call) -> int:
 def test_activation_bytes_are_what_autograd_keeps(dtype):
     """The plan's per-row activation bytes (train/plan.py activation_bytes_per_token, without the backward
     transient) against the tensors autograd really saves in the heads' training forwards, at Llama-3's ratios
-    (I = 3.5 H, 4 query heads per kv head) scaled down: EAGLE-2, EAGLE-3 step 1, EAGLE-3 with 7 unrolled steps."""
+    (I = 3.5 H, 4 query heads per kv head) scaled down: EAGLE-2, EAGLE-3 step 1, EAGLE-3 with 7 unrolled steps,
+    EAGLE-2 with 3 aligned steps."""
     import torch
     from transformers import AutoConfig
 
@@ -239,6 +240,12 @@ def test_activation_bytes_are_what_autograd_keeps(dtype):
     later += B * T * 2 * kv * (H // h) * cb  # the unroll's contiguous copy of the step-1 keys and values
     assert seven - one == pytest.approx(later, rel=0.05)
 
+    # EAGLE-2 with multi-step alignment (head.align_steps): the same accounting for its steps >= 2
+    feats = torch.randn(B, T, H, dtype=dt)
+    plain = _saved_bytes(e2, lambda: e2(feats, ids, mask, steps=1))
+    three = _saved_bytes(e2, lambda: e2(feats, ids, mask, steps=3, rows=rows))
+    later = sum(B * rows.numel() * planned("eagle2", j, keys) for j in range(2, 4)) + B * T * 2 * kv * (H // h) * cb
+    assert three - plain == pytest.approx(later, rel=0.05)
 
 def test_plan_never_builds_the_default_target_and_says_what_it_assumed(tmp_path, monkeypatch, capsys):
     """Issue 28 items 3-4: `train.plan --recipe tiny` before the default target exists plans from its build recipe

@@ -159,7 +159,7 @@ def test_every_shipped_recipe_resolves_as_pinned():
         assert not bad, (name, [(k, got[k], want[k]) for k in bad])
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED) + ["stories260k"])
+@pytest.mark.parametrize("name", sorted(PUBLISHED) + ["stories260k", "tiny"])
 def test_eagle3_recipes_build_on_their_eagle2_sibling(name):
     """An EAGLE-3 recipe states its base and only what differs: no section it would merely repeat."""
     import yaml

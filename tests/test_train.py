@@ -38,9 +38,12 @@ def toy3(tmp_path_factory):
     return {"root": root, "target": target, "cache": cache, "extra": EAGLE3}
 
 
-@pytest.fixture(params=["eagle2", "eagle3"])
+@pytest.fixture(params=["eagle2", "eagle3", "eagle2-align"])
 def any_toy(request, toy, toy3):
-    """The EAGLE-2 toy or the EAGLE-3 toy: trainer tests that must hold for both head kinds."""
+    """The EAGLE-2 toy, the EAGLE-3 toy, or the EAGLE-2 toy with multi-step alignment (3 steps, steps 2-3 at every
+    other position): trainer tests that must hold for every head kind and training mode."""
+    if request.param == "eagle2-align":
+        return {**toy, "extra": ("head.align_steps=3", "head.align_row_stride=2")}
     return toy if request.param == "eagle2" else toy3
 
 

@@ -40,6 +40,7 @@ from transformers import (
 )
 
 from eagle.head import Eagle3Head, EagleHead, head_config_from_target
+from float_tolerance import assert_same_function
 
 FAMILIES = ("llama", "qwen2", "mistral")
 # the other families Target supports (eagle.target.SUPPORTED_FAMILIES): through the HF decoder layers, not fused
@@ -349,3 +350,21 @@ def family_setup(family: str, good: bool = True, kind: str = "eagle2") -> Family
     if good:
         good_head = fit_good_head(target, sequences=refs, kind=kind)
     return FamilySetup(family, kind, target, prompts, refs, random_head(target, seed=1, kind=kind), good_head)
+
+
+def assert_unroll_ignores_padding(head, ids: torch.Tensor, inputs: torch.Tensor, side: str, terms: int,
+                                  reductions: int, steps: int = 3, n: int = 9, pad: int = 3) -> None:
+    """A head's `unroll` on the first n tokens of record 0, padded on `side` with `pad` slots, equals the unpadded
+    run at every index whose step-j token lies inside the real sequence (both head kinds; inputs [B, T, W])."""
+    ids_p = torch.zeros(1, n + pad, dtype=torch.long)
+    in_p = torch.zeros(1, n + pad, inputs.shape[-1], dtype=inputs.dtype)
+    am = torch.zeros(1, n + pad, dtype=torch.long)
+    sl = slice(0, n) if side == "right" else slice(pad, n + pad)
+    ids_p[0, sl], in_p[0, sl], am[0, sl] = ids[0, :n], inputs[0, :n], 1
+    with torch.no_grad():
+        hs = head.unroll(in_p, ids_p, am, steps=steps)
+        ref = head.unroll(inputs[:1, :n], ids[:1, :n], steps=steps)
+    for j in range(steps):
+        valid = n - j  # indices whose step-j token is inside the real sequence
+        assert_same_function(hs[j][0, sl][:valid], ref[j][0, :valid], terms=terms, chained=(j + 1) * reductions,
+                             msg=f"step {j + 1}")

@@ -27,7 +27,8 @@ from eagle.eagle3 import Eagle3Head
 from eagle.head_config import head_config_from_target
 from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
-from recipes.head import check_head_fits_target, ttt_weights
+from recipes import RecipeError
+from recipes.head import align_weights, check_head_fits_target, ttt_weights
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedSoftCE, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
 from train.metrics import all_fed_rollout, chain_rollout
@@ -57,6 +58,7 @@ class TrainingKind:
         self.layers = feature_layers(cfg.head, target_config)  # which target states the head reads (cache layout)
         self.hidden = int(text_config(target_config).hidden_size)
         self.steps, self.step_weights, self.feature_weight = 1, [self.t.token_weight], 0.0
+        self.stride = 1  # steps >= 2 run at every stride-th index (offset cycling with the micro-step)
 
     def describe(self) -> str | None:
         """What the trainer says about this kind's setup, if anything."""
@@ -72,8 +74,10 @@ class TrainingKind:
                      batch.attention_mask, batch.loss_mask)
 
     def rows(self, T: int, micro: int, device) -> torch.Tensor | None:
-        """Indices where unrolled steps >= 2 run this micro-batch (None = all)."""
-        return None
+        """Indices where unrolled steps >= 2 run this micro-batch: every stride-th, offset micro % stride (None = all)."""
+        if self.stride == 1 or self.steps == 1:
+            return None
+        return torch.arange(micro % self.stride, T, self.stride, device=device)
 
     def loss(self, engine, features: torch.Tensor, batch, lm_head: torch.Tensor, micro: int, seed: int = 0) -> LossOutput:
         """One micro-batch's training loss: the head (through the DeepSpeed engine) on noised inputs. `micro` is the
@@ -113,17 +117,21 @@ class TrainingKind:
 
     @staticmethod
     def unrolled_rows(s, n_tok: int) -> list[int]:
-        """Rows each unrolled step computes in a micro-batch of n_tok tokens."""
-        return [n_tok]
+        """Rows each unrolled step computes in a micro-batch of n_tok tokens: step 1 every token, steps >= 2 every
+        ttt_row_stride-th."""
+        return [n_tok] + [math.ceil(n_tok / s.ttt_row_stride)] * (s.ttt_steps - 1)
 
     @staticmethod
     def activation_bytes(s, cb: int, step: int = 1, keys: float = 0.0) -> float:
         """Bytes autograd keeps for backward per row of one head forward (eagle/eagle2.py; counted with
         torch.autograd.graph.saved_tensors_hooks, tests/test_plan.py pins it): fc input [2H], attention input, rotated
         q, SDPA output + its o_proj copy, MLP input (H each), k and v (2 kv), SwiGLU 4 x [I], in the compute dtype;
-        the post-attention RMSNorm's float32 input (H); SDPA's log-sum-exp (h floats)."""
+        the post-attention RMSNorm's float32 input (H); SDPA's log-sum-exp (h floats). An aligned step >= 2 keeps
+        its score matrix over the `keys` step-1 keys instead (float32 softmax + its compute-dtype copy, h per key)."""
         H, I, kv, h = s.hidden, s.intermediate, s.kv_heads * s.head_dim, s.heads
-        return (7 * H + 2 * kv + 4 * I) * cb + H * 4 + h * 4
+        if step == 1:
+            return (7 * H + 2 * kv + 4 * I) * cb + H * 4 + h * 4
+        return (7 * H + 2 * kv + 4 * I) * cb + H * 4 + h * keys * (4 + (cb if cb < 4 else 0))
 
     @staticmethod
     def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
@@ -137,12 +145,15 @@ class NextFeatureTargets:
     target's frozen lm_head [V, H]; `chunk` > 0: `chunk` loss positions at a time (`ChunkedSoftCE`: only [chunk, V]
     logits at once, same value and gradient up to float summation order)."""
 
-    def __init__(self, final: torch.Tensor, lm_head: torch.Tensor, chunk: int = 0):
+    def __init__(self, final: torch.Tensor, lm_head: torch.Tensor, chunk: int = 0, steps: int = 1):
         self.final, self.lm_head, self.chunk = final, lm_head, chunk
+        self.final_ext = F.pad(final, (0, 0, 0, steps - 1)) if steps > 1 else final  # [B, T + k - 1, H]
 
     def score(self, p: torch.Tensor, j: int, rows: torch.Tensor, sel: torch.Tensor) -> StepScore:
+        """p [N, H]: step j's predictions at its loss positions; step j at index t is scored against f_{t+j}."""
         lm_head = self.lm_head
-        f = self.final[sel].to(p.dtype)  # [N, H] the true next features
+        truth = self.final if j == 1 else self.final_ext[:, rows + j - 1]  # [B, R, H]
+        f = truth[sel].to(p.dtype)  # [N, H] the true next features
         feature = F.smooth_l1_loss(p.float(), f.float(), reduction="none").mean(-1).mean()
         if self.chunk and self.chunk < p.shape[0]:
             correct = torch.zeros(3, dtype=torch.long)
@@ -167,6 +178,26 @@ class Eagle2Training(TrainingKind):
         super().__init__(cfg, target_config)
         self.feature_weight = self.t.feature_weight
         self.extra_steps = self.t.rollout_steps  # all-fed steps
+        h = cfg.head
+        if h.align_steps > 1:  # HASS-style alignment: k unrolled steps, each with its token and feature loss
+            self.steps, self.stride = h.align_steps, h.align_row_stride
+            w = align_weights(h)
+            self.step_weights = [self.t.token_weight * x for x in w]
+            self.feature_weight = [self.t.feature_weight * x for x in w]
+            self.logged_steps = self.steps
+
+    def describe(self) -> str | None:
+        if self.steps == 1:
+            return None
+        return (f"EAGLE-2 head with multi-step alignment: {self.steps} unrolled steps (step weights "
+                f"{', '.join(f'{w:.2f}' for w in align_weights(self.cfg.head))}), row stride {self.stride}")
+
+    def summary(self) -> dict:
+        if self.steps == 1:
+            return {}
+        h = self.cfg.head
+        return {"head_kind": self.kind.name, "align_steps": self.steps, "align_step_weights": align_weights(h),
+                "align_row_stride": self.stride}
 
     def new_head(self, target_config, source, train_indices, lm_head):
         """A fresh head (or head.init_from), checked against the target (EAGLE-2 uses the frozen lm_head [V, H] as is)."""
@@ -181,19 +212,22 @@ class Eagle2Training(TrainingKind):
         return head
 
     def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
-        return [forward(inputs, next_ids, attention_mask)]  # [B, T-1, H]
+        if steps == 1:
+            return [forward(inputs, next_ids, attention_mask)]  # [B, T-1, H]
+        return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
 
     def targets(self, head, final, lm_head, steps):
-        return NextFeatureTargets(final, lm_head, self.t.loss_chunk)
+        return NextFeatureTargets(final, lm_head, self.t.loss_chunk, steps)
 
     def eval_loss(self, metrics: dict, loss_mean: float) -> float:
+        """Step 1's loss (the plain EAGLE-2 objective, comparable across align_steps); the chains measure the rest."""
         return self.t.feature_weight * metrics["eval/feature_loss"] + self.t.token_weight * metrics["eval/token_loss"]
 
     def eval_batch(self, head, features, batch, lm_head, k: int) -> EvalBatch:
         """The loss; the chains rolled out through the head's decoder from each start; every position self-fed."""
         s = self.shifted(features, batch)
         out = draft_loss(self.unroll(head, s.inputs, s.next_ids, s.attention_mask, 1, None), s.weights,
-                         self.targets(head, s.final, lm_head, 1), self.step_weights, self.feature_weight)
+                         self.targets(head, s.final, lm_head, 1), self.step_weights[:1], self.feature_weight)
         target_top = greedy_ids(F.linear(features.to(lm_head.dtype), lm_head))  # [B, T]
         hits, counts = all_fed_rollout(head, features, batch.input_ids, batch.attention_mask, s.weights, target_top, k,
                                        lm_head)
@@ -205,14 +239,23 @@ class Eagle2Training(TrainingKind):
         return EvalBatch(out, s.weights, chains, hits, counts)
 
     @staticmethod
+    def plan_shape(shape, hc, head_cfg) -> None:
+        """Multi-step alignment: head.align_steps unrolled passes, steps >= 2 at 1/head.align_row_stride of the rows."""
+        shape.ttt_steps = int(head_cfg.get("align_steps", 1))
+        shape.ttt_row_stride = int(head_cfg.get("align_row_stride", 1))
+
+    @staticmethod
     def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
+        """Per unrolled step: the [rows, V] logits (a chunk of them with train.loss_chunk, which keeps only the
+        [N, H] float32 gradient for the backward; unchunked, every step's logits are kept)."""
         chunk = t.loss_chunk if 0 < t.loss_chunk < n_tok else 0
-        rows = chunk or n_tok
+        every = sum(Eagle2Training.unrolled_rows(s, n_tok))  # loss rows over all unrolled steps
+        rows = chunk or every
         items = [("token-loss logits", loss_bytes(s, rows, n_tok, cb, 0),
                   f"{rows} rows x {s.vocab} vocab" + (" (train.loss_chunk)" if chunk else " (unchunked)"),
                   "train.loss_chunk", ("forward",) if chunk else ("forward", "backward"))]
         if chunk:  # only the [N, H] gradient is kept for the backward
-            items.append(("token-loss gradient", n_tok * s.hidden * 4, f"[{n_tok}, {s.hidden}] float32 (kept for "
+            items.append(("token-loss gradient", every * s.hidden * 4, f"[{every}, {s.hidden}] float32 (kept for "
                           "backward by ChunkedSoftCE)", "", ("forward", "backward")))
         return items
 
@@ -303,12 +346,6 @@ class Eagle3Training(TrainingKind):
         return {"head_kind": self.kind.name, "aux_layers": self.layers[:-1], "ttt_steps": self.steps,
                 "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info}
 
-    def rows(self, T: int, micro: int, device) -> torch.Tensor | None:
-        """Every stride-th index, offset micro % stride (None = all)."""
-        if self.stride == 1:
-            return None
-        return torch.arange(micro % self.stride, T, self.stride, device=device)
-
     def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
         return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
 
@@ -346,11 +383,6 @@ class Eagle3Training(TrainingKind):
         shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
         shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(head_cfg.get("ttt_steps", 7)), 4
         shape.ttt_row_stride = int(head_cfg.get("ttt_row_stride", 1))
-
-    @staticmethod
-    def unrolled_rows(s, n_tok: int) -> list[int]:
-        """Step 1 every token, steps >= 2 every ttt_row_stride-th."""
-        return [n_tok] + [math.ceil(n_tok / s.ttt_row_stride)] * (s.ttt_steps - 1)
 
     @staticmethod
     def activation_bytes(s, cb: int, step: int = 1, keys: float = 0.0) -> float:

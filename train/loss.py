@@ -5,7 +5,9 @@ that step's loss positions, weighted by w_j and summed over steps; for kinds who
 feature, plus w_feat * SmoothL1(predicted, true next feature). What each step is scored against comes from the head
 kind (train/head_kinds.py):
   EAGLE-2: one step (w_1 = train.token_weight) with the feature loss; both distributions through the target's frozen
-           lm_head over the full vocabulary (`ChunkedSoftCE` with train.loss_chunk);
+           lm_head over the full vocabulary (`ChunkedSoftCE` with train.loss_chunk); with head.align_steps = k > 1
+           (HASS-style alignment) k unrolled steps, step j's token and feature losses both weighted by
+           head.align_step_weights[j];
   EAGLE-3: k unrolled steps (the training-time test, w_j = head.ttt_step_weights); the head's own lm_head over its
            draft vocabulary against the target's distribution restricted to it (renormalised); no feature loss.
 Accuracy counts a hit only when the draft token (as a target id) is the target's argmax over the FULL vocabulary.
@@ -86,10 +88,11 @@ class StepTargets(Protocol):
 
 
 def draft_loss(hiddens: list[torch.Tensor], weights: torch.Tensor, targets: StepTargets, step_weights: list[float],
-               feature_weight: float = 0.0, rows: torch.Tensor | None = None) -> LossOutput:
+               feature_weight: float | list[float] = 0.0, rows: torch.Tensor | None = None) -> LossOutput:
     """THE training loss (module docstring). hiddens: the head's unrolled outputs, step 1 [B, T, H], steps j >= 2
     [B, R, H] at the indices `rows` [R] (None = all T); weights [B, T] (0/1) from `shift`. Step j at index t is
-    scored at t + j - 1 (masked when that runs off the sequence or is no loss position)."""
+    scored at t + j - 1 (masked when that runs off the sequence or is no loss position). feature_weight: one weight,
+    or one per step (EAGLE-2 with multi-step alignment); the reported feature loss is step 1's."""
     B, T = weights.shape
     k = len(hiddens)
     w_ext = F.pad(weights, (0, k - 1))  # [B, T + k - 1]
@@ -110,8 +113,9 @@ def draft_loss(hiddens: list[torch.Tensor], weights: torch.Tensor, targets: Step
         score = targets.score(h[sel], j, idx, sel)
         loss = loss + step_weights[j - 1] * score.token
         if score.feature is not None:
-            loss = loss + feature_weight * score.feature
-            feature = score.feature.detach()
+            loss = loss + (feature_weight[j - 1] if isinstance(feature_weight, list) else feature_weight) * score.feature
+            if j == 1:
+                feature = score.feature.detach()
         step_loss.append(float(score.token.detach()))
         hits.append(score.topk_correct[0])
         counts.append(n)

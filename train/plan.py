@@ -56,7 +56,7 @@ from data_prep.feature_cache import bytes_per_token, merge_manifests  # noqa: E4
 from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.eagle2 import EagleHead  # noqa: E402
-from eagle.eagle3 import UNROLL_ROW_CHUNKS  # noqa: E402
+from eagle.unroll import UNROLL_ROW_CHUNKS  # noqa: E402
 from eagle.head_config import head_config_from_target  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from recipes import add_print_config, command_config, layout  # noqa: E402
@@ -144,8 +144,8 @@ class Shape:
     head_largest: int  # largest trainable tensor (ZeRO-3 estimator)
     kind: str = "eagle2"
     draft_vocab: int = 0  # eagle3: its own lm_head rows
-    ttt_steps: int = 1  # eagle3: unrolled training-time-test steps (each a full head pass)
-    ttt_row_stride: int = 1  # eagle3: steps >= 2 run at every n-th position only (head.ttt_row_stride)
+    ttt_steps: int = 1  # unrolled steps, each a full head pass (eagle3: head.ttt_steps; eagle2: head.align_steps)
+    ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (head.ttt_row_stride / head.align_row_stride)
     cache_row: int = 1  # hidden states cached per token (eagle2 1 = last layer; eagle3 4 = 3 aux + last)
     target_source: str = ""  # where the target's shape was read (printed with the plan's assumptions)
 
@@ -389,7 +389,7 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
     if len(rows) > 1:  # the unroll's contiguous copy of the step-1 keys and values, read by every later step
         act += rows[0] * 2 * s.kv_heads * s.head_dim * cb
     transient = backward_transient_bytes_per_token(s, cb) * sum(rows)
-    steps = "" if s.ttt_steps == 1 else f" x {s.ttt_steps} TTT steps (steps >= 2 at 1/{s.ttt_row_stride} of the rows)"
+    steps = "" if s.ttt_steps == 1 else f" x {s.ttt_steps} unrolled steps (steps >= 2 at 1/{s.ttt_row_stride} of the rows)"
     mem.append(Item("head activations", act - transient, f"{B} x {T} tokens{steps}",
                     "train.micro_batch_size / data.max_length", FWD_BWD))
     mem.append(Item("backward transients", transient, "SwiGLU gate/up gradients",

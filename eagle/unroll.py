@@ -1,0 +1,94 @@
+"""The training-time test's self-fed steps, shared by both head kinds (EAGLE-3's TTT, EAGLE-2's HASS-style alignment).
+
+Step 1 runs the head over every position t of the true features (causal). Step j >= 2 at index t feeds the head its
+OWN step j-1 output as the feature, with the data's token x_{t+j}, at position t + j - 1, and attends to the step-1
+keys at indices <= t plus its own keys of steps 2..j (the diagonal) — exactly what decoding sees for a drafted chain.
+A head kind says only how a step's attention input and residual are made from (token embedding, previous hidden)
+(`prepare`) and how the layer finishes from the residual and the attention output (`finish`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from eagle.layers import Attention, Rotary, accumulation_dtype
+
+UNROLL_ROW_CHUNKS = 4  # the query rows of steps >= 2 are split into this many causal chunks
+
+
+def prefix_diag_attention(q, k1, v1, bias, dk, dv):
+    """Attention of unrolled step j: each query row r attends to the step-1 keys (additive bias masks the ones after
+    its index / padding) and to its OWN keys of steps 2..j (the diagonal).
+    q [B, h, R, D]; k1, v1 [B, kv, S, D]; bias [B|1, R, S]; dk, dv [B, kv, R, n, D] -> [B, h, R, D]."""
+    B, h, R, D = q.shape
+    kv, S, n = k1.shape[1], k1.shape[2], dk.shape[3]
+    g = h // kv
+    qg = q.reshape(B, kv, g * R, D) * (1.0 / math.sqrt(D))  # query heads of a kv group stacked: no K/V copies
+    s_prefix = (qg @ k1.transpose(-1, -2)).view(B, kv, g, R, S) + bias[:, None, None]  # [B, kv, g, R, S]
+    s_diag = (qg.view(B, kv, g, R, 1, D) * dk[:, :, None]).sum(-1)  # [B, kv, g, R, n]
+    s = torch.cat([s_prefix, s_diag], dim=-1)  # [B, kv, g, R, S + n]
+    p = s.softmax(-1, dtype=accumulation_dtype(q.dtype)).to(q.dtype)
+    o = (p[..., :S].reshape(B, kv, g * R, S) @ v1).view(B, kv, g, R, D)
+    o = o + (p[..., S:, None] * dv[:, :, None]).sum(-2)  # + diagonal values
+    return o.reshape(B, h, R, D)
+
+
+def padded_positions(attention_mask: torch.Tensor | None, T: int, device):
+    """Step 1's view of a padded batch: real [B, T] bool (None = no padding), positions [B|1, T] (real tokens counted
+    from 0), and the [B, 1, T, T] bool attention mask (None = plain causal; pad rows see themselves)."""
+    real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()  # [B, T]
+    pos = torch.arange(T, device=device)[None] if real is None else (real.long().cumsum(-1) - 1).clamp(min=0)
+    mask = None
+    if real is not None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # [T, T]
+        mask = causal[None] & real[:, None, :] | torch.eye(T, dtype=torch.bool, device=device)[None]
+        mask = mask.unsqueeze(1)  # [B, 1, T, T]
+    return real, pos, mask
+
+
+def unroll_self_fed(attn: Attention, rotary: Rotary, embed: Callable[[torch.Tensor], torch.Tensor],
+                    prepare: Callable, finish: Callable, hidden: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
+                    next_ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor | None, steps: int,
+                    rows: torch.Tensor | None) -> list[torch.Tensor]:
+    """Steps 2..`steps` after step 1 (module docstring).
+
+    hidden [B, T, H]: step 1's outputs; k1, v1 [B, kv, T, D]: step 1's rotated keys and values; next_ids [B, T];
+    pos [B|1, T] positions of the indices; real [B, T] bool (None = no padding); rows [R] sorted indices (None = all
+    T): steps >= 2 run only there (a cost knob). prepare(token_emb [B, R, H], prev [B, R, H]) -> (attention input,
+    residual); finish(residual, attention output [B, R, H]) -> the step's hidden [B, R, H]. Returns steps - 1
+    hiddens [B, R, H]; indices where t + j - 1 runs off the sequence read a pad token and must be masked by the caller.
+    """
+    B, T, _ = hidden.shape
+    dev, dt = hidden.device, hidden.dtype
+    h_, D = attn.n_heads, attn.head_dim
+    idx = torch.arange(T, device=dev) if rows is None else rows.to(dev)  # [R]
+    R = idx.numel()
+    # row chunks: chunk c reads step-1 keys [0, end_c) only (causality), ~(1 + 1/n) / 2 of the full score matrix
+    bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
+    bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
+    ends = (idx[torch.tensor([hi - 1 for _, hi in bounds], device=dev)] + 1).tolist()  # one host sync per unroll
+    visible = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
+    visible = visible[None] if real is None else visible[None] & real[:, None, :]  # [B|1, R, T]
+    bias = torch.zeros(visible.shape, dtype=dt, device=dev).masked_fill_(~visible, torch.finfo(dt).min)
+    ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
+    pos_r = pos[:, idx]  # [B|1, R]
+    prev = hidden if rows is None else hidden[:, idx]  # [B, R, H]
+    # k1/v1 are transposed views of the projections ([B, T, kv, D] underneath): with B > 1 every prefix slice
+    # below would be copied by matmul (per chunk and per step, and kept for backward); one copy serves them all
+    k1, v1 = k1.contiguous(), v1.contiguous()  # [B, kv, T, D]
+    diag_k, diag_v, hiddens = [], [], []  # per step >= 2: [B, kv, R, D]
+    for j in range(2, steps + 1):
+        x, residual = prepare(embed(ids_ext[:, idx + j - 1]).to(dt), prev)  # [B, R, in], [B, R, H]
+        cos, sin = rotary(pos_r + j - 1, dt)
+        q, k, v = attn.qkv(x, cos, sin)  # [B, h, R, D], [B, kv, R, D] x 2
+        diag_k.append(k)
+        diag_v.append(v)
+        dk, dv = torch.stack(diag_k, dim=-2), torch.stack(diag_v, dim=-2)  # [B, kv, R, j - 1, D]
+        o = torch.cat([prefix_diag_attention(q[:, :, lo:hi], k1[:, :, :end], v1[:, :, :end],
+                                             bias[:, lo:hi, :end], dk[:, :, lo:hi], dv[:, :, lo:hi])
+                       for (lo, hi), end in zip(bounds, ends)], dim=2)  # [B, h, R, D]
+        prev = finish(residual, attn.o_proj(o.transpose(1, 2).reshape(B, R, h_ * D)))  # [B, R, H]
+        hiddens.append(prev)
+    return hiddens
