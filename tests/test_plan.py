@@ -329,3 +329,25 @@ def test_plan_reads_the_cache_parts_not_the_derived_manifest(tmp_path, capsys):
     code, out, err = run_cli(main, args, capsys)
     assert code == 0 and json.loads(out)["disk"] == before["disk"]
     assert any("12 records" in a for a in before["assumptions"])
+
+
+def test_deepspeeds_scheduler_start_warning_is_dropped(caplog):
+    """DeepSpeed's WarmupLR warns from its own constructor on every run; with DeepSpeed's lines on stderr it would sit
+    beside a command's one `error:` line (train.distributed.import_deepspeed filters exactly that message)."""
+    import logging
+
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    from train.distributed import import_deepspeed
+
+    import_deepspeed()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    ds_logger = logging.getLogger("DeepSpeed")  # it does not propagate: listen on it directly
+    ds_logger.addHandler(caplog.handler)
+    try:
+        WarmupLR(opt, warmup_num_steps=10)
+        ds_logger.warning("another DeepSpeed warning")
+    finally:
+        ds_logger.removeHandler(caplog.handler)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["another DeepSpeed warning"], messages

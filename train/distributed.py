@@ -112,10 +112,20 @@ def import_deepspeed():
         with contextlib.redirect_stdout(sys.stderr):  # the handler created during the import takes sys.stderr
             # lazy: deepspeed costs a second at import; only training, checkpoints and the plan's estimators need it
             import deepspeed  # noqa: F401
-    for h in logging.getLogger("DeepSpeed").handlers:  # imported before us (by a library or a test): move it too
+    ds_logger = logging.getLogger("DeepSpeed")
+    for h in ds_logger.handlers:  # imported before us (by a library or a test): move it too
         if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.__stdout__):
             h.stream = sys.stderr  # not setStream: it would flush the old stream, which may be closed
+    if _scheduler_start_noise not in ds_logger.filters:
+        ds_logger.addFilter(_scheduler_start_noise)
     return sys.modules["deepspeed"]
+
+
+def _scheduler_start_noise(record: logging.LogRecord) -> bool:
+    """Drop the warning DeepSpeed's own WarmupLR/WarmupDecayLR constructors log on every run (they call get_lr() before
+    their first step: deepspeed/runtime/lr_schedules.py, 0.19.8): it says nothing about the run and, now that
+    DeepSpeed's lines go to stderr, it would sit beside a command's one `error:` line."""
+    return "Attempting to get learning rate from scheduler before it has started" not in record.getMessage()
 
 
 def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0) -> DistContext:
