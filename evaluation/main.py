@@ -47,6 +47,7 @@ from eagle.score_calibration import ScoreCalibration  # noqa: E402
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid  # noqa: E402
 from evaluation.calibration import calibrate  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
+from evaluation.engine_process import ENGINES  # noqa: E402
 from evaluation.head_health import acceptance_warning, warn, weights_warning  # noqa: E402
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
@@ -55,7 +56,7 @@ from evaluation.questions import STANDARD_SET, QuestionError, load_questions  # 
 from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,  # noqa: E402
                                write_report)
 from evaluation.runner import GenerationArgs, run_benchmark  # noqa: E402
-from evaluation.serve_check import ENGINES, serve_check  # noqa: E402
+from evaluation.serve_check import serve_check  # noqa: E402
 from evaluation.serve_sweep import parse_int_list, serve_sweep  # noqa: E402
 from recipes import add_print_config, command_config, layout  # noqa: E402
 from recipes.chat_templates import read_template  # noqa: E402
@@ -125,7 +126,7 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
     add_print_config(p)
     if command not in ("serve-check", "serve-sweep"):
         return p
-    sc = p.add_argument_group(f"{command} ({'evaluation/serve_check.py' if command == 'serve-check' else 'evaluation/serve_sweep.py'})")
+    sc = p.add_argument_group(f"{command} (evaluation/{command.replace('-', '_')}.py)")
     sc.add_argument("--engine", default="vllm", choices=ENGINES, help="serving engine to run the head in (vllm)")
     sc.add_argument("--engine-python", default=None,
                     help="interpreter with the engine installed (e.g. /work/venvs/vllm/bin/python); default: this one")
