@@ -214,7 +214,8 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
         raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected one of {sorted(DTYPES)}")
     base_decoding = DecodingConfig.from_section(cfg.decoding)
     if check_methods:  # bad methods fail before anything loads
-        parse_methods(list(cfg.eval.methods), base_decoding, local_head_dir(head_path), bool(cfg.eval.compare_head))
+        parse_methods(list(cfg.eval.methods), base_decoding, local_head_dir(head_path), bool(cfg.eval.compare_head),
+                      compare_dir(cfg))
     model = EaModel.from_pretrained(base_model_path=target_path, ea_model_path=head_path,
                                     torch_dtype=DTYPES[cfg.target.dtype],
                                     attn_implementation=cfg.target.attn_implementation,
@@ -254,7 +255,12 @@ def with_head_kinds(methods: list[Method], models: dict) -> list[Method]:
 
 def local_head_dir(head_path: str) -> Path | None:
     p = Path(head_path)
-    return p if p.is_dir() else None
+    return p if head_path and p.is_dir() else None
+
+
+def compare_dir(cfg) -> Path | None:
+    """Head B's local folder (eval.compare_head, where its tuned tree is), or None."""
+    return local_head_dir(str(cfg.eval.compare_head or ""))
 
 
 def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
@@ -301,7 +307,7 @@ def code_version() -> str:
 def bench(s: Setup, questions: list) -> int:
     ev = s.cfg.eval
     methods = with_head_kinds(parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path),
-                                            "B" in s.models), s.models)
+                                            "B" in s.models, compare_dir(s.cfg)), s.models)
     questions = questions[: ev.num_questions] if ev.num_questions > 0 else questions
     log.info("%d questions (%d turns) x %d methods, chat format %s", len(questions),
              sum(len(q.turns) for q in questions), len(methods), s.fmt.name)
@@ -414,7 +420,7 @@ def autotune(s: Setup, questions: list) -> int:
 def chi2(s: Setup, questions: list) -> int:
     ev = s.cfg.eval
     methods = with_head_kinds(parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path),
-                                            "B" in s.models), s.models)
+                                            "B" in s.models, compare_dir(s.cfg)), s.models)
     question = questions[0]
     prompt = s.fmt.first_prompt(question.turns[0])
     vanilla = methods[0]

@@ -50,8 +50,10 @@ class Method:
         return shape + ("" if self.head == "A" and not kind else f", head {self.head}{kind}")
 
 
-def parse_method(spec: str, base: DecodingConfig, head_dir: Path | None = None) -> Method:
-    """`NAME[@HEAD][:key=value,...]` -> Method (see the module docstring)."""
+def parse_method(spec: str, base: DecodingConfig, head_dir: Path | None = None,
+                 compare_dir: Path | None = None) -> Method:
+    """`NAME[@HEAD][:key=value,...]` -> Method (see the module docstring). `tuned` reads the tree saved beside the
+    head that drafts: head_dir for head A, compare_dir for head B."""
     name, _, args = spec.partition(":")
     name, _, head = name.strip().partition("@")
     name, head = name.strip(), head.strip() or "A"
@@ -59,7 +61,7 @@ def parse_method(spec: str, base: DecodingConfig, head_dir: Path | None = None) 
         raise ValueError(f"method {spec!r}: unknown head {head!r}; expected one of {HEADS} (A = eval.head_path, "
                          f"B = eval.compare_head)")
     if name == "tuned":
-        decoding = load_tuned(head_dir)
+        decoding = load_tuned(compare_dir if head == "B" else head_dir)
     elif name in METHOD_MODES:
         decoding = dataclasses.replace(base, mode=METHOD_MODES[name])
     else:
@@ -77,11 +79,11 @@ def parse_method(spec: str, base: DecodingConfig, head_dir: Path | None = None) 
 
 
 def parse_methods(specs: list[str], base: DecodingConfig, head_dir: Path | None = None,
-                  compare_head: bool = False) -> list[Method]:
+                  compare_head: bool = False, compare_dir: Path | None = None) -> list[Method]:
     """Parse every spec; vanilla is always present and first (the baseline of every speedup).
     With `compare_head` and no spec naming a head (`@A` / `@B`), every speculative method is repeated with head B
     as "LABEL[B]"; a spec naming head B without a compare head is an error."""
-    methods = [parse_method(s, base, head_dir) for s in specs]
+    methods = [parse_method(s, base, head_dir, compare_dir) for s in specs]
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise ValueError(f"duplicate methods in {labels}")
@@ -92,7 +94,12 @@ def parse_methods(specs: list[str], base: DecodingConfig, head_dir: Path | None 
         raise ValueError(f"methods {[m.label for m in methods if m.head == 'B']} use head B, but eval.compare_head "
                          "(--compare-head) is not set")
     if compare_head and not explicit:
-        spec_methods += [dataclasses.replace(m, label=f"{m.label}[B]", head="B") for m in spec_methods]
+        on_b = []
+        for m in spec_methods:  # parsed again for head B: "tuned" then reads head B's own tree
+            name, sep, args = m.label.partition(":")
+            on_b.append(dataclasses.replace(parse_method(f"{name}@B{sep}{args}", base, head_dir, compare_dir),
+                                            label=f"{m.label}[B]"))
+        spec_methods += on_b
     return vanilla[:1] + spec_methods
 
 

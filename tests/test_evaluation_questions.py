@@ -172,3 +172,21 @@ def test_every_shipped_recipe_has_questions_out_of_the_box(monkeypatch):
     assert {n for n, s in sources.items() if s != "mt-bench"} <= {"stories260k", "stories260k-eagle3"}
     assert sum(s == "mt-bench" for s in sources.values()) >= 10  # the 7B/8B recipes, EAGLE-2 and EAGLE-3
     assert [q.question_id for q in load_questions("mt-bench", num_questions=2)] == ["81", "82"]
+
+
+def test_tuned_on_head_b_reads_head_b_tree(tmp_path):
+    """`tuned@B` (and the `tuned[B]` shorthand) decode with the tree autotune saved beside head B, not head A's."""
+    base = DecodingConfig(total_token=60, depth=5, top_k=10)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    save_tree_config(a, DecodingConfig(total_token=24, depth=4, top_k=3))
+    save_tree_config(b, DecodingConfig(total_token=6, depth=6, top_k=2))
+    methods = {m.label: m for m in parse_methods(["tuned", "tuned@B"], base, a, True, b)}
+    assert (methods["tuned"].head, methods["tuned"].decoding.total_token) == ("A", 24)
+    assert (methods["tuned@B"].head, methods["tuned@B"].decoding.total_token, methods["tuned@B"].decoding.depth) == \
+        ("B", 6, 6)
+    shorthand = {m.label: m for m in parse_methods(["eagle2:depth=4", "tuned"], base, a, True, b)}
+    assert (shorthand["tuned[B]"].head, shorthand["tuned[B]"].decoding.total_token) == ("B", 6)
+    assert (shorthand["eagle2:depth=4[B]"].head, shorthand["eagle2:depth=4[B]"].decoding.depth) == ("B", 4)
+    with pytest.raises(FileNotFoundError, match="autotune"):
+        parse_methods(["tuned@B"], base, a, True, tmp_path / "no-tree")
