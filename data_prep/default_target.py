@@ -77,8 +77,8 @@ SIZES = {
     "default": TargetSize(vocab_size=1024, hidden_size=64, num_layers=16, num_heads=4, num_kv_heads=2,
                           intermediate_size=176, block_size=256, batch_size=16, steps=300, lr=4e-3,
                           max_conversations=None),
-    # for tests: builds in a few seconds
-    "test": TargetSize(vocab_size=320, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+    # for tests: builds in a few seconds; 3 layers, the fewest an EAGLE-3 head's three aux layers fit (ids 0, 1, 2)
+    "test": TargetSize(vocab_size=320, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1,
                        intermediate_size=64, block_size=64, batch_size=4, steps=4, lr=3e-3, max_conversations=60),
 }
 

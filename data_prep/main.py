@@ -169,7 +169,7 @@ def regeneration_server(run: Run):
 
 def stage_regenerate(run: Run, conversations: list[dict]) -> None:
     d = run.cfg.data
-    out = run.data_dir / "regenerated"
+    out = layout.regenerated_dir(run.cfg)
     check_settings(out, {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template,
                          "backend": d.backend, "max_length": d.max_length,
                          "extra_stop_ids": [int(i) for i in d.extra_stop_ids], **asdict(generation_settings(run))})
@@ -192,7 +192,7 @@ def stage_regenerate(run: Run, conversations: list[dict]) -> None:
 
 def regenerated_records(run: Run, conversations: list[dict]) -> tuple[list[dict], list[str]]:
     """Regenerated records in conversation order, and the ids not regenerated yet."""
-    done = read_parts(run.data_dir / "regenerated")
+    done = read_parts(layout.regenerated_dir(run.cfg))
     ordered = [done[c["id"]] for c in conversations if c["id"] in done]
     missing = [c["id"] for c in conversations if c["id"] not in done]
     return ordered, missing

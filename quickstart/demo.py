@@ -1,6 +1,19 @@
-"""The one-command demo: default target -> data prep -> training + export -> evaluation, on a recipe (tiny).
+"""The one-command demo: default target -> data prep -> training + export -> tuning -> evaluation, for an EAGLE-2 and
+an EAGLE-3 head side by side.
 
-    python -m quickstart [--target PATH] [--out DIR] [--fresh] [--recipe tiny] [key=value ...]
+    python -m quickstart [--target PATH] [--out DIR] [--fresh] [--head-kind {both,eagle2,eagle3}]
+                         [--recipe tiny] [--recipe-eagle3 tiny-eagle3] [--eagle3-override key=value ...] [key=value ...]
+
+--head-kind both (the default) runs two chains of stages and one evaluation:
+    EAGLE-2 (--recipe, head A)       {out}/data, {out}/train, {out}/head, {out}/tune
+    EAGLE-3 (--recipe-eagle3, B)     {out}/eagle3/{data,train,head,tune}; its data prep reuses {out}/data's
+                                     regenerated answers (copied, not regenerated again) and caches the aux layers
+    eval                             {out}/eval: both heads on the same questions, interleaved, with paired CIs
+                                     of EAGLE-3 vs EAGLE-2 (tau and speed) and the losslessness of both
+--head-kind eagle2 runs the EAGLE-2 chain and its evaluation alone (the folders above), eagle3 the EAGLE-3 chain
+(regenerating its own answers) and its evaluation, in {out}/eval. key=value overrides go to every stage of
+both chains; --eagle3-override key=value only to the EAGLE-3 chain (after them, e.g. head.aux_layers=[1,2,4] for
+a --target with fewer layers than the default target's 16).
 
 Every stage runs as its own documented command in a subprocess (the same command a user would type,
 printed before it runs), so the demo exercises exactly the real CLIs and never reimplements them.
@@ -9,9 +22,9 @@ to stdout; stderr carries only the outcome of a failure, as ONE line (`error: st
 error line>; ...`), so `2>err.txt` captures exactly what to fix. Exit code: the failing stage's (2 for an
 expected error), 0 on success.
 Rerunnable: `{out}/quickstart_state.json` records each finished stage with a fingerprint of the recipe
-sections it reads; a finished stage with the same fingerprint is skipped, an interrupted one is rerun
-(data prep and training resume from their own partial outputs), and a stage whose settings changed is
-redone from scratch together with everything downstream of it.
+sections it reads and of the stages it reads from; a finished stage with the same fingerprint is skipped, an
+interrupted one is rerun (data prep and training resume from their own partial outputs), and a stage whose settings
+changed is redone from scratch together with every stage that reads its output.
 """
 from __future__ import annotations
 
@@ -27,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,9 +50,12 @@ from omegaconf import OmegaConf
 from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir,
                                       ensure_default_target, read_build_info)
 from data_prep.docstring_corpus import default_conversations, default_questions
+from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import DEBUG_ENV, ArgumentParser, debug_enabled, one_line_errors
 from evaluation.headline import headline_text
-from recipes import layout, load_config
+from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind
+from recipes import RecipeError, layout, load_config
+from recipes.head import check_head_fits_target
 
 STATE_FILE = "quickstart_state.json"
 PROMPTS_DIR = "prompts"  # stdlib prompt sets written here when --target is a user model
@@ -50,21 +66,65 @@ class Stage:
     name: str
     module: str  # run as `python -m MODULE --recipe ... key=value ...`
     sections: tuple[str, ...]  # recipe sections whose values decide the stage's output
-    outputs: tuple[str, ...]  # folders under output_dir the stage writes (removed when its settings change)
+    outputs: tuple[str, ...]  # folders under the run folder the stage writes (removed when its settings change)
     title: str
     command: tuple[str, ...] = ()  # a subcommand before --recipe (e.g. evaluation.main's "autotune")
+    head: HeadKind = EAGLE2  # whose recipe and output_dir it runs with: EAGLE2 = --recipe in {out}, EAGLE3 = --recipe-eagle3
+    after: tuple[str, ...] = ()  # the stages whose outputs it reads: their fingerprints are part of its own
 
 
-STAGES = (
+E3 = layout.EAGLE3_DIR
+EAGLE2_STAGES = (
     Stage("data", "data_prep.main", ("seed", "target", "data"), (layout.DATA_DIR,),
           "data prep: regenerate answers with the target, loss masks, hidden-state cache"),
     Stage("train", "train.main", ("head", "train", "export"), (layout.TRAIN_DIR, layout.HEAD_DIR),
-          "training the draft head (DeepSpeed) and exporting it"),
+          "training the EAGLE-2 draft head (DeepSpeed) and exporting it", after=("data",)),
     Stage("tune", "evaluation.main", ("decoding", "eval"), (layout.TUNE_DIR,),
-          "auto-tuning the EAGLE-2 tree for this machine (evaluation/main.py autotune)", ("autotune",)),
-    Stage("eval", "evaluation.main", ("decoding", "eval"), (layout.EVAL_DIR,),
-          "evaluation: vanilla / EAGLE-1 / EAGLE-2 (60/5/10 and tuned), calibration, losslessness"),
+          "auto-tuning the EAGLE-2 tree for this machine (evaluation/main.py autotune)", ("autotune",),
+          after=("train",)),
 )
+EAGLE3_STAGES = (  # the aux layers decide the feature cache: the head section is part of the data stage's fingerprint
+    Stage("eagle3-data", "data_prep.main", ("seed", "target", "data", "head"), (f"{E3}/{layout.DATA_DIR}",),
+          "EAGLE-3 data prep: the aux-layer hidden-state cache", head=EAGLE3),
+    Stage("eagle3-train", "train.main", ("head", "train", "export"),
+          (f"{E3}/{layout.TRAIN_DIR}", f"{E3}/{layout.HEAD_DIR}"),
+          "training the EAGLE-3 draft head (DeepSpeed) and exporting it", head=EAGLE3, after=("eagle3-data",)),
+    Stage("eagle3-tune", "evaluation.main", ("decoding", "eval"), (f"{E3}/{layout.TUNE_DIR}",),
+          "auto-tuning the EAGLE-3 tree for this machine", ("autotune",), head=EAGLE3, after=("eagle3-train",)),
+)
+EVAL_STAGE = Stage("eval", "evaluation.main", ("decoding", "eval"), (layout.EVAL_DIR,),
+                   "evaluation: vanilla / EAGLE-1 / EAGLE-2 (60/5/10 and tuned), calibration, losslessness")
+STAGES = (*EAGLE2_STAGES, *EAGLE3_STAGES, EVAL_STAGE)  # every stage any --head-kind runs (--fresh removes them all)
+HEAD_KIND_CHOICES = ("both", EAGLE2.name, EAGLE3.name)
+# what head B (EAGLE-3) adds to the evaluation's methods with --head-kind both: its 60/5/10 tree (calibrated by its
+# own tune stage) and its tuned tree, each paired with head A's method of the same name
+HEAD_B_METHODS = ("eagle2@B", "tuned@B")
+
+
+def plan(head_kind: str) -> list[Stage]:
+    """The stages one --head-kind runs, in order."""
+    if head_kind == EAGLE2.name:
+        return [*EAGLE2_STAGES, replace(EVAL_STAGE, after=("tune",))]
+    if head_kind == EAGLE3.name:
+        return [*EAGLE3_STAGES, replace(EVAL_STAGE, head=EAGLE3, after=("eagle3-tune",),
+                                        title="evaluation: vanilla / EAGLE-1 / EAGLE-3 (60/5/10 and tuned), calibration, "
+                                              "losslessness")]
+    return [*EAGLE2_STAGES, replace(EAGLE3_STAGES[0], after=("data",),  # it copies data's regenerated answers
+                                    title="EAGLE-3 data prep: the aux-layer hidden-state cache, on the EAGLE-2 run's "
+                                          "regenerated answers"),
+            *EAGLE3_STAGES[1:],
+            replace(EVAL_STAGE, after=("tune", "eagle3-tune"),
+                    title="evaluation: vanilla / EAGLE-1 / EAGLE-2 and EAGLE-3 (60/5/10 and tuned) on the same "
+                          "questions, paired; calibration, losslessness")]
+
+
+def downstream(stages: list[Stage], name: str) -> list[Stage]:
+    """The stage `name` and every stage of `stages` that reads its output, directly or not."""
+    names = {name}
+    for s in stages:  # in order: a stage comes after the ones it reads
+        if set(s.after) & names:
+            names.add(s.name)
+    return [s for s in stages if s.name in names]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,8 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size preset of the embedded default target (test: seconds to build, for tests)")
     p.add_argument("--out", default=None, help="run folder (default: the recipe's output_dir, runs/tiny)")
     p.add_argument("--fresh", action="store_true", help="redo every stage (the cached default target is kept)")
-    p.add_argument("--recipe", default="tiny", help="recipe name or YAML path (default: tiny)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides passed to every stage")
+    p.add_argument("--head-kind", default="both", choices=HEAD_KIND_CHOICES,
+                   help="which draft heads to train and evaluate: both (default; one paired evaluation of EAGLE-3 vs "
+                        "EAGLE-2 on the same questions), eagle2 or eagle3 alone")
+    p.add_argument("--recipe", default="tiny", help="the EAGLE-2 head's recipe, name or YAML path (default: tiny); its "
+                                                   "output_dir is the run folder")
+    p.add_argument("--recipe-eagle3", default="tiny-eagle3",
+                   help=f"the EAGLE-3 head's recipe (default: tiny-eagle3, the same data and target as tiny); it runs "
+                        f"in {{out}}/{layout.EAGLE3_DIR}")
+    p.add_argument("--eagle3-override", action="append", default=[], metavar="key=value",
+                   help="a recipe override for the EAGLE-3 stages only, after the shared ones (repeatable), e.g. "
+                        "head.aux_layers=[1,2,4] for a --target with fewer than 14 layers")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides passed to every stage (of both "
+                                                                     "heads)")
     return p
 
 
@@ -123,7 +194,8 @@ def _sha256(data: bytes) -> str:
 
 
 def stage_fingerprint(cfg, stage: Stage, upstream: str, identity: dict) -> str:
-    """Hash of what the stage reads: its recipe sections, the target's identity and the upstream stage's hash."""
+    """Hash of what the stage reads: its recipe sections, the target's identity and the hashes of the stages it reads
+    from (`upstream`)."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     parts = {"sections": {s: resolved[s] for s in stage.sections}, "upstream": upstream, "target": identity}
     return _sha256(json.dumps(parts, sort_keys=True, default=str).encode())[:16]
@@ -148,7 +220,7 @@ def remove_outputs(out_dir: Path, stages) -> None:
 
 def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> None:
     cmd = [sys.executable, "-m", stage.module, *stage.command, "--recipe", recipe, *overrides]
-    if stage.name == "tune":  # its report goes to {output_dir}/tune, not into the evaluation's folder
+    if "autotune" in stage.command:  # its report goes to {output_dir}/tune, not into the evaluation's folder
         out = dict(o.split("=", 1) for o in overrides if "=" in o)["output_dir"]
         cmd.append(f"eval.output_dir={Path(out) / layout.TUNE_DIR}")
     say("$ " + " ".join(shlex.quote(c) for c in cmd))
@@ -203,6 +275,48 @@ def summarize_report(eval_dir: Path) -> list[str]:
     return lines
 
 
+def head_pair_lines(eval_dir: Path) -> list[str]:
+    """Head B (EAGLE-3) beside head A (EAGLE-2), one line per tree both were evaluated with ("eagle2" and "eagle2@B"):
+    tau and speed-up of each, and B / A paired over the same questions with its CI. [] without a head B."""
+    report = json.loads((eval_dir / "report.json").read_text())
+    overall = {s["method"]: s for s in report["summaries"] if s["category"] == "overall"}
+    pairs = {(c["a"], c["b"]): c for c in report["comparisons"] if c["category"] == "overall"}
+    lines = []
+    for b in overall:
+        name, at, args = b.partition(":")[0].partition("@")[0], "@B" in b.partition(":")[0], b.partition(":")[2]
+        a = name + (f":{args}" if args else "")
+        if not at or a not in overall:
+            continue
+        c = pairs.get((a, b))
+        if c is None:  # listed the other way round: B / A is then the comparison's own ratio
+            c, flip = pairs.get((b, a)), False
+        else:
+            flip = True
+        if c is None:
+            continue
+        sa, sb = overall[a], overall[b]
+        if not lines:
+            lines.append(f"EAGLE-3 (head B) vs EAGLE-2 (head A), paired over the same {sa['questions']} questions "
+                         "(B / A with 95% CI):")
+        lines.append(f"{a:>10} vs {b}: tau {sa['tau']['value']:.2f} vs {sb['tau']['value']:.2f}, B / A "
+                     f"{_ratio_text(c['tau_ratio'], flip)}; speed-up {_speedup(sa)} vs {_speedup(sb)}, tokens/s B / A "
+                     f"{_ratio_text(c['speed_ratio'], flip)}")
+    return lines
+
+
+def _ratio_text(ci: dict, invert: bool) -> str:
+    """'0.87 [0.81, 0.92]'; invert: of 1 / the ratio (a bootstrap percentile interval maps through 1/x exactly)."""
+    value, low, high = ci["value"], ci["ci_low"], ci["ci_high"]
+    if invert:
+        value, low, high = 1 / value, 1 / high, 1 / low
+    return f"{value:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def _speedup(summary: dict) -> str:
+    speed = (summary.get("speedup") or {}).get("value")
+    return "–" if speed is None else f"{speed:.2f}x"
+
+
 def headline_line(eval_dir: Path) -> str | None:
     """The report's headline sentence (fastest method, tau, speedup with CI, mismatches), or None."""
     h = json.loads((eval_dir / "report.json").read_text()).get("headline")
@@ -212,7 +326,7 @@ def headline_line(eval_dir: Path) -> str | None:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    bad = [o for o in args.overrides if "=" not in o]
+    bad = [o for o in [*args.overrides, *args.eagle3_override] if "=" not in o]
     if bad:
         raise SystemExit(f"expected key=value overrides, got {bad}")
     started = time.time()
@@ -240,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     user = list(args.overrides)
     if args.out is not None:
         user.append(f"output_dir={args.out}")
+    heads = heads_of(args.head_kind)
     cfg = load_config(args.recipe, user)  # fails fast on unknown keys, before the target is built
+    for kind in heads:  # so do the EAGLE-3 recipe and a recipe of the wrong kind
+        check_head_kind(kind, *head_recipe(args, kind, user))
     out_dir = Path(cfg.output_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(out_dir / ".quickstart.lock"))
@@ -258,36 +375,69 @@ def main(argv: list[str] | None = None) -> int:
         lock.release()
 
 
+def heads_of(head_kind: str) -> list[HeadKind]:
+    return {"both": [EAGLE2, EAGLE3], EAGLE2.name: [EAGLE2], EAGLE3.name: [EAGLE3]}[head_kind]
+
+
+def head_recipe(args, kind: HeadKind, overrides: list[str]) -> tuple[str, list[str], str]:
+    """(recipe, its overrides, the option naming it) of one head's chain: --recipe, or --recipe-eagle3 with the
+    --eagle3-override keys after the shared ones."""
+    if kind is EAGLE3:
+        return args.recipe_eagle3, [*overrides, *args.eagle3_override], "--recipe-eagle3"
+    return args.recipe, list(overrides), "--recipe"
+
+
+def check_head_kind(kind: HeadKind, recipe: str, overrides: list[str], option: str):
+    """The chain's recipe, loaded (unknown keys fail here); it must train the kind of head its chain names."""
+    cfg = load_config(recipe, overrides)
+    if cfg.head.kind != kind.name:
+        other = "--recipe" if option == "--recipe-eagle3" else "--recipe-eagle3"
+        raise RecipeError(f"{option} {recipe} trains a head.kind={cfg.head.kind} head, but the {kind.title} head's "
+                          f"recipe must have head.kind={kind.name}; pass it as {other} (and --head-kind "
+                          f"{cfg.head.kind} to train it alone)")
+    return cfg
+
+
 def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float, err) -> int:
     if args.fresh:
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
         remove_outputs(out_dir, STAGES)
         (out_dir / STATE_FILE).unlink(missing_ok=True)
+    stages = plan(args.head_kind)
     t0, c0 = time.time(), cpu_seconds()
-    say(f"1/{len(STAGES) + 1} target: " + (args.target or "the embedded default target (built once, then cached)"))
+    say(f"1/{len(stages) + 1} target: " + (args.target or "the embedded default target (built once, then cached)"))
     target, inputs, identity = resolve_inputs(args.target, out_dir, args.target_size)
     say(f"target ready in {time.time() - t0:.0f}s: {target}")
     given = {o.split("=", 1)[0] for o in user}
-    overrides = [f"target.path={target}", f"output_dir={out_dir}"]
-    overrides += [f"{k}={v}" for k, v in inputs.items() if k not in given]  # the user's choice wins
-    overrides += [o for o in user if not o.startswith("output_dir=")]
-    cfg = load_config(args.recipe, overrides)
+    shared = [f"target.path={target}"]
+    shared += [f"{k}={v}" for k, v in inputs.items() if k not in given]  # the user's choice wins
+    shared += [o for o in user if not o.startswith("output_dir=")]
+    chains = {}  # head kind -> (recipe, overrides, cfg) of its chain of stages
+    for kind in heads_of(args.head_kind):
+        recipe, overrides, option = head_recipe(args, kind, shared)
+        chain_dir = out_dir / layout.EAGLE3_DIR if kind is EAGLE3 else out_dir
+        overrides = [f"output_dir={chain_dir}", *overrides]
+        cfg = check_head_kind(kind, recipe, overrides, option)
+        if kind is EAGLE3:  # aux layers that do not fit the target fail now, not after the EAGLE-2 stages
+            check_head_fits_target(cfg.head, load_target_config(resolve_target_path(cfg.target), cfg.target.revision))
+        chains[kind] = (recipe, overrides, cfg)
 
     state = read_state(out_dir)
-    upstream = ""
+    fingerprints: dict[str, str] = {}
     timings = {"target": round(time.time() - t0, 1)}
     cpu = {"target": round(cpu_seconds() - c0, 1)}
-    for i, stage in enumerate(STAGES):
-        fp = stage_fingerprint(cfg, stage, upstream, identity)
-        upstream = fp
+    for i, stage in enumerate(stages):
+        recipe, overrides, cfg = stage_run(stage, chains, out_dir)
+        fp = stage_fingerprint(cfg, stage, "+".join(fingerprints[s] for s in stage.after), identity)
+        fingerprints[stage.name] = fp
         rec = state.get(stage.name, {})
-        header = f"{i + 2}/{len(STAGES) + 1} {stage.title}"
+        header = f"{i + 2}/{len(stages) + 1} {stage.title}"
         if rec.get("fingerprint") == fp and rec.get("done"):
             say(f"{header}: already done ({rec.get('seconds', '?')}s), reusing")
             continue
         if rec and rec.get("fingerprint") != fp:
-            later = STAGES[i:]
-            say(f"{header}: settings changed since the last run; redoing it and the stages after it")
+            later = downstream(stages, stage.name)
+            say(f"{header}: settings changed since the last run; redoing it and the stages that read its output")
             remove_outputs(out_dir, later)
             for s in later:
                 state.pop(s.name, None)
@@ -298,8 +448,10 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         state[stage.name] = {"fingerprint": fp, "done": False}
         write_state(out_dir, state)
         t, c = time.time(), cpu_seconds()
+        if stage.name == "eagle3-data" and "data" in stage.after:
+            reuse_answers(chains[EAGLE2][2], cfg)
         try:
-            run_stage(stage, args.recipe, overrides, env)
+            run_stage(stage, recipe, overrides, env)
         except StageFailed as e:
             eval_report = layout.eval_dir(cfg) / "report.json"
             if stage.name == "eval" and e.code == 1 and eval_report.exists():  # the report lists the mismatches
@@ -317,11 +469,13 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         state[stage.name] = {"fingerprint": fp, "done": True, "seconds": timings[stage.name]}
         write_state(out_dir, state)
 
-    eval_dir = layout.eval_dir(cfg)
+    eval_dir = out_dir / layout.EVAL_DIR
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     say(f"done in {time.time() - started:.0f}s wall, {sum(cpu.values()):.0f}s CPU (this run, seconds wall/CPU per stage: "
         + ", ".join(f"{k} {timings[k]}/{cpu[k]}" for k in timings) + f"; load average now {load})")
     for line in summarize_report(eval_dir):
+        say("  " + line)
+    for line in head_pair_lines(eval_dir):
         say("  " + line)
     for png in sorted(eval_dir.glob("calibration_*.png")):
         say(f"calibration plot: {png}")
@@ -330,3 +484,38 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     if best is not None:
         say(best)
     return 0
+
+
+def stage_run(stage: Stage, chains: dict, out_dir: Path) -> tuple[str, list[str], object]:
+    """(recipe, overrides, resolved config) one stage runs with: its head's chain; the evaluation with both heads also
+    gets head B (eval.compare_head) and head B's methods, and its report always goes to {out}/eval."""
+    recipe, overrides, cfg = chains[stage.head]
+    if stage.name != EVAL_STAGE.name:
+        return recipe, overrides, cfg
+    extra = [f"eval.output_dir={out_dir / layout.EVAL_DIR}"] if stage.head is EAGLE3 else []
+    if stage.head is EAGLE2 and EAGLE3 in chains:
+        methods = list(cfg.eval.methods)
+        methods += [m for m in HEAD_B_METHODS if m not in methods]
+        extra = [f"eval.compare_head={layout.head_dir(chains[EAGLE3][2])}", f"eval.methods={json.dumps(methods)}"]
+    overrides = [*overrides, *extra]
+    return recipe, overrides, load_config(recipe, overrides)
+
+
+def reuse_answers(source_cfg, cfg) -> None:
+    """Seed the EAGLE-3 data prep with the EAGLE-2 run's regenerated answers (copied: its regenerate step then finds
+    every record done) when both recipes regenerate the same way (same seed, target and data sections); otherwise
+    the EAGLE-3 data prep regenerates its own."""
+    same = all(OmegaConf.to_container(source_cfg[k], resolve=True) == OmegaConf.to_container(cfg[k], resolve=True)
+               for k in ("target", "data")) and source_cfg.seed == cfg.seed
+    src, dst = layout.regenerated_dir(source_cfg), layout.regenerated_dir(cfg)
+    if not same:
+        say(f"the {EAGLE3.title} recipe's data or target settings differ from the {EAGLE2.title} recipe's: its data "
+            "prep regenerates its own answers")
+        return
+    if dst.exists() or not src.exists():
+        return
+    tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    os.replace(tmp, dst)  # whole or not at all: an interrupted copy is redone, never resumed half-copied
+    say(f"reusing the {EAGLE2.title} run's regenerated answers: {src} -> {dst}")

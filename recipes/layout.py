@@ -6,6 +6,7 @@
     {output_dir}/eval/            evaluation reports (eval.output_dir moves them); eval/serve_sweep/: serve-sweep's
                                   draft length per concurrency level, which the Hub card stages
     {output_dir}/tune/            the quickstart demo's auto-tuning report
+    {output_dir}/eagle3/          the quickstart demo's EAGLE-3 head: its own data/ (the aux-layer cache), train/, head/, tune/
 
 Every stage finds another stage's output through these functions, never by joining path parts itself.
 """
@@ -15,17 +16,24 @@ from pathlib import Path
 
 DATA_DIR = "data"
 FEATURES_DIR = "features"  # the feature cache, in DATA_DIR
+REGENERATED_DIR = "regenerated"  # the target's regenerated answers (part-*.jsonl + settings.json), in DATA_DIR
 TOKENIZED_FILE = "tokenized.jsonl"  # tokenised conversations, in DATA_DIR
 TRAIN_DIR = "train"
 CHECKPOINTS_DIR = "checkpoints"  # in TRAIN_DIR
 HEAD_DIR = "head"
 EVAL_DIR = "eval"
 TUNE_DIR = "tune"
+EAGLE3_DIR = "eagle3"  # the quickstart demo's second head (its output_dir)
 
 
 def data_dir(cfg) -> Path:
     """{output_dir}/data: where data prep writes."""
     return Path(cfg.output_dir) / DATA_DIR
+
+
+def regenerated_dir(cfg) -> Path:
+    """{output_dir}/data/regenerated: the on-policy answers data prep's regenerate step writes (and resumes)."""
+    return data_dir(cfg) / REGENERATED_DIR
 
 
 def cache_dir(cfg) -> Path:
