@@ -158,10 +158,11 @@ def test_quickstart_stage_failure_is_one_line(tmp_path, monkeypatch, capsys):
     stage's own line on stderr, exit 2; the stage's progress went to stdout and the good default target stayed."""
     monkeypatch.setenv("EAGLE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    argv = ["--target-size", "test", "--out", tmp_path / "run", f"data.source={tmp_path / 'no_such.json'}"]
+    argv = ["--target-size", "test", "--out", tmp_path / "run", "--eagle3-override", "head.aux_layers=[0,1,2]",
+            f"data.source={tmp_path / 'no_such.json'}"]  # the aux layers of the 3-layer test target
     code, out, err = run_cli(cli_main("quickstart"), argv, capsys)
     line = assert_one_line_error(code, err, "stage data", "no_such.json", "does not exist", "rerun")
-    assert "[quickstart] 2/5 data prep" in out and line not in out
+    assert "[quickstart] 2/8 data prep" in out and line not in out
     target = tmp_path / "home" / "default-target-test"
     before = snapshot(target)
     code, _, err = run_cli(cli_main("quickstart"), argv, capsys)  # the rerun reuses the target and fails the same way
