@@ -52,8 +52,8 @@ from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES,
 from data_prep.docstring_corpus import default_conversations, default_questions
 from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import DEBUG_ENV, ArgumentParser, debug_enabled, one_line_errors
-from evaluation.headline import headline_text
 from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind
+from evaluation.headline import headline_text
 from recipes import RecipeError, layout, load_config
 from recipes.head import check_head_fits_target
 
@@ -69,7 +69,7 @@ class Stage:
     outputs: tuple[str, ...]  # folders under the run folder the stage writes (removed when its settings change)
     title: str
     command: tuple[str, ...] = ()  # a subcommand before --recipe (e.g. evaluation.main's "autotune")
-    head: HeadKind = EAGLE2  # whose recipe and output_dir it runs with: EAGLE2 = --recipe in {out}, EAGLE3 = --recipe-eagle3
+    head: HeadKind = EAGLE2  # whose chain: EAGLE2 = --recipe in {out}, EAGLE3 = --recipe-eagle3 in {out}/eagle3
     after: tuple[str, ...] = ()  # the stages whose outputs it reads: their fingerprints are part of its own
 
 
@@ -107,8 +107,8 @@ def plan(head_kind: str) -> list[Stage]:
         return [*EAGLE2_STAGES, replace(EVAL_STAGE, after=("tune",))]
     if head_kind == EAGLE3.name:
         return [*EAGLE3_STAGES, replace(EVAL_STAGE, head=EAGLE3, after=("eagle3-tune",),
-                                        title="evaluation: vanilla / EAGLE-1 / EAGLE-3 (60/5/10 and tuned), calibration, "
-                                              "losslessness")]
+                                        title="evaluation: vanilla / EAGLE-1 / EAGLE-3 (60/5/10 and tuned), "
+                                              "calibration, losslessness")]
     return [*EAGLE2_STAGES, replace(EAGLE3_STAGES[0], after=("data",),  # it copies data's regenerated answers
                                     title="EAGLE-3 data prep: the aux-layer hidden-state cache, on the EAGLE-2 run's "
                                           "regenerated answers"),
@@ -419,7 +419,12 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         overrides = [f"output_dir={chain_dir}", *overrides]
         cfg = check_head_kind(kind, recipe, overrides, option)
         if kind is EAGLE3:  # aux layers that do not fit the target fail now, not after the EAGLE-2 stages
-            check_head_fits_target(cfg.head, load_target_config(resolve_target_path(cfg.target), cfg.target.revision))
+            try:
+                check_head_fits_target(cfg.head, load_target_config(resolve_target_path(cfg.target),
+                                                                    cfg.target.revision))
+            except RecipeError as e:
+                raise RecipeError(f"{e}; pass the EAGLE-3 head's layers for this target with --eagle3-override "
+                                  "head.aux_layers=[i,j,k], or --head-kind eagle2") from None
         chains[kind] = (recipe, overrides, cfg)
 
     state = read_state(out_dir)

@@ -153,6 +153,7 @@ def test_wrong_head_kinds_and_unfit_aux_layers_fail_before_any_stage(monkeypatch
     assert demo.main(["--target", str(small_target), "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: head.aux_layers=[2, 8, 13]: ") and "3-layer target" in err and err.count("\n") == 1
+    assert err.rstrip().endswith("--eagle3-override head.aux_layers=[i,j,k], or --head-kind eagle2")
     assert fake.names == []
     assert demo.main(["--target", str(small_target), "--out", out, "--head-kind", "eagle2"]) == 0  # A alone fits
 
