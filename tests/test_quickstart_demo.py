@@ -372,3 +372,17 @@ def test_a_second_run_on_the_same_folder_is_refused(monkeypatch, tmp_path, small
         assert "another `python -m quickstart` is running" in capsys.readouterr().err
     assert fake.names == []
     assert run(monkeypatch, fake, out, small_target) == 0  # free again once the other run ends
+
+
+@pytest.mark.parametrize("recipe", ["tiny", "tiny-eagle3"])
+def test_the_command_training_suggests_for_a_missing_cache_is_one_the_demo_accepts(recipe):
+    """train's hint for a missing default-target cache names the demo run that builds it, for either head kind."""
+    import shlex
+
+    from train.data import cache_builder
+
+    hint = cache_builder(load_config(recipe))  # no data.source, no target.path: the default target
+    argv = shlex.split(hint.split("`")[1])[3:]  # after `python -m quickstart`
+    args = demo.build_parser().parse_args(argv)
+    chosen = args.recipe_eagle3 if args.head_kind == "eagle3" else args.recipe
+    assert chosen == recipe and args.head_kind == load_config(recipe).head.kind
