@@ -283,9 +283,10 @@ def head_pair_lines(eval_dir: Path) -> list[str]:
     pairs = {(c["a"], c["b"]): c for c in report["comparisons"] if c["category"] == "overall"}
     lines = []
     for b in overall:
-        name, at, args = b.partition(":")[0].partition("@")[0], "@B" in b.partition(":")[0], b.partition(":")[2]
-        a = name + (f":{args}" if args else "")
-        if not at or a not in overall:
+        spec, sep, args = b.partition(":")
+        name, _, head = spec.partition("@")
+        a = name + sep + args  # head A's method of the same tree: "tuned@B" -> "tuned", "eagle2@B:depth=8" -> ...
+        if head != "B" or a not in overall:
             continue
         c = pairs.get((a, b))
         if c is None:  # listed the other way round: B / A is then the comparison's own ratio
@@ -519,8 +520,8 @@ def reuse_answers(source_cfg, cfg) -> None:
         return
     if dst.exists() or not src.exists():
         return
-    tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = dst.with_name(f"{dst.name}.partial")  # one quickstart per run folder (its lock): a fixed name is safe
+    shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted copy left
     shutil.copytree(src, tmp)
     os.replace(tmp, dst)  # whole or not at all: an interrupted copy is redone, never resumed half-copied
     say(f"reusing the {EAGLE2.title} run's regenerated answers: {src} -> {dst}")

@@ -386,3 +386,26 @@ def test_the_command_training_suggests_for_a_missing_cache_is_one_the_demo_accep
     args = demo.build_parser().parse_args(argv)
     chosen = args.recipe_eagle3 if args.head_kind == "eagle3" else args.recipe
     assert chosen == recipe and args.head_kind == load_config(recipe).head.kind
+
+
+def test_head_pair_lines_match_trees_by_name_and_orient_the_ratio_b_over_a(tmp_path):
+    def summary(m, tau):
+        return {"method": m, "category": "overall", "questions": 3, "tau": {"value": tau},
+                "speedup": {"value": tau / 2}}
+
+    def comparison(a, b, value, low, high):
+        ci = {"value": value, "ci_low": low, "ci_high": high}
+        return {"a": a, "b": b, "category": "overall", "tau_ratio": ci, "speed_ratio": ci}
+
+    methods = [("eagle2:depth=8", 4.0), ("eagle2@B:depth=8", 2.0), ("tuned@B", 3.0), ("tuned", 6.0), ("eagle1", 5.0)]
+    (tmp_path / "report.json").write_text(json.dumps({
+        "summaries": [summary(m, t) for m, t in methods],
+        "comparisons": [comparison("eagle2:depth=8", "eagle2@B:depth=8", 2.0, 1.6, 2.5),  # A / B: inverted
+                        comparison("tuned@B", "tuned", 0.5, 0.4, 0.625)]}))  # already B / A
+    lines = demo.head_pair_lines(tmp_path)
+    assert lines[0].startswith("EAGLE-3 (head B) vs EAGLE-2 (head A), paired over the same 3 questions")
+    assert lines[1].strip() == ("eagle2:depth=8 vs eagle2@B:depth=8: tau 4.00 vs 2.00, B / A 0.50 [0.40, 0.62]; "
+                                "speed-up 2.00x vs 1.00x, tokens/s B / A 0.50 [0.40, 0.62]")
+    assert lines[2].strip() == ("tuned vs tuned@B: tau 6.00 vs 3.00, B / A 0.50 [0.40, 0.62]; speed-up 3.00x vs 1.50x, "
+                                "tokens/s B / A 0.50 [0.40, 0.62]")
+    assert len(lines) == 3  # eagle1 has no head-B counterpart
