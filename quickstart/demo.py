@@ -140,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-kind", default="both", choices=HEAD_KIND_CHOICES,
                    help="which draft heads to train and evaluate: both (default; one paired evaluation of EAGLE-3 vs "
                         "EAGLE-2 on the same questions), eagle2 or eagle3 alone")
-    p.add_argument("--recipe", default="tiny", help="the EAGLE-2 head's recipe, name or YAML path (default: tiny); its "
-                                                   "output_dir is the run folder")
+    p.add_argument("--recipe", "--recipe-eagle2", default="tiny",
+                   help="the EAGLE-2 head's recipe, name or YAML path (default: tiny); its output_dir is the run folder")
     p.add_argument("--recipe-eagle3", default="tiny-eagle3",
                    help=f"the EAGLE-3 head's recipe (default: tiny-eagle3, the same data and target as tiny); it runs "
                         f"in {{out}}/{layout.EAGLE3_DIR}")

@@ -35,10 +35,9 @@ def cache_builder(cfg) -> str:
         return f"train.cache_dir={cfg.train.cache_dir} names no cache; point it at one, or unset it to use {{output_dir}}"
     if cfg.data.source:
         return f"build it with `python data_prep/main.py --recipe {name}` (plus the same key=value overrides)"
-    if not cfg.target.path:  # the demo takes one recipe per head kind: --recipe (eagle2), --recipe-eagle3
-        option = "--recipe" if cfg.head.kind == "eagle2" else f"--recipe-{cfg.head.kind}"
-        return (f"`python -m quickstart --head-kind {cfg.head.kind} {option} {name}` builds it (data prep of the "
-                "default target's conversations)")
+    if not cfg.target.path:  # the demo takes one recipe per head kind: --recipe-eagle2 (= --recipe), --recipe-eagle3
+        return (f"`python -m quickstart --head-kind {cfg.head.kind} --recipe-{cfg.head.kind} {name}` builds it (data "
+                "prep of the default target's conversations)")
     return (f"this recipe has no data.source: build it from raw text with `python -m train.corpus_cache --recipe {name} "
             f"--text FILE` (see the recipe's header), or set data.source and run `python data_prep/main.py --recipe {name}`")
 
