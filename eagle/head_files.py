@@ -21,6 +21,8 @@ from eagle.hub_ids import check_local_exists
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
+RECIPE_FILE = "recipe.yaml"  # the recipe that trained the head (written by the trainer's export, read by the card)
+SUMMARY_FILE = "train_summary.json"  # the training run's summary (likewise)
 
 
 def head_class(config: HeadConfig) -> type:

@@ -11,7 +11,7 @@ from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
 from export.engine_formats import FORMATS, convert_eagle3_folder
 from export.head_kinds import write_engine_head
 from recipes import add_print_config, command_config, layout
-from train.export import EXPORT_DTYPES
+from recipes.train import EXPORT_DTYPES
 
 
 @one_line_errors

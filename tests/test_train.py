@@ -584,7 +584,7 @@ def test_push_after_training_runs_the_hub_command_and_reports_its_error(toy, tmp
 @pytest.mark.shared
 def test_stories260k_recipe_on_a_corpus_cache(shared_dir, tmp_path, dist_ctx):
     """train.corpus_cache + the stories260k recipe on a few TinyStories paragraphs with the real stories260K."""
-    from train.corpus_cache import build_corpus_cache
+    from data_prep.corpus_cache import build_corpus_cache
     from recipes import load_config
     from train.main import train
 
@@ -605,7 +605,7 @@ def test_on_policy_corpus_cache_holds_the_targets_greedy_continuations(shared_di
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data_prep.feature_cache import FeatureCacheReader
-    from train.corpus_cache import build_corpus_cache, opening_sentence, read_paragraphs
+    from data_prep.corpus_cache import build_corpus_cache, opening_sentence, read_paragraphs
     from recipes import load_config
 
     target = shared_dir / "models" / "stories260K"
