@@ -33,8 +33,9 @@ from data_prep.cache_features import check_disk
 from data_prep.chat_template import stop_token_ids
 from data_prep.feature_cache import FeatureCacheWriter
 from data_prep.feature_layers import feature_layers, target_features
-from data_prep.target import load_target_model, load_target_tokenizer, pick_device, resolve_target_path, target_config_hash
+from data_prep.target import load_target_model, load_target_tokenizer, resolve_target_path, target_config_hash
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
+from eagle.device import pick_device
 from eagle.run_lock import run_lock
 from recipes import add_print_config, command_config, layout
 

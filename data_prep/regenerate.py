@@ -39,7 +39,7 @@ class GenerationSettings:
 
 
 @dataclass
-class TurnResult:
+class Reply:
     text: str
     num_tokens: int  # generated tokens, stop token included (server-reported for the openai backend)
     hit_length_limit: bool  # generation stopped at max_new_tokens, not at a stop token
@@ -74,13 +74,13 @@ class HFBackend:
         return prompt_ids(self.tokenizer, history)
 
     @torch.inference_mode()
-    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
+    def generate_turn(self, histories: list[list[dict]]) -> list[Reply | Rejected]:
         """One reply per history (which ends with a user turn); Rejected = prompt not shorter than max_prompt_tokens."""
         # lazy: transformers costs over a second at import; only the hf backend's generation needs it
         from transformers import GenerationConfig
 
         prompts = [self.prompt_ids(h) for h in histories]
-        results: list[TurnResult | Rejected] = [
+        results: list[Reply | Rejected] = [
             Rejected(too_long(len(p), self.max_prompt_tokens)) for p in prompts]
         todo = [i for i, p in enumerate(prompts) if len(p) < self.max_prompt_tokens]
         if not todo:
@@ -110,7 +110,7 @@ class HFBackend:
             generated = toks if end is None else toks[: end + 1]  # what the target produced, its stop token included
             toks = toks if end is None else toks[:end]
             text = self.tokenizer.decode(toks, skip_special_tokens=True).strip()
-            results[i] = TurnResult(text, len(generated), hit, generated)
+            results[i] = Reply(text, len(generated), hit, generated)
         return results
 
 
@@ -190,7 +190,7 @@ class OpenAIBackend:
                 time.sleep(min(2.0**attempt, 30.0))
         raise ServerError(f"{self.url} failed after {self.retries + 1} attempts: {last_error}")
 
-    def _request(self, history: list[dict]) -> TurnResult | Rejected:
+    def _request(self, history: list[dict]) -> Reply | Rejected:
         ours = prompt_ids(self.tokenizer, history) if self.tokenizer is not None else None
         if ours is not None and self.max_prompt_tokens and len(ours) >= self.max_prompt_tokens:
             return Rejected(too_long(len(ours), self.max_prompt_tokens))
@@ -219,9 +219,9 @@ class OpenAIBackend:
             generated = [int(t) for t in generated]
             reply = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
             text = self.tokenizer.decode(reply, skip_special_tokens=True)
-        return TurnResult(text.strip(), num, choice.get("finish_reason") == "length", generated)
+        return Reply(text.strip(), num, choice.get("finish_reason") == "length", generated)
 
-    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
+    def generate_turn(self, histories: list[list[dict]]) -> list[Reply | Rejected]:
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(self._request, histories))
 

@@ -55,6 +55,7 @@ from evaluation.report import (EvalReport, markdown, write_answers, write_autotu
 from evaluation.runner import GenerationArgs, run_benchmark
 from evaluation.serve_check import serve_check
 from evaluation.serve_sweep import parse_int_list, serve_sweep
+from export.head_kinds import EXPORT
 from recipes import add_print_config, command_config, layout
 from recipes.chat_templates import read_template
 
@@ -130,7 +131,7 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
     sc.add_argument("--engine-format", default=None, choices=("eagle", "vllm", "sglang"),
                     help="folder format served (default: the engine's own; eagle = the official folder unchanged)")
     if command == "serve-check":
-        sc.add_argument("--engine-method", default=None, choices=("eagle", "eagle3"),
+        sc.add_argument("--engine-method", default=None, choices=tuple(e.vllm_method for e in EXPORT.values()),
                         help="vLLM speculative method (default: the head kind's; another one is refused, naming the "
                              "trap)")
         sc.add_argument("--num-speculative-tokens", type=bounded(int, at_least=1), default=4,

@@ -450,7 +450,7 @@ def test_chain_rollout_matches_step_by_step_drafting():
     """The KV-cached rollout (all chains of a record at once) drafts exactly what feeding each chain to the
     head one step at a time with a growing prefix drafts."""
     from eagle.head import EagleHead, HeadConfig
-    from train.metrics import chain_rollout
+    from train.held_out import chain_rollout
 
     torch.manual_seed(0)
     cfg = HeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=11)
@@ -481,7 +481,7 @@ def test_chain_rollout_matches_step_by_step_drafting():
 def test_all_fed_rollout_matches_the_shared_test_helper():
     """The every-position self-fed accuracy equals tests/tiny_models.self_fed_accuracy on the same data."""
     from tiny_models import _greedy_batch, fit_good_head, random_prompts, self_fed_accuracy, tiny_llama
-    from train.metrics import all_fed_rollout
+    from train.held_out import all_fed_rollout
 
     target = tiny_llama()
     prompts = random_prompts(3)
