@@ -43,6 +43,7 @@ INVOCATIONS = {
     "python benchmarks/real_shape.py": ([sys.executable, "benchmarks/real_shape.py"], "real_shape.py"),
     "python benchmarks/real_shape_decode.py": ([sys.executable, "benchmarks/real_shape_decode.py"],
                                                "real_shape_decode.py"),
+    "python benchmarks/plan_table.py": ([sys.executable, "benchmarks/plan_table.py"], "plan_table.py"),
     "python benchmarks/tree_diagnosis.py": ([sys.executable, "benchmarks/tree_diagnosis.py"], "tree_diagnosis.py"),
 }
 NOT_A_CLI = {"python tests/float_variants.py"}  # runs the numeric tests under each arithmetic variant: no --help
@@ -66,17 +67,22 @@ def invocation(line: str) -> str | None:
     if not words or words[0] not in ("python", "python3", "torchrun", "deepspeed", "eagle-train"):
         return None
     launcher = "python" if words[0] == "python3" else words[0]
-    if launcher == "eagle-train":
-        return f"eagle-train {words[1]}" if len(words) > 1 else "eagle-train"
+    if launcher == "eagle-train":  # a flag or a placeholder (SUBCOMMAND) after it: the command itself
+        named = len(words) > 1 and re.fullmatch(r"[a-z][a-z0-9-]*", words[1])
+        return f"eagle-train {words[1]}" if named else "eagle-train"
     if launcher == "python" and len(words) > 2 and words[1] == "-m":
         return f"python -m {words[2]}" if words[2].split(".")[0] in OWN else None
     script = next((w for w in words[1:] if w.endswith(".py")), None)
-    return f"{launcher} {script}" if script and script.split("/")[0] in OWN else None
+    return f"{launcher} {script}" if script and script.split("/")[0] in OWN and "*" not in script else None
 
 
-def readme_commands() -> set[str]:
-    """The invocations of README's shell blocks and inline code (`python -m train.plan --recipe R`)."""
-    text = (REPO / "README.md").read_text()
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "results").glob("*.md"))]
+
+
+def readme_commands(pages: list[Path] = DOCS) -> set[str]:
+    """The invocations of the shell blocks and inline code (`python -m train.plan --recipe R`) of README and the
+    pages of docs/ (where its measurements moved, with the commands that made them)."""
+    text = "\n".join(page.read_text() for page in pages)
     lines = []
     fence = re.compile(r"^```[\w-]*\n(.*?)^```", flags=re.S | re.M)
     for block in fence.findall(text):
@@ -99,12 +105,12 @@ def test_each_documented_invocation_answers_help(name):
     assert f"usage: {prog}" in proc.stdout, proc.stdout[:500]
 
 
-def test_every_command_readme_shows_is_one_that_is_run_here():
+def test_every_command_readme_and_docs_show_is_one_that_is_run_here():
     shown = readme_commands()
     subcommands = {f"eagle-train {name}" for name in cli.SUBCOMMANDS} | {"eagle-train"}
     unknown = shown - set(INVOCATIONS) - subcommands - NOT_A_CLI
-    assert not unknown, f"README shows commands no test runs: {sorted(unknown)}"
-    assert "eagle-train demo" in shown or "python -m quickstart" in shown
+    assert not unknown, f"README or docs/ show commands no test runs: {sorted(unknown)}"
+    assert {"eagle-train demo", "eagle-train train", "deepspeed train/main.py"} <= readme_commands([REPO / "README.md"])
 
 
 def test_the_installed_command_is_one_entry_point_to_the_dispatcher():
