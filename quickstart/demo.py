@@ -107,12 +107,17 @@ class Chain:
     eval_title: str = EVAL_STAGE.title  # the evaluation's title when this chain runs alone
     fit_hint: str = ""  # what to pass when the recipe's head does not fit the target
 
+    @property
+    def recipe_dest(self) -> str:
+        """The argparse dest of `recipe_option` (--recipe-eagle3 -> recipe_eagle3)."""
+        return self.recipe_option.removeprefix("--").replace("-", "_")
+
 
 CHAINS = {EAGLE2: Chain(EAGLE2_STAGES, "--recipe", ""),
           EAGLE3: Chain(EAGLE3_STAGES, "--recipe-eagle3", E3, "eagle3_override",
                         "evaluation: vanilla / EAGLE-1 / EAGLE-3 (60/5/10 and tuned), calibration, losslessness",
-                        "pass the EAGLE-3 head's layers for this target with --eagle3-override head.aux_layers=[i,j,k], "
-                        "or --head-kind eagle2")}
+                        "pass the EAGLE-3 head's layers for this target with --eagle3-override "
+                        "head.aux_layers=[i,j,k], or --head-kind eagle2")}
 HEAD_KIND_CHOICES = ("both", *(kind.name for kind in CHAINS))
 # what head B (EAGLE-3) adds to the evaluation's methods with --head-kind both: its 60/5/10 tree (calibrated by its
 # own tune stage) and its tuned tree, each paired with head A's method of the same name
@@ -401,7 +406,7 @@ def head_recipe(args, kind: HeadKind, overrides: list[str]) -> tuple[str, list[s
     --eagle3-override keys after the shared ones."""
     chain = CHAINS[kind]
     own = getattr(args, chain.override_dest) if chain.override_dest else []
-    return getattr(args, chain.recipe_option.removeprefix("--").replace("-", "_")), [*overrides, *own], chain.recipe_option
+    return getattr(args, chain.recipe_dest), [*overrides, *own], chain.recipe_option
 
 
 def check_head_kind(kind: HeadKind, recipe: str, overrides: list[str], option: str):
