@@ -304,6 +304,51 @@ def test_resume_through_the_safe_loader(toy, tmp_path, capsys):
     assert back["a"] == obj["a"] and back["b"] is ZeroStageEnum.weights and back["c"].cur_scale == 1.0
 
 
+def test_incomplete_checkpoint_is_one_line_before_deepspeed_reads_it(toy, tmp_path, capsys):
+    """A checkpoint folder with its optimizer partition removed (a copy cut short, a cleanup gone wrong) stops the
+    resume with one line naming the checkpoint, the missing file, how it was written and what to do, before
+    DeepSpeed reads it (on several ranks a rank that stopped inside DeepSpeed's loader would leave the others waiting
+    in a collective)."""
+    run = copy(toy["run"], tmp_path / "run")
+    ckpt = run / "train" / "checkpoints" / "step-00000002"
+    (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, f"checkpoint {ckpt} is incomplete", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          "written by 1 rank under train.zero_stage=2", "train.resume=false")
+    assert_unchanged(before, run)
+
+
+def test_deepspeed_failure_inside_resume_is_one_line(toy, tmp_path, capsys):
+    """An optimizer partition that loads but holds something else: DeepSpeed's loader fails (a KeyError deep in its
+    engine); the resume stops with one line naming the checkpoint, DeepSpeed's error, how the checkpoint was
+    written, and the way back to the previous checkpoint (the exact commands) or a fresh start."""
+    run = copy(toy["run"], tmp_path / "run")
+    root = run / "train" / "checkpoints"
+    shutil.copytree(root / "step-00000002", root / "step-00000001")  # an older checkpoint to go back to
+    torch.save({"not": "an optimizer partition"}, root / "step-00000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    line = assert_one_line_error(code, err, f"could not resume checkpoint {root / 'step-00000002'}",
+                                 "DeepSpeed's load_checkpoint failed", "KeyError",
+                                 "written by 1 rank under train.zero_stage=2",
+                                 f"rm -r {root / 'step-00000002'} && echo step-00000001 > {root / 'latest'}")
+    assert "train.resume=false" in line
+    assert_unchanged(before, run)
+
+
+def test_resume_between_zero0_and_zero_stages_is_refused_in_one_line(toy, tmp_path, capsys):
+    """ZeRO 1-3 partition the optimizer state, stage 0 keeps it whole in one file: DeepSpeed converts only among its
+    ZeRO stages, so a resume across stage 0 is refused before anything loads, naming both stages and the one to
+    use."""
+    run = copy(toy["run"], tmp_path / "run")
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys, "train.zero_stage=0")
+    assert_one_line_error(code, err, "written under train.zero_stage=2, this run has train.zero_stage=0",
+                          "resume with train.zero_stage=2")
+    assert_unchanged(before, run)
+
+
 @pytest.mark.slow
 def test_zero3_bf16_resume_through_the_safe_loader(toy, tmp_path):
     import subprocess

@@ -166,18 +166,25 @@ def check_complete(root: Path, tag: str, saved_stage: int, ranks) -> None:
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(f"checkpoint {folder} is incomplete: {shown} missing (written by "
-                              f"{saved_world_size(folder)} ranks under train.zero_stage={saved_stage}); "
+                              f"{ranks_text(saved_world_size(folder))} under train.zero_stage={saved_stage}); "
                               + way_back(root, tag))
 
 
-def resume_failed(root: Path, tag: str, exc: BaseException, what: str, saved_world: int,
-                  saved_stage: int) -> CheckpointError:
-    """One line for a DeepSpeed failure while resuming checkpoint `tag`: the checkpoint, what failed (DeepSpeed's
-    own sentence, shortened), how it was written, what to do."""
+def ranks_text(n: int) -> str:
+    return f"{n} rank{'' if n == 1 else 's'}"
+
+
+def resume_failed(root: Path, tag: str, exc: BaseException, what: str, world: int, stage: int) -> CheckpointError:
+    """One line for a DeepSpeed failure while resuming checkpoint `tag` on `world` ranks under ZeRO `stage`: the
+    checkpoint, what failed (DeepSpeed's own sentence, shortened), how it was written, what to do (rerun as it was
+    written when this run differs; else go back to the previous checkpoint or start over)."""
     detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+    saved_world, saved_stage = saved_world_size(root / tag), saved_zero_stage(root / tag)
+    written = f"written by {ranks_text(saved_world)} under train.zero_stage={saved_stage}"
+    same = "rerun with that many ranks and that stage, or " if (saved_world, saved_stage) != (world, stage) else ""
     return CheckpointError(f"could not resume checkpoint {root / tag} ({what}: {type(exc).__name__}: {detail}); it was "
-                           f"written by {saved_world} ranks under train.zero_stage={saved_stage}: rerun with that "
-                           f"many ranks and that stage, or " + way_back(root, tag))
+                           f"{written}, this run has {ranks_text(world)} under train.zero_stage={stage}: {same}"
+                           + way_back(root, tag))
 
 
 def universal_dir(root: Path) -> Path:
@@ -185,10 +192,11 @@ def universal_dir(root: Path) -> Path:
     return root / "universal"
 
 
-def make_universal(root: Path, tag: str, rank: int) -> Path:
+def make_universal(root: Path, tag: str, rank: int, world: int, stage: int) -> Path:
     """A DeepSpeed universal checkpoint of `tag` (every parameter's fp32 weights and AdamW moments whole, loadable
     on any number of ranks under any ZeRO stage 1-3), made once by rank 0 with DeepSpeed's own converter
-    (`ds_to_universal`) into `universal_dir(root)/tag`; other ranks do nothing. Not collective: the caller makes
+    (`ds_to_universal`) into `universal_dir(root)/tag` for this run's `world` ranks under ZeRO `stage`; other ranks do
+    nothing. Not collective: the caller makes
     the ranks agree on the outcome before any of them loads. Returns the folder to load `tag` from."""
     out = universal_dir(root) / tag
     done = out / "complete"
@@ -210,7 +218,7 @@ def make_universal(root: Path, tag: str, rank: int) -> Path:
         except Exception as e:  # noqa: BLE001 - any failure of DeepSpeed's converter: one line naming the checkpoint
             shutil.rmtree(out, ignore_errors=True)
             raise resume_failed(root, tag, e, "DeepSpeed's ds_to_universal could not convert it for another number "
-                                "of ranks", saved_world, saved_stage) from e
+                                "of ranks", world, stage) from e
         for name in os.listdir(root / tag):  # our per-rank RNG files ride along (ranks that have none reseed)
             if name.startswith("rng_rank"):
                 shutil.copy2(root / tag / name, out / name)
@@ -366,6 +374,8 @@ def load_checkpoint(engine, root: Path, tag: str, rank: int, load_dir: Path | No
     Any failure inside DeepSpeed's loader is one line (`resume_failed`); a collective that fails (a lost rank) is
     left to the trainer's lost-rank report."""
     load_dir = load_dir or root
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    stage = int(engine.zero_optimization_stage())
     rng_file = load_dir / tag / f"rng_rank{rank:05d}.pt"
     engine.checkpoint_engine.load = weights_only_load  # DeepSpeed's own load unpickles with weights_only=False
     try:
@@ -378,16 +388,14 @@ def load_checkpoint(engine, root: Path, tag: str, rank: int, load_dir: Path | No
         if collective_failed(e):
             raise
         if "state_dict" not in str(e) and "size mismatch" not in str(e):
-            raise resume_failed(root, tag, e, "DeepSpeed's load_checkpoint failed", saved_world_size(root / tag),
-                                saved_zero_stage(root / tag)) from e
+            raise resume_failed(root, tag, e, "DeepSpeed's load_checkpoint failed", world, stage) from e
         first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln or "Missing key" in ln
                       or "Unexpected key" in ln), str(e).splitlines()[0])
         raise CheckpointError(f"checkpoint {root / tag} holds another head than this run builds ({first[:200]}): "
                               f"resume needs the same head: use a new output_dir for this recipe, or delete {root} "
                               "to start this run over") from None
     except Exception as e:  # noqa: BLE001 - any other failure of DeepSpeed's loader: one line naming the checkpoint
-        raise resume_failed(root, tag, e, "DeepSpeed's load_checkpoint failed", saved_world_size(root / tag),
-                            saved_zero_stage(root / tag)) from e
+        raise resume_failed(root, tag, e, "DeepSpeed's load_checkpoint failed", world, stage) from e
     if path is None or "trainer_state" not in (client or {}):
         raise CheckpointError(f"could not load checkpoint {load_dir / tag} (DeepSpeed returned {path!r}); "
                               + way_back(root, tag))

@@ -50,7 +50,7 @@ from train.frozen_target import check_cache_matches_target, load_frozen_target  
 from train.head_kinds import training_kind  # noqa: E402
 from train.live_tau import LiveTau  # noqa: E402
 from train.loss import LossOutput  # noqa: E402
-from train.plan import print_run_plan  # noqa: E402
+from train.plan import check_run_memory, print_run_plan  # noqa: E402
 from train.tracking import Tracker  # noqa: E402
 
 
@@ -213,6 +213,11 @@ class Trainer:
                  f"records; {self.plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; "
                  f"{self.total_steps} optimizer steps; batching={t.batching} (padding {self.plan.padding_fraction():.1%})")
         print_run_plan(cfg, ctx, self.target_config)  # rank 0: memory / disk / time plan of this run (train/plan.py)
+        # the options that size memory, against this data, before anything is allocated: the unrolled step count
+        # against the longest record, then the plan's peak at the data's largest micro-batch against this machine
+        self.part.check_steps_fit_records(self.train_set.lengths)
+        check_run_memory(cfg, ctx, self.target_config, max(self.train_set.lengths, default=1), self.part.steps_key,
+                         self.part.stride_key)
 
     def setup_model(self) -> None:
         """A fresh (or given) head with the target's frozen embedding, in a DeepSpeed engine; the target's frozen
@@ -275,7 +280,7 @@ class Trainer:
 
         def step() -> None:
             if convert:
-                self.resume_from = make_universal(root, tag, ctx.rank)
+                self.resume_from = make_universal(root, tag, ctx.rank, ctx.world_size, t.zero_stage)
             else:
                 check_complete(root, tag, saved_stage, mine)
         on_every_rank(step, ctx.world_size, f"checkpoint {folder} cannot be resumed on every rank")
