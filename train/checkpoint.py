@@ -94,27 +94,28 @@ def saved_zero_stage(folder: Path) -> int:
     return 1 if any(folder.glob("*zero_pp_rank_*_optim_states.pt")) else 0
 
 
-def needs_universal(saved_stage: int, saved_world: int, stage: int, world: int) -> bool:
+def needs_universal(saved_stage: int, saved_world: int, world: int) -> bool:
     """Whether a checkpoint written by `saved_world` ranks under ZeRO `saved_stage` must go through DeepSpeed's
-    universal checkpoint to load on `world` ranks under ZeRO `stage`. Stage 0 keeps the whole optimizer state in one
-    file (mp_rank_00_model_states.pt) that loads on any number of ranks as it is; ZeRO 1-3 partition it per rank,
-    so another number of ranks, or a move to or from stage 3 (other files), needs the conversion. Stage 0 <-> ZeRO
-    is refused before this (`stage_change_error`)."""
-    if saved_stage == 0:
-        return False
-    return saved_world != world or (saved_stage == 3) != (stage == 3)
+    universal checkpoint to load on `world` ranks (under the same stage, or 1 <-> 2: `stage_change_error`). Stage 0
+    keeps the whole optimizer state in one file (mp_rank_00_model_states.pt) that loads on any number of ranks as it
+    is; ZeRO 1-3 partition it per rank, so another number of ranks needs the conversion."""
+    return saved_stage != 0 and saved_world != world
 
 
 def stage_change_error(ckpt: Path, saved_stage: int, stage: int) -> CheckpointError | None:
-    """The one-line refusal of a resume between ZeRO stage 0 and ZeRO 1-3 (DeepSpeed converts optimizer state only
-    among its ZeRO partitions: its universal checkpoint neither reads a stage-0 file nor loads into a stage-0
-    engine); None when the stages fit."""
-    if (saved_stage == 0) == (stage == 0):
+    """The one-line refusal of a resume under another ZeRO stage than the checkpoint's, except between 1 and 2 (the
+    same files: DeepSpeed loads either into the other, measured bit-exact). Stage 0 keeps the optimizer state whole in
+    one file, which DeepSpeed's universal checkpoint neither reads nor loads into a stage-0 engine; stage 3 partitions
+    the weights too, and DeepSpeed 0.19's universal loader fails (an AssertionError) between it and stages 1-2.
+    None when the stages fit."""
+    if saved_stage == stage or {saved_stage, stage} <= {1, 2}:
         return None
+    why = ("stage 0 keeps the whole optimizer state in one file, ZeRO partitions it per rank" if 0 in (saved_stage, stage)
+           else "stage 3 partitions the weights as well, and DeepSpeed's universal checkpoint does not load across it")
     return CheckpointError(f"checkpoint {ckpt} was written under train.zero_stage={saved_stage}, this run has "
-                           f"train.zero_stage={stage}: DeepSpeed moves optimizer state between ZeRO stages 1-3 only, "
-                           f"not to or from stage 0; resume with train.zero_stage={saved_stage} (on any number of "
-                           "ranks), or set train.resume=false to start over")
+                           f"train.zero_stage={stage}: DeepSpeed moves optimizer state only between ZeRO stages 1 and "
+                           f"2 ({why}); resume with train.zero_stage={saved_stage} (on any number of ranks), or set "
+                           "train.resume=false to start over")
 
 
 def expected_files(saved_stage: int, ranks) -> list[str]:

@@ -36,7 +36,7 @@ from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
 from train.checkpoint import (CheckpointError, check_checkpoint_head, check_complete,  # noqa: E402
                               commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint, make_universal,
-                              needs_universal, save_checkpoint, saved_world_size, saved_zero_stage,
+                              needs_universal, ranks_text, save_checkpoint, saved_world_size, saved_zero_stage,
                               stage_change_error)
 from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions, open_feature_cache,  # noqa: E402
                         micro_batch_loader, split_train_eval)
@@ -249,30 +249,30 @@ class Trainer:
     def plan_resume(self, ds_config: dict) -> None:
         """How checkpoint `resume_tag` loads into this run, decided on every rank before DeepSpeed reads a byte of
         it: as it is (the same ranks and stage; or ZeRO stage 0, whose single file fits any number of ranks), or
-        through DeepSpeed's universal checkpoint (ZeRO 1-3 partitions on another number of ranks, or to or from
-        stage 3), converted once by rank 0. A missing file, a stage 0 <-> ZeRO change or a failed conversion stops
-        every rank with one line."""
+        through DeepSpeed's universal checkpoint (ZeRO 1-3 partitions on another number of ranks), converted once by
+        rank 0. A missing file, a change of ZeRO stage other than 1 <-> 2 or a failed conversion stops every rank
+        with one line."""
         t, ctx, root, tag = self.t, self.ctx, self.ckpt_root, self.resume_tag
         folder = root / tag
         saved_world, saved_stage = saved_world_size(folder), saved_zero_stage(folder)
         refusal = stage_change_error(folder, saved_stage, t.zero_stage)
         if refusal is not None:
             raise refusal
-        convert = needs_universal(saved_stage, saved_world, t.zero_stage, ctx.world_size)
+        convert = needs_universal(saved_stage, saved_world, ctx.world_size)
         if convert and not t.shared_filesystem:
             raise CheckpointError(
-                f"checkpoint {folder} was written by {saved_world} ranks under train.zero_stage={saved_stage}, this "
-                f"run has {ctx.world_size} under {t.zero_stage}: converting it needs every rank's partition in one "
+                f"checkpoint {folder} was written by {ranks_text(saved_world)} under train.zero_stage={saved_stage}, "
+                f"this run has {ctx.world_size}: converting it needs every rank's partition in one "
                 "folder; copy all nodes' copies of it together on a filesystem every node mounts and set "
                 "train.shared_filesystem=true, or resume on as many ranks")
         if convert:
             # its ZeRO partitions do not fit this run; DeepSpeed's universal checkpoint holds every parameter and
             # optimizer moment whole, and loads on any number of ranks under ZeRO 1-3
-            self.say(f"checkpoint {folder} was written by {saved_world} ranks under ZeRO stage {saved_stage}, this run "
-                     f"has {ctx.world_size} under stage {t.zero_stage}: converting it to a DeepSpeed universal checkpoint")
+            self.say(f"checkpoint {folder} was written by {ranks_text(saved_world)} under ZeRO stage {saved_stage}, this "
+                     f"run has {ctx.world_size}: converting it to a DeepSpeed universal checkpoint")
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         elif saved_world != ctx.world_size:  # stage 0: the one model-states file holds the whole optimizer state
-            self.say(f"checkpoint {folder} was written by {saved_world} ranks under ZeRO stage 0: its optimizer state "
+            self.say(f"checkpoint {folder} was written by {ranks_text(saved_world)} under ZeRO stage 0: its optimizer state "
                      f"is whole, loading it on {ctx.world_size} as it is")
         # without conversion, the files this rank reads (on a shared filesystem every rank checks every file, so all
         # stop together); the converter (rank 0) checks every rank's files itself
