@@ -337,6 +337,30 @@ def test_deepspeed_failure_inside_resume_is_one_line(toy, tmp_path, capsys):
     assert_unchanged(before, run)
 
 
+@pytest.mark.parametrize("damage", ["partition-missing", "partitions-mixed-up"])
+def test_conversion_for_another_number_of_ranks_fails_in_one_line(toy, tmp_path, capsys, damage):
+    """The ZeRO-2 checkpoint as if 2 ranks had written it (its ranks.json says so), resumed on 1 rank: converted by
+    DeepSpeed's ds_to_universal first. Rank 1's partition missing: one line naming it before the converter runs;
+    rank 0's partition copied as rank 1's (files mixed up between runs): the converter's own failure (a RuntimeError
+    from a reshape deep inside it) as one line naming the checkpoint and what to do; no universal copy is left."""
+    run = copy(toy["run"], tmp_path / "run")
+    ckpt = run / "train" / "checkpoints" / "step-00000002"
+    (ckpt / "ranks.json").write_text(json.dumps({"world_size": 2, "zero_stage": 2}) + "\n")
+    if damage == "partitions-mixed-up":
+        shutil.copy(ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt", ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        needles = ["could not resume checkpoint", "DeepSpeed's ds_to_universal could not convert it",
+                   "written by 2 ranks under train.zero_stage=2, this run has 1 rank",
+                   "rerun with that many ranks and that stage"]
+    else:
+        needles = [f"checkpoint {ckpt} is incomplete: zero_pp_rank_1_mp_rank_00_optim_states.pt missing",
+                   "written by 2 ranks under train.zero_stage=2"]
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, *needles, "train.resume=false")
+    assert_unchanged(before, run)
+    assert not list((run / "train" / "checkpoints").glob("universal/step-*"))
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_resume_across_zero_stage_0_or_3_is_refused_in_one_line(toy, tmp_path, capsys, stage):
     """Stage 0 keeps the optimizer state whole in one file, stage 3 partitions the weights too; DeepSpeed moves

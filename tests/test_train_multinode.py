@@ -100,6 +100,24 @@ def test_resume_on_another_number_of_ranks(toy, tmp_path, straight_runs, stage, 
             assert_same_function(a[k], b[k], terms=4, chained=3 * LAYER_REDUCTIONS, msg=k)
 
 
+def test_two_rank_checkpoint_without_its_optimizer_files_is_one_line_on_one_rank(toy, tmp_path):
+    """A 2-rank ZeRO-1 checkpoint whose optimizer partitions were removed, resumed on 1 rank (the conversion case):
+    one `error:` line naming the checkpoint, the missing files and what to do, before DeepSpeed's converter runs."""
+    out = tmp_path / "run"
+    train(toy, out, 2, "train.zero_stage=1", "train.stop_after=3")
+    ckpt = out / "train" / "checkpoints" / "step-00000003"
+    for f in ckpt.glob("*optim_states.pt"):
+        f.unlink()
+    proc = subprocess.run([sys.executable, *trainer_cmd(toy, out, "train.zero_stage=1", "train.grad_accum=2")],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint {ckpt} is incomplete: zero_pp_rank_0_mp_rank_00_optim_states.pt, "
+                                "zero_pp_rank_1_mp_rank_00_optim_states.pt missing (written by 2 ranks under "
+                                "train.zero_stage=1)"), errors[0]
+    assert "train.resume=false" in errors[0]
+
+
 # ----------------------------------------------------------------------------- two nodes on one box
 def launch_nodes(toy, outs, nodes: int, per_node: int, *extra, **popen) -> list[subprocess.Popen]:
     """`nodes` torchrun launchers on localhost (node ranks 0..nodes-1, one rendezvous address), `per_node` ranks

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -211,7 +212,9 @@ def make_universal(root: Path, tag: str, rank: int, world: int, stage: int) -> P
         args = argparse.Namespace(input_folder=str(root / tag), output_folder=str(out), num_extract_workers=1,
                                   num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
         try:
-            with weights_only_torch_load(), contextlib.redirect_stdout(None):
+            # its prints and progress bars (tqdm, on stderr) would sit beside a failed resume's one `error:` line
+            with weights_only_torch_load(), contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
                 ds_to_universal.main(args)
         except UserError:
             shutil.rmtree(out, ignore_errors=True)
