@@ -361,6 +361,24 @@ def test_conversion_for_another_number_of_ranks_fails_in_one_line(toy, tmp_path,
     assert not list((run / "train" / "checkpoints").glob("universal/step-*"))
 
 
+def test_the_stage_of_a_checkpoint_written_before_ranks_json_held_it(tmp_path):
+    """Older checkpoints' ranks.json holds only the world size: their ZeRO stage comes from DeepSpeed's file names
+    (no optimizer partitions: 0; optimizer partitions: 1-2, the same files; model partitions: 3)."""
+    from train.checkpoint import needs_universal, saved_zero_stage
+
+    layouts = {0: ["mp_rank_00_model_states.pt"],
+               1: ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+               3: ["zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]}
+    for stage, names in layouts.items():
+        folder = tmp_path / f"z{stage}"
+        folder.mkdir()
+        (folder / "ranks.json").write_text('{"world_size": 2}\n')
+        for n in names:
+            (folder / n).write_bytes(b"")
+        assert saved_zero_stage(folder) == stage
+        assert needs_universal(stage, 2, 1) == (stage > 0) and not needs_universal(stage, 2, 2)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_resume_across_zero_stage_0_or_3_is_refused_in_one_line(toy, tmp_path, capsys, stage):
     """Stage 0 keeps the optimizer state whole in one file, stage 3 partitions the weights too; DeepSpeed moves
