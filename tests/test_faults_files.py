@@ -361,6 +361,18 @@ def test_conversion_for_another_number_of_ranks_fails_in_one_line(toy, tmp_path,
     assert not list((run / "train" / "checkpoints").glob("universal/step-*"))
 
 
+def test_a_checkpoint_saved_again_drops_the_universal_copy_of_the_earlier_one(toy, tmp_path, capsys):
+    """A step saved again (a rerun after going back to an earlier checkpoint) must not be resumed on another number
+    of ranks from the universal copy made of the step's earlier checkpoint: saving drops it."""
+    run = copy(toy["run"], tmp_path / "run")
+    stale = run / "train" / "checkpoints" / "universal" / "step-00000004"
+    stale.mkdir(parents=True)
+    (stale / "complete").write_text("step-00000004")
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert code == 0, err[-2000:]
+    assert (run / "train" / "checkpoints" / "step-00000004").is_dir() and not stale.exists()
+
+
 def test_the_stage_of_a_checkpoint_written_before_ranks_json_held_it(tmp_path):
     """Older checkpoints' ranks.json holds only the world size: their ZeRO stage comes from DeepSpeed's file names
     (no optimizer partitions: 0; optimizer partitions: 1-2, the same files; model partitions: 3)."""

@@ -323,6 +323,8 @@ def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_las
         # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
         torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
         if writer:
+            # a universal copy of an earlier checkpoint of this step (a rerun after a rollback) is not this one's
+            shutil.rmtree(universal_dir(root) / tag, ignore_errors=True)
             layout = {"world_size": world_size, "zero_stage": int(engine.zero_optimization_stage())}
             (root / tag / RANKS_FILE).write_text(json.dumps(layout) + "\n")
             (root / tag / HEAD_FILE).write_text(json.dumps(head_signature(engine.module)) + "\n")
