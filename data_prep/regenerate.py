@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from data_prep.token_ids import chat_messages, prompt_ids
 from eagle.cli_errors import UserError
+from eagle.state_files import StateFile, read_json_state, register, write_json_state
 
 
 @dataclass
@@ -264,20 +265,28 @@ def read_parts(out_dir: Path, own: Path | None = None) -> dict[str, dict]:
     return done
 
 
+REGEN_SETTINGS = register(StateFile(
+    "settings.json", "REGENERATED_DIR", writer="data_prep/regenerate.py", schema={"target": str, "chat_template": (str, type(None)), "backend": str, "max_length": int,
+            "extra_stop_ids": [int], "max_new_tokens": int, "do_sample": bool, "temperature": float, "top_p": float,
+            "seed": int, "*": object},
+    rebuild="it guards the regenerated records beside it: restore it, or delete that folder (or set another "
+            "output_dir) and rerun data_prep to regenerate them",
+    when_missing="a new regeneration: the settings are written",
+    example={"target": "models/t", "chat_template": "llama3", "backend": "hf", "max_length": 512, "extra_stop_ids": [],
+             "max_new_tokens": 64, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": 0}))
+
+
 def check_settings(out_dir: Path, settings: dict) -> None:
     """Refuse to resume a regeneration made with other settings (it would mix two datasets)."""
-    path = Path(out_dir) / "settings.json"
-    if path.exists():
-        old = json.loads(path.read_text())
+    path = Path(out_dir) / REGEN_SETTINGS.name
+    old = read_json_state(path, REGEN_SETTINGS)
+    if old is not None:
         if old != settings:
             diff = {k: (old.get(k), settings.get(k)) for k in set(old) | set(settings) if old.get(k) != settings.get(k)}
             raise ValueError(f"{out_dir} was regenerated with other settings {diff} (old, new); "
                              "delete it or use another output_dir")
     else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"settings.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(settings, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        write_json_state(path, dict(sorted(settings.items())), REGEN_SETTINGS)
 
 
 def make_chunks(records: list[dict], batch_size: int) -> list[list[dict]]:

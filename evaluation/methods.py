@@ -18,12 +18,12 @@ Either head may be EAGLE-2 or EAGLE-3 (`Method.describe` names the kind).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle.decoding_config import DecodingConfig
-from eagle.ea_model import CALIBRATION_KEY, TREE_CONFIG_NAME, load_tree_config
+from eagle.ea_model import CALIBRATION_KEY, TREE_CONFIG, TREE_CONFIG_NAME, load_tree_config
+from eagle.state_files import read_json_state
 
 METHOD_MODES = {"vanilla": "vanilla", "chain": "chain", "eagle1": "static", "eagle2": "dynamic"}
 HEADS = ("A", "B")
@@ -106,7 +106,8 @@ def parse_methods(specs: list[str], base: DecodingConfig, head_dir: Path | None 
 def load_tuned(head_dir: Path | None) -> DecodingConfig:
     """The DecodingConfig the `autotune` command saved next to a head (an error when there is none)."""
     path = None if head_dir is None else Path(head_dir) / TREE_CONFIG_NAME
-    if path is None or not path.exists() or not set(json.loads(path.read_text())) - {CALIBRATION_KEY}:
+    saved = None if path is None else read_json_state(path, TREE_CONFIG)
+    if not set(saved or {}) - {CALIBRATION_KEY}:
         raise FileNotFoundError(f"method 'tuned': no tuned tree in {path or head_dir}; run "
                                 f"`python evaluation/main.py autotune ...` first")
     return load_tree_config(head_dir)

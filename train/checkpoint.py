@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import pickle
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -21,13 +19,22 @@ import numpy as np
 import torch
 
 from eagle.cli_errors import UserError
-from eagle.head_kinds import head_kind
+from eagle.head_kinds import HEAD_KINDS, head_kind
+from eagle.state_files import (StateFile, pattern_check, read_json_state, read_text_state, register, write_json_state,
+                               write_text_state)
 from train.distributed import barrier, import_deepspeed
 
 TAG_PREFIX = "step-"
 _TORCH_LOAD = torch.load  # the real one: `weights_only_torch_load` swaps torch.load for `weights_only_load` for a while
-TAG_PATTERN = re.compile(r"step-\d{8}")
 HEAD_FILE = "head.json"  # in each checkpoint folder: the kind and tensor shapes of the head it holds
+_EARLIER = ("delete that checkpoint folder to resume from the one before it (and point train/checkpoints/latest at "
+            "it), or set train.resume=false to start over")
+HEAD_STATE = register(StateFile(
+    HEAD_FILE, "OUTPUT_DIR/train/checkpoints/TAG", writer="train/checkpoint.py", schema={"kind": str, "shapes": {"*": [int]}}, rebuild=_EARLIER,
+    when_missing="a checkpoint written before the file existed: the loader's own error checks the head",
+    check=lambda d: None if d["kind"] in HEAD_KINDS else f"kind {d['kind']!r} is not a head kind of this project "
+                                                         f"({', '.join(HEAD_KINDS)})",
+    example={"kind": "eagle2", "shapes": {"fc.weight": [8, 16]}}))
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -72,13 +79,23 @@ def weights_only_torch_load():
 
 
 RANKS_FILE = "ranks.json"  # {"world_size": N}: how many ranks wrote a checkpoint (each node's copy has one)
+RANKS_STATE = register(StateFile(
+    RANKS_FILE, "OUTPUT_DIR/train/checkpoints/TAG", writer="train/checkpoint.py", schema={"world_size": int}, rebuild=_EARLIER,
+    when_missing="a checkpoint written before the file existed: its rng_rank files are counted",
+    check=lambda d: None if d["world_size"] >= 1 else f"world_size {d['world_size']} is not >= 1",
+    example={"world_size": 2}))
+LATEST_STATE = register(StateFile(
+    "latest", "OUTPUT_DIR/train/checkpoints", writer="train/checkpoint.py", format="text", schema=str,
+    check=pattern_check(r"step-\d{8}", "a checkpoint tag step-NNNNNNNN"),
+    rebuild="write the newest complete checkpoint's tag into it (e.g. step-00000020: the folder beside it), or "
+            "delete it to start training over",
+    when_missing="no checkpoint committed yet: training starts fresh", example="step-00000020"))
 
 
 def saved_world_size(folder: Path) -> int:
     """How many ranks wrote the checkpoint in `folder` (ranks.json; older checkpoints: their rng_rank files)."""
-    if (folder / RANKS_FILE).exists():
-        return int(json.loads((folder / RANKS_FILE).read_text())["world_size"])
-    return len(list(folder.glob("rng_rank*.pt")))
+    saved = read_json_state(folder / RANKS_FILE, RANKS_STATE)
+    return len(list(folder.glob("rng_rank*.pt"))) if saved is None else saved["world_size"]
 
 
 def universal_dir(root: Path) -> Path:
@@ -130,16 +147,10 @@ def check_checkpoint_head(ckpt: Path, module, config_name: str) -> None:
     """CheckpointError (one line naming both heads and the way out) when checkpoint `ckpt` holds another head kind or
     other shapes than this run's `module` (a rerun of the run folder with another recipe); checkpoints written before
     the file existed are checked by the loader's own error (`load_checkpoint`)."""
-    f = Path(ckpt) / HEAD_FILE
-    if not f.exists():
+    saved = read_json_state(Path(ckpt) / HEAD_FILE, HEAD_STATE)
+    if saved is None:
         return
-    try:
-        saved = json.loads(f.read_text())
-        saved_kind = saved["kind"]
-        head_kind(saved_kind)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: {f.name} is damaged ({' '.join(str(e).split())[:120]}); delete "
-                              "the checkpoint folder to resume from an earlier one") from None
+    saved_kind = saved["kind"]
     mine = head_signature(module)
     if saved == mine:
         return
@@ -183,12 +194,10 @@ def set_rng_state(state: dict) -> None:
 
 def latest_tag(root: Path) -> str | None:
     """Tag of the newest complete checkpoint (DeepSpeed's `latest` file), or None."""
-    latest = root / "latest"
-    if not latest.exists():
+    latest = root / LATEST_STATE.name
+    tag = read_text_state(latest, LATEST_STATE)
+    if tag is None:
         return None
-    tag = latest.read_text().strip()
-    if not TAG_PATTERN.fullmatch(tag):
-        raise CheckpointError(f"{latest} names {tag[:80]!r}, not a checkpoint of this trainer (step-NNNNNNNN)")
     if not (root / tag).is_dir():
         raise FileNotFoundError(f"{latest} names checkpoint {tag!r}, but {root / tag} does not exist")
     return tag
@@ -207,8 +216,8 @@ def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_las
         # RNG first: DeepSpeed writes `latest` last, so a checkpoint it names is always complete
         torch.save(rng_state(), root / tag / f"rng_rank{rank:05d}.pt")
         if writer:
-            (root / tag / RANKS_FILE).write_text(json.dumps({"world_size": world_size}) + "\n")
-            (root / tag / HEAD_FILE).write_text(json.dumps(head_signature(engine.module)) + "\n")
+            write_json_state(root / tag / RANKS_FILE, {"world_size": world_size}, RANKS_STATE, indent=None)
+            write_json_state(root / tag / HEAD_FILE, head_signature(engine.module), HEAD_STATE, indent=None)
         barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state}, save_latest=False)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -228,9 +237,7 @@ def commit_checkpoint(root: Path, tag: str, keep_last: int, rank: int, writer: b
     """Point `latest` at the complete checkpoint `tag` (atomically) and keep the newest `keep_last`. Collective;
     the writer(s) (`save_checkpoint`) do it."""
     if (rank == 0 if writer is None else writer):
-        tmp = root / f"latest.tmp{os.getpid()}"
-        tmp.write_text(tag)
-        os.replace(tmp, root / "latest")
+        write_text_state(root / LATEST_STATE.name, tag, LATEST_STATE)
         prune_checkpoints(root, keep_last)
     barrier()
 
