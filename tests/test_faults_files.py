@@ -143,7 +143,7 @@ HEAD_FAULTS = [  # (id, damage(head dir), needles)
     ("no-config", lambda d: (d / "config.json").unlink(), ["has no config.json"]),
     ("config-json", lambda d: (d / "config.json").write_text("{"), ["config.json", "not valid JSON"]),
     ("config-utf8", lambda d: (d / "config.json").write_bytes(b'{"hidden_size": "\xff"}'), ["config.json", "UTF-8"]),
-    ("config-type", lambda d: set_config(d, hidden_size="64"), ["config.json", "hidden_size='64'"]),
+    ("config-type", lambda d: set_config(d, hidden_size="64"), ["config.json", 'hidden_size is a string ("64"), expected an integer']),
     ("config-layers", lambda d: set_config(d, num_hidden_layers=2), ["config.json", "num_hidden_layers=2"]),
     ("config-list", lambda d: (d / "config.json").write_text("[1]"), ["config.json", "JSON object"]),
     ("config-keys", lambda d: (d / "config.json").write_text('{"hidden_size": 64}'), ["config.json", "lacks required"]),
