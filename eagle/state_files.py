@@ -88,6 +88,8 @@ def _value_name(v) -> str:
 
 def _is(value, t) -> bool:
     ts = t if isinstance(t, tuple) else (t,)
+    if object in ts:
+        return True
     if isinstance(value, bool):
         return bool in ts
     if isinstance(value, int) and float in ts:
@@ -109,7 +111,7 @@ def schema_problem(value, schema: Schema, where: str = "") -> str | None:
         return f"{at} is {_value_name(value)}, expected {wanted}"
     if isinstance(schema, dict):
         if not isinstance(value, dict):
-            return f"{at} is {_value_name(value)}, expected an object"
+            return f"{at} is {_value_name(value)}, expected a JSON object"
         rest = schema.get(ANY_KEY)
         for key, sub in schema.items():
             if key == ANY_KEY:
@@ -133,7 +135,7 @@ def schema_problem(value, schema: Schema, where: str = "") -> str | None:
         return None
     if isinstance(schema, list):
         if not isinstance(value, list):
-            return f"{at} is {_value_name(value)}, expected a list"
+            return f"{at} is {_value_name(value)}, expected a JSON list"
         for i, item in enumerate(value):
             problem = schema_problem(item, schema[0], f"{where}[{i}]")
             if problem:

@@ -52,8 +52,8 @@ NOT_STATE = {
     "data_prep/conversations.py": (4, "JSONL record files: user data and conversations.jsonl, checked per line "
                                       "with file:line errors"),
     "data_prep/tokenized.py": (2, "tokenized.jsonl records, checked per line with file:line errors"),
-    "data_prep/regenerate.py": (5, "HTTP bodies of the OpenAI-compatible server, and the regenerated JSONL records "
-                                   "(checked per line: read_parts)"),
+    "data_prep/regenerate.py": (6, "HTTP bodies of the OpenAI-compatible server (each field checked: parse_reply) "
+                                   "and the regenerated JSONL records (checked per line: read_parts)"),
     "data_prep/feature_cache.py": (4, "a meta round trip and the ids in a safetensors header (checked against the "
                                       "part manifest)"),
     "train/main.py": (4, "deepspeed_config.json and summary.json: records for people, never read back; log lines"),
