@@ -16,7 +16,8 @@ absence means (`when_missing`) and its reader gets None for it.
 Schemas are small and structural: a type (or a tuple of alternatives; `float` accepts ints, `int` refuses booleans),
 a dict of keys to schemas (a key ending in "?" is optional; `ANY_KEY` gives the schema of every other key), or a
 one-element list `[item_schema]`. A check beyond structure (a value's range, a tag's pattern) is `check`, a function
-returning the problem or None. Formats: JSON (`read_json_state`), one line of text (`read_text_state`: `latest`).
+returning the problem or None. Formats: JSON (`read_json_state`), YAML (`read_yaml_state`: the recipe stored beside
+a head), one line of text (`read_text_state`: `latest`); `read_state` picks the format's loader.
 
 tests/test_state_files.py enumerates the registry and damages every file every way; it also scans the source so a
 new JSON file written or read outside this module must be listed there with the reason it is not a state file.
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from eagle.atomic_file import write_file_atomic
 from eagle.cli_errors import FileFormatError
@@ -49,7 +52,7 @@ class StateFile:
     schema: Schema  # the structure a reader relies on (module docstring)
     rebuild: str  # what to do about a missing or damaged one, e.g. "delete it and rerun data_prep"
     when_missing: str | None = None  # what absence means when it is normal (the reader then gets None)
-    format: str = "json"  # "json" | "text"
+    format: str = "json"  # "json" | "yaml" | "text"
     check: Callable[[Any], str | None] | None = None  # a problem beyond structure, or None
     example: Any = None  # a valid content (tests damage it)
 
@@ -194,6 +197,43 @@ def read_json_state(path: str | Path, spec: StateFile):
     return check_state(path, value, spec)
 
 
+def read_yaml_state(path: str | Path, spec: StateFile):
+    """The YAML state file at `path` (a recipe stored beside a head), checked against `spec` like a JSON one."""
+    path = Path(path)
+    data = _read_bytes(path, spec)
+    if data is None:
+        return None
+    text = _decode(path, spec, data)
+    if not text.strip():
+        raise _fail(path, spec, "empty (a write was interrupted)")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        raise _fail(path, spec, f"damaged: not valid YAML ({getattr(e, 'problem', None) or type(e).__name__}{where})") \
+            from None
+    return check_state(path, value, spec)
+
+
+def write_yaml_state(path: str | Path, value, spec: StateFile, text: str | None = None) -> Path:
+    """Write a YAML state file atomically after checking it against its schema. `text`: the rendering to write
+    (e.g. OmegaConf's), which must load back to `value`; default yaml.safe_dump's."""
+    if REGISTRY.get(spec.key) is not spec:
+        raise ValueError(f"state file {spec.key} is not registered (eagle/state_files.py register)")
+    check_state(path, value, spec)
+    if text is None:
+        text = yaml.safe_dump(value, sort_keys=False, allow_unicode=True)
+    elif yaml.safe_load(text) != value:
+        raise ValueError(f"{path}: the YAML to write does not load back to the value checked")
+    return write_file_atomic(path, text)
+
+
+def read_state(path: str | Path, spec: StateFile):
+    """The state file at `path` read by the loader of its format (json, yaml, text)."""
+    return {"json": read_json_state, "yaml": read_yaml_state, "text": read_text_state}[spec.format](path, spec)
+
+
 def read_text_state(path: str | Path, spec: StateFile) -> str | None:
     """The one-line text state file at `path` (stripped), checked by `spec.schema` (str) and `spec.check`; None when
     absent and that is normal."""
@@ -230,4 +270,5 @@ def pattern_check(pattern: str, what: str) -> Callable[[str], str | None]:
 
 
 __all__ = ["ANY_KEY", "REGISTRY", "StateFile", "StateFileError", "check_state", "pattern_check", "read_json_state",
-           "read_text_state", "register", "schema_problem", "write_json_state", "write_text_state"]
+           "read_state", "read_text_state", "read_yaml_state", "register", "schema_problem", "write_json_state",
+           "write_text_state", "write_yaml_state"]

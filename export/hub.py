@@ -24,13 +24,13 @@ from eagle.atomic_folder import write_folder
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
 from eagle.head_config import read_head_json
 from eagle.head_kinds import kind_of_config
-from eagle.state_files import read_json_state
+from eagle.state_files import read_json_state, read_yaml_state, write_yaml_state
 from export.head_kinds import check_head_folder, write_engine_head
 from export.eval_outputs import EVAL_REPORT, SWEEP
 from export.model_card import model_card
 from recipes import add_print_config, command_config, layout
 from data_prep.feature_cache import CACHE_MANIFEST
-from train.export import RECIPE_FILE, SUMMARY_FILE, TRAIN_SUMMARY
+from train.export import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY
 
 HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE, "tree_config.json")
 STAGING_DIR = "hub_upload"  # in output_dir; engine formats: hub_upload-{fmt} (`staging_dir`)
@@ -52,7 +52,8 @@ def trained_recipe(cfg, head_dir: Path, head_config: dict):
     else this command's; either way it must train the head's own kind (from its config.json)."""
     kind = kind_of_config(dict(head_config))
     stored = head_dir / RECIPE_FILE
-    recipe = OmegaConf.load(stored) if stored.exists() else cfg
+    saved = read_yaml_state(stored, STORED_RECIPE)
+    recipe = cfg if saved is None else OmegaConf.create(saved)
     recipe_kind = OmegaConf.select(recipe, "head.kind", default="eagle2")
     if recipe_kind != kind.name:
         where = f"its {stored}" if stored.exists() else f"the recipe {cfg.name!r} (the head folder has no {RECIPE_FILE})"
@@ -94,7 +95,8 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
                 if (head_dir / name).exists():
                     shutil.copy2(head_dir / name, tmp / name)
         if not (tmp / RECIPE_FILE).exists():  # the card cites recipe.yaml: ship the one it describes
-            (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(trained, resolve=True))
+            write_yaml_state(tmp / RECIPE_FILE, OmegaConf.to_container(trained, resolve=True), STORED_RECIPE,
+                             text=OmegaConf.to_yaml(trained, resolve=True))
         plots: list[str] = []
         if edir.is_dir():
             (tmp / "eval").mkdir()

@@ -1,8 +1,8 @@
-"""The files a run writes and reads back (eagle/state_files.py): every registered state file, damaged every way
-(missing, empty, truncated, binary garbage, wrong top-level type, a key missing, a key of the wrong type), read by
-its real reader, is ONE line naming the file and what to do, never a KeyError, a bare decoder message or a silent
-default. The registry is complete: the source is scanned for JSON reads and writes, and each one outside the loader
-is either a registered state file's or listed below with the reason it is not a state file."""
+"""The files a run writes and reads back (eagle/state_files.py): every registered state file (JSON, YAML, text),
+damaged every way (missing, empty, truncated, binary garbage, wrong top-level type, a key missing, a key of the
+wrong type), read by its real reader, is ONE line naming the file and what to do, never a KeyError, a bare decoder
+message or a silent default. The registry is complete: the source is scanned for JSON and YAML reads and writes,
+and each one outside the loaders is a registered state file's or listed with the reason it is not a state file."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle.state_files import REGISTRY, StateFile, StateFileError, read_json_state, read_text_state, write_json_state
+import yaml
+
+from eagle.state_files import (REGISTRY, StateFile, StateFileError, read_json_state, read_state, read_text_state,
+                               write_json_state, write_yaml_state)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("eagle", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks")
@@ -100,6 +103,23 @@ def test_every_json_file_access_is_a_registered_state_file_or_listed_with_its_re
         f"{ {k: (found.get(k), listed.get(k)) for k in set(found) | set(listed) if found.get(k) != listed.get(k)} }")
 
 
+YAML_READS = {"load", "safe_load", "full_load", "unsafe_load"}  # yaml.X / OmegaConf.load
+YAML_LOADERS = {"recipes/load.py": "the recipe loader (user recipes, and a stored recipe.yaml given as --recipe)"}
+
+
+def yaml_reads(path: Path) -> int:
+    tree = ast.parse(path.read_text())
+    return sum(1 for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and isinstance(n.func.value, ast.Name) and (n.func.value.id == "yaml" and n.func.attr in YAML_READS
+                                                            or n.func.value.id == "OmegaConf" and n.func.attr == "load"))
+
+
+def test_yaml_is_read_only_by_the_recipe_loader_and_the_state_loader():
+    found = {p.relative_to(ROOT).as_posix() for p in project_files() if yaml_reads(p)}
+    assert found - {LOADER} == set(YAML_LOADERS), "a YAML file written and read back is a state file: read it with " \
+                                                  "read_yaml_state (eagle/state_files.py)"
+
+
 def test_the_registry_holds_every_declared_state_file():
     declared = sum(p.read_text().count("register(StateFile(") for p in project_files()
                    if p.relative_to(ROOT).as_posix() != LOADER)
@@ -107,7 +127,7 @@ def test_the_registry_holds_every_declared_state_file():
     assert {"HEAD_DIR/tree_config.json", "OUTPUT_DIR/train/checkpoints/TAG/ranks.json",
             "OUTPUT_DIR/train/checkpoints/TAG/head.json", "OUTPUT_DIR/train/checkpoints/latest",
             "QUICKSTART_OUT/quickstart_state.json", "CACHE_DIR/parts/PART.json", "CACHE_DIR/manifest.json",
-            "SERVE_SWEEP_DIR/sweep.json", "SERVE_SWEEP_DIR/bench/k{K}_c{C}.json"} <= set(REGISTRY)
+            "SERVE_SWEEP_DIR/sweep.json", "SERVE_SWEEP_DIR/bench/k{K}_c{C}.json", "HEAD_DIR/recipe.yaml"} <= set(REGISTRY)
 
 
 # ------------------------------------------------------------------------------------------------ readers
@@ -170,7 +190,13 @@ def _quickstart(d: Path):
 
 def _spec_loader(key: str):
     spec = REGISTRY[key]
-    return lambda d: (read_text_state if spec.format == "text" else read_json_state)(d / spec.name, spec)
+    return lambda d: read_state(d / spec.name, spec)
+
+
+def _stored_recipe(d: Path):
+    from export.hub import trained_recipe
+    from recipes import load_config
+    return trained_recipe(load_config("tiny"), d, {"hidden_size": 8})
 
 
 # key -> the project's own reader of that file, called with the folder holding it. Readers that are
@@ -182,6 +208,7 @@ READERS = {
     "OUTPUT_DIR/train/checkpoints/TAG/ranks.json": _ranks,
     "OUTPUT_DIR/train/checkpoints/latest": _latest,
     "HEAD_DIR/train_summary.json": _spec_loader("HEAD_DIR/train_summary.json"),
+    "HEAD_DIR/recipe.yaml": _stored_recipe,
     "CACHE_DIR/parts/PART.json": _parts,
     "CACHE_DIR/manifest.json": _spec_loader("CACHE_DIR/manifest.json"),
     "DEFAULT_TARGET_DIR/default_target.json": _build_info,
@@ -218,21 +245,23 @@ def _valid(spec: StateFile, value) -> bool:
 
 def damaged(spec: StateFile, case: str) -> bytes | None:
     """The bytes of `spec`'s file damaged by `case` (None: no file), from its valid example."""
-    good = spec.example if spec.format == "text" else json.dumps(spec.example, indent=1)
+    dump = {"text": str, "json": lambda v: json.dumps(v, indent=1), "yaml": yaml.safe_dump}[spec.format]
+    good = dump(spec.example)
     if case == "empty":
         return b""
     if case == "truncated":
-        return good.encode()[: max(1, len(good) // 2)] if spec.format == "json" else b"step-000"
+        return good.encode()[: max(1, len(good) // 2)] if spec.format == "json" else \
+            b"step-000" if spec.format == "text" else good.encode()[: good.index(":") + 1] + b" [unclosed"
     if case == "garbage":
         return bytes(range(128, 256)) * 3 + b"\x00\xff"
     if case == "wrong_top_level":
-        return b'["a", "list"]' if spec.format == "json" else b'{"tag": "step-00000020"}'
+        return b'{"tag": "step-00000020"}' if spec.format == "text" else dump(["a", "list"]).encode()
     value = dict(spec.example)
     if case == "missing_key":
         required = _required_keys(spec.schema)
         for key in required or list(value):  # no required key: an object without any of its keys
             value.pop(key, None)
-        return json.dumps(value).encode()
+        return dump(value).encode()
     if case == "wrong_key_type":
         key = (_required_keys(spec.schema) or list(value))[0]
         from eagle.state_files import check_state
@@ -240,7 +269,7 @@ def damaged(spec: StateFile, case: str) -> bytes | None:
             try:
                 check_state("x", {**value, key: wrong}, spec)
             except StateFileError:
-                return json.dumps({**value, key: wrong}).encode()
+                return dump({**value, key: wrong}).encode()
         raise AssertionError(f"{spec.key}: key {key} takes any value; give it a type")
     raise ValueError(case)
 
@@ -287,9 +316,9 @@ def test_a_damaged_state_file_is_one_line_naming_it_and_what_to_do(key, case, tm
 def test_the_example_of_every_state_file_round_trips_through_the_writer_and_loader(key, tmp_path):
     spec = REGISTRY[key]
     path = tmp_path / spec.name
-    if spec.format == "json":
-        write_json_state(path, spec.example, spec)
-        assert read_json_state(path, spec) == spec.example
+    if spec.format in ("json", "yaml"):
+        (write_json_state if spec.format == "json" else write_yaml_state)(path, spec.example, spec)
+        assert read_state(path, spec) == spec.example
     else:
         path.write_text(spec.example + "\n")
         assert read_text_state(path, spec) == spec.example

@@ -23,13 +23,20 @@ from eagle.cli_errors import UserError
 from eagle.head_checks import check_head_weights
 from eagle.head_files import head_class
 from eagle.head_module import HeadModule
-from eagle.state_files import StateFile, register, write_json_state
+from eagle.state_files import StateFile, register, write_json_state, write_yaml_state
 from train.distributed import import_deepspeed
 from train.divergence import DivergenceError
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 RECIPE_FILE = "recipe.yaml"
+STORED_RECIPE = register(StateFile(
+    RECIPE_FILE, "HEAD_DIR", writer="train/export.py", format="yaml",
+    schema={"name": str, "target": dict, "head": {"kind": str, "*": object}, "train": dict, "*": object},
+    rebuild="export the head again (rerun `python train/main.py --recipe RECIPE`: a finished run only exports), or "
+            "delete it and pass the recipe the head was trained with (--recipe)",
+    when_missing="a head exported by another tool: the command's --recipe describes it",
+    example={"name": "tiny", "target": {"path": "models/t"}, "head": {"kind": "eagle2"}, "train": {"max_steps": 4}}))
 SUMMARY_FILE = "train_summary.json"
 TRAIN_SUMMARY = register(StateFile(
     SUMMARY_FILE, "HEAD_DIR", writer="train/export.py (from train/main.py)",
@@ -97,7 +104,8 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
     def fill(tmp: Path) -> None:
         head.save_pretrained(tmp, legacy_bin=legacy_bin, dtype=EXPORT_DTYPES[dtype])
         if recipe is not None:
-            (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
+            write_yaml_state(tmp / RECIPE_FILE, OmegaConf.to_container(recipe, resolve=True), STORED_RECIPE,
+                             text=OmegaConf.to_yaml(recipe, resolve=True))
         if summary is not None:
             write_json_state(tmp / SUMMARY_FILE, summary, TRAIN_SUMMARY, indent=2)
 
