@@ -67,7 +67,7 @@ REGISTRY: dict[str, StateFile] = {}
 def register(spec: StateFile) -> StateFile:
     """Declare a state file (once, beside its writer); the registry is what the tests enumerate."""
     old = REGISTRY.get(spec.key)
-    if old is not None and old is not spec:
+    if old is not None and old.writer != spec.writer:  # the same writer twice: its module also ran as __main__
         raise ValueError(f"state file {spec.key!r} declared twice ({old.writer} and {spec.writer})")
     problem = None if spec.example is None else schema_problem(spec.example, spec.schema) or (
         spec.check(spec.example) if spec.check else None)
@@ -219,8 +219,7 @@ def read_yaml_state(path: str | Path, spec: StateFile):
 def write_yaml_state(path: str | Path, value, spec: StateFile, text: str | None = None) -> Path:
     """Write a YAML state file atomically after checking it against its schema. `text`: the rendering to write
     (e.g. OmegaConf's), which must load back to `value`; default yaml.safe_dump's."""
-    if REGISTRY.get(spec.key) is not spec:
-        raise ValueError(f"state file {spec.key} is not registered (eagle/state_files.py register)")
+    _check_registered(spec)
     check_state(path, value, spec)
     if text is None:
         text = yaml.safe_dump(value, sort_keys=False, allow_unicode=True)
@@ -242,19 +241,23 @@ def read_text_state(path: str | Path, spec: StateFile) -> str | None:
     return None if data is None else check_state(path, _decode(path, spec, data).strip(), spec)
 
 
+def _check_registered(spec: StateFile) -> None:
+    old = REGISTRY.get(spec.key)
+    if old is None or old.writer != spec.writer:
+        raise ValueError(f"state file {spec.key} is not registered (eagle/state_files.py register)")
+
+
 def write_json_state(path: str | Path, value, spec: StateFile, indent: int | None = 1) -> Path:
     """Write a JSON state file atomically (eagle/atomic_file.py) after checking it against its own schema: a writer
     that drifts from what its readers expect fails at the writer, in the tests."""
-    if REGISTRY.get(spec.key) is not spec:
-        raise ValueError(f"state file {spec.key} is not registered (eagle/state_files.py register)")
+    _check_registered(spec)
     check_state(path, value, spec)
     return write_file_atomic(path, json.dumps(value, indent=indent, ensure_ascii=False) + "\n")
 
 
 def write_text_state(path: str | Path, value: str, spec: StateFile) -> Path:
     """Write a one-line text state file atomically, after its check."""
-    if REGISTRY.get(spec.key) is not spec:
-        raise ValueError(f"state file {spec.key} is not registered (eagle/state_files.py register)")
+    _check_registered(spec)
     check_state(path, value, spec)
     return write_file_atomic(path, value)
 

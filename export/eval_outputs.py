@@ -8,12 +8,12 @@ from eagle.state_files import StateFile, register
 _CI = {"value": (float, type(None)), "ci_low?": (float, type(None)), "ci_high?": (float, type(None))}
 EVAL_REPORT = register(StateFile(
     "report.json", "EVAL_DIR", writer="evaluation/report.py",
-    schema={"meta": dict,
+    schema={"meta?": dict,
             "summaries": [{"method": str, "category": str, "questions": int, "tau": _CI, "tokens_per_s": _CI,
                            "speedup": (_CI, type(None)), "*": object}],
             "comparisons": [{"a": str, "b": str, "category": str, "tau_ratio": _CI, "speed_ratio": _CI, "*": object}],
-            "headline": (dict, type(None)), "losslessness": ({"mismatches": list, "compared": int, "*": object},
-                                                           type(None)),
+            "headline?": (dict, type(None)), "losslessness?": ({"mismatches": list, "compared": int, "*": object},
+                                                             type(None)),
             "*": object},
     rebuild="delete it and rerun the evaluation that wrote it (`python evaluation/main.py --recipe RECIPE`, or the "
             "quickstart stage eval)",

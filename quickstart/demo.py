@@ -336,7 +336,7 @@ def _speedup(summary: dict) -> str:
 
 def headline_line(eval_dir: Path) -> str | None:
     """The report's headline sentence (fastest method, tau, speedup with CI, mismatches), or None."""
-    h = read_eval_report(eval_dir)["headline"]
+    h = read_eval_report(eval_dir).get("headline")
     return None if h is None else headline_text(h)
 
 

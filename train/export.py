@@ -32,16 +32,17 @@ EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32"
 RECIPE_FILE = "recipe.yaml"
 STORED_RECIPE = register(StateFile(
     RECIPE_FILE, "HEAD_DIR", writer="train/export.py", format="yaml",
-    schema={"name": str, "target": dict, "head": {"kind": str, "*": object}, "train": dict, "*": object},
+    schema={"name": str, "target": dict, "data": dict, "head": {"kind": str, "*": object}, "train": dict, "*": object},
     rebuild="export the head again (rerun `python train/main.py --recipe RECIPE`: a finished run only exports), or "
             "delete it and pass the recipe the head was trained with (--recipe)",
     when_missing="a head exported by another tool: the command's --recipe describes it",
-    example={"name": "tiny", "target": {"path": "models/t"}, "head": {"kind": "eagle2"}, "train": {"max_steps": 4}}))
+    example={"name": "tiny", "target": {"path": "models/t"}, "data": {"source": ""}, "head": {"kind": "eagle2"},
+             "train": {"max_steps": 4}}))
 SUMMARY_FILE = "train_summary.json"
 TRAIN_SUMMARY = register(StateFile(
     SUMMARY_FILE, "HEAD_DIR", writer="train/export.py (from train/main.py)",
-    schema={"steps": int, "total_steps": int, "epochs": float, "train_records": int, "eval_records": int,
-            "train_tokens_per_s": float, "eval?": dict, "*": object},
+    schema={"steps?": int, "total_steps?": int, "epochs?": float, "train_records?": int, "eval_records?": int,
+            "train_tokens_per_s?": float, "eval?": (dict, type(None)), "*": object},
     rebuild="delete it (the model card then has no training section) or export the head again by rerunning "
             "`python train/main.py --recipe RECIPE` (a finished run only exports)",
     when_missing="a head exported by another tool: the model card has no training section",
