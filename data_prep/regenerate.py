@@ -266,8 +266,7 @@ class OpenAIBackend:
                 if attempt == self.retries:
                     raise ServerError(f"{self.url} answered HTTP 200 with a malformed {self.endpoint} completion "
                                       f"({self.retries + 1} attempts): {e}; is data.api_base an OpenAI-compatible "
-                                      "server (vLLM, SGLang)? records already regenerated are kept: rerun to resume") \
-                        from None
+                                      "server (vLLM, SGLang)?") from None
                 time.sleep(min(2.0**attempt, 30.0))
         text, choice, usage, generated, served_prompt = reply
         if ours is not None and served_prompt is not None and list(served_prompt) != ours:

@@ -333,3 +333,37 @@ def test_engine_python_must_have_vllm(tmp_path, monkeypatch):
         resolve_engine_python(str(tmp_path / "missing-python"))
     monkeypatch.setenv("EAGLE_VLLM_PYTHON", fake_engine(tmp_path))
     assert resolve_engine_python("") == fake_engine(tmp_path)
+
+
+def test_the_data_prep_command_names_the_server_and_field_and_keeps_what_was_written(server, tmp_path, capsys,
+                                                                                      no_backoff):
+    """`data_prep/main.py` against a server that turns to HTTP 200 answers of the wrong shape after two chunks: one
+    line naming the server, the field and what came back; the two chunks stay; the same command against a good
+    server then regenerates only the rest, every record once."""
+    from data_prep.main import main
+    from data_prep.regenerate import read_parts
+    from fault_helpers import assert_one_line_error, run_cli
+    from test_data_prep_helpers import save_target
+
+    target = save_target(tmp_path / "target", "chatml")
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question {i}?"},
+                                                {"from": "gpt", "value": "old"}]} for i in range(6)]
+    (tmp_path / "convs.json").write_text(json.dumps(convs))
+    run = tmp_path / "run"
+    argv = ["--recipe", "tiny", f"target.path={target}", "target.chat_template=chatml",
+            f"data.source={tmp_path / 'convs.json'}", "data.max_new_tokens=16", "data.max_length=256",
+            "data.cache_features=false", "data.gen_batch_size=2", "data.backend=openai", f"data.api_base={server}",
+            "data.api_model=served-model", "data.api_retries=1", f"output_dir={run}", "--no-progress"]
+    FakeServer.mode, FakeServer.shape, FakeServer.good_requests = "shape", "number-as-text", 4
+    code, _, err = run_cli(main, argv, capsys)
+    assert_one_line_error(code, err, f"{server}/chat/completions answered HTTP 200 with a malformed chat completion",
+                          "choices[0].message.content is int 42, expected text", "finished records are kept")
+    regenerated = run / "data" / "regenerated"
+    kept = read_parts(regenerated)
+    assert len(kept) == 4  # two chunks of two, appended when complete
+    FakeServer.mode = "ok"
+    code, _, err = run_cli(main, argv, capsys)
+    assert code == 0, err
+    lines = (regenerated / "part-00000-of-00001.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in lines) == [f"c{i}" for i in range(6)]
+    assert {k: read_parts(regenerated)[k] for k in kept} == kept
