@@ -193,7 +193,7 @@ def read_json_state(path: str | Path, spec: StateFile):
         value = json.loads(text)
     except json.JSONDecodeError as e:
         cut = " (truncated: a write was interrupted?)" if e.pos >= len(text.rstrip()) else ""
-        raise _fail(path, spec, f"damaged: not valid JSON{cut} ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise _fail(path, spec, f"damaged: not valid JSON{cut} ({e.msg}: line {e.lineno} column {e.colno})") from None
     return check_state(path, value, spec)
 
 

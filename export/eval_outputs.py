@@ -9,9 +9,9 @@ _CI = {"value": (float, type(None)), "ci_low?": (float, type(None)), "ci_high?":
 EVAL_REPORT = register(StateFile(
     "report.json", "EVAL_DIR", writer="evaluation/report.py",
     schema={"meta?": dict,
-            "summaries": [{"method": str, "category": str, "questions": int, "tau": _CI, "tokens_per_s": _CI,
-                           "speedup": (_CI, type(None)), "*": object}],
-            "comparisons": [{"a": str, "b": str, "category": str, "tau_ratio": _CI, "speed_ratio": _CI, "*": object}],
+            "summaries": [{"method": str, "category": str, "questions?": int, "tau": _CI, "tokens_per_s": _CI,
+                           "speedup?": (_CI, type(None)), "*": object}],
+            "comparisons?": [{"a": str, "b": str, "category": str, "tau_ratio": _CI, "speed_ratio": _CI, "*": object}],
             "headline?": (dict, type(None)), "losslessness?": ({"mismatches": list, "compared": int, "*": object},
                                                              type(None)),
             "*": object},

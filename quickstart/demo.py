@@ -296,7 +296,7 @@ def head_pair_lines(eval_dir: Path) -> list[str]:
     tau and speed-up of each, and B / A paired over the same questions with its CI. [] without a head B."""
     report = read_eval_report(eval_dir)
     overall = {s["method"]: s for s in report["summaries"] if s["category"] == "overall"}
-    pairs = {(c["a"], c["b"]): c for c in report["comparisons"] if c["category"] == "overall"}
+    pairs = {(c["a"], c["b"]): c for c in report.get("comparisons", []) if c["category"] == "overall"}
     lines = []
     for b in overall:
         spec, sep, args = b.partition(":")
@@ -313,7 +313,8 @@ def head_pair_lines(eval_dir: Path) -> list[str]:
             continue
         sa, sb = overall[a], overall[b]
         if not lines:
-            lines.append(f"EAGLE-3 (head B) vs EAGLE-2 (head A), paired over the same {sa['questions']} questions "
+            n = sa.get("questions", "?")
+            lines.append(f"EAGLE-3 (head B) vs EAGLE-2 (head A), paired over the same {n} questions "
                          "(B / A with 95% CI):")
         lines.append(f"{a:>10} vs {b}: tau {sa['tau']['value']:.2f} vs {sb['tau']['value']:.2f}, B / A "
                      f"{_ratio_text(c['tau_ratio'], flip)}; speed-up {_speedup(sa)} vs {_speedup(sb)}, tokens/s B / A "
