@@ -77,6 +77,7 @@ class TrainSettings:
     max_loss_ratio: float = 10.0  # divergence: stop when a loss exceeds this x the median of the recent ones; 0 = off
     stop_after: int = 0  # stop after this optimizer step as if interrupted (time-boxed jobs); 0 = run to the end
     device: str = "auto"  # auto = cuda:LOCAL_RANK when available, else cpu
+    check_memory: bool = True  # refuse to start a run the plan (train/plan.py) says does not fit in memory at the data's longest records; false = start anyway
     # --- more than one node
     collective_timeout_s: float = 1800.0  # a collective waiting longer than this for a peer (a lost or hung node) fails the run with one line naming the lost ranks
     shared_filesystem: bool = True  # output_dir is one filesystem seen by every node (global rank 0 writes run files); false = per-node local disks: each node's local rank 0 writes its own copy of the checkpoints' shared files and `latest`

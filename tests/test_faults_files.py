@@ -304,6 +304,119 @@ def test_resume_through_the_safe_loader(toy, tmp_path, capsys):
     assert back["a"] == obj["a"] and back["b"] is ZeroStageEnum.weights and back["c"].cur_scale == 1.0
 
 
+def test_incomplete_checkpoint_is_one_line_before_deepspeed_reads_it(toy, tmp_path, capsys):
+    """A checkpoint folder with its optimizer partition removed (a copy cut short, a cleanup gone wrong) stops the
+    resume with one line naming the checkpoint, the missing file, how it was written and what to do, before
+    DeepSpeed reads it (on several ranks a rank that stopped inside DeepSpeed's loader would leave the others waiting
+    in a collective)."""
+    run = copy(toy["run"], tmp_path / "run")
+    ckpt = run / "train" / "checkpoints" / "step-00000002"
+    (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, f"checkpoint {ckpt} is incomplete", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          "written by 1 rank under train.zero_stage=2", "train.resume=false")
+    assert_unchanged(before, run)
+
+
+def test_deepspeed_failure_inside_resume_is_one_line(toy, tmp_path, capsys):
+    """An optimizer partition that loads but holds something else: DeepSpeed's loader fails (a KeyError deep in its
+    engine); the resume stops with one line naming the checkpoint, DeepSpeed's error, how the checkpoint was
+    written, and the way back to the previous checkpoint (the exact commands) or a fresh start."""
+    run = copy(toy["run"], tmp_path / "run")
+    root = run / "train" / "checkpoints"
+    shutil.copytree(root / "step-00000002", root / "step-00000001")  # an older checkpoint to go back to
+    torch.save({"not": "an optimizer partition"}, root / "step-00000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    line = assert_one_line_error(code, err, f"could not resume checkpoint {root / 'step-00000002'}",
+                                 "DeepSpeed's load_checkpoint failed", "KeyError",
+                                 "written by 1 rank under train.zero_stage=2",
+                                 f"rm -r {root / 'step-00000002'} && echo step-00000001 > {root / 'latest'}")
+    assert "train.resume=false" in line
+    assert_unchanged(before, run)
+
+
+@pytest.mark.parametrize("damage", ["partition-missing", "partitions-mixed-up"])
+def test_conversion_for_another_number_of_ranks_fails_in_one_line(toy, tmp_path, capsys, damage):
+    """The ZeRO-2 checkpoint as if 2 ranks had written it (its ranks.json says so), resumed on 1 rank: converted by
+    DeepSpeed's ds_to_universal first. Rank 1's partition missing: one line naming it before the converter runs;
+    rank 0's partition copied as rank 1's (files mixed up between runs): the converter's own failure (a RuntimeError
+    from a reshape deep inside it) as one line naming the checkpoint and what to do; no universal copy is left."""
+    run = copy(toy["run"], tmp_path / "run")
+    ckpt = run / "train" / "checkpoints" / "step-00000002"
+    (ckpt / "ranks.json").write_text(json.dumps({"world_size": 2, "zero_stage": 2}) + "\n")
+    if damage == "partitions-mixed-up":
+        shutil.copy(ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt", ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        needles = ["could not resume checkpoint", "DeepSpeed's ds_to_universal could not convert it",
+                   "written by 2 ranks under train.zero_stage=2, this run has 1 rank",
+                   "rerun with that many ranks and that stage"]
+    else:
+        needles = [f"checkpoint {ckpt} is incomplete: zero_pp_rank_1_mp_rank_00_optim_states.pt missing",
+                   "written by 2 ranks under train.zero_stage=2"]
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert_one_line_error(code, err, *needles, "train.resume=false")
+    assert_unchanged(before, run)
+    assert not list((run / "train" / "checkpoints").glob("universal/step-*"))
+
+
+def test_a_checkpoint_saved_again_drops_the_universal_copy_of_the_earlier_one(toy, tmp_path, capsys):
+    """A step saved again (a rerun after going back to an earlier checkpoint) must not be resumed on another number
+    of ranks from the universal copy made of the step's earlier checkpoint: saving drops it."""
+    run = copy(toy["run"], tmp_path / "run")
+    stale = run / "train" / "checkpoints" / "universal" / "step-00000004"
+    stale.mkdir(parents=True)
+    (stale / "complete").write_text("step-00000004")
+    code, _, err = train_cli(toy, run, toy["cache"], capsys)
+    assert code == 0, err[-2000:]
+    assert (run / "train" / "checkpoints" / "step-00000004").is_dir() and not stale.exists()
+
+
+def test_the_stage_of_a_checkpoint_written_before_ranks_json_held_it(tmp_path):
+    """Older checkpoints' ranks.json holds only the world size: their ZeRO stage comes from DeepSpeed's file names
+    (no optimizer partitions: 0; optimizer partitions: 1-2, the same files; model partitions: 3)."""
+    from train.checkpoint import needs_universal, saved_zero_stage
+
+    layouts = {0: ["mp_rank_00_model_states.pt"],
+               1: ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+               3: ["zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]}
+    for stage, names in layouts.items():
+        folder = tmp_path / f"z{stage}"
+        folder.mkdir()
+        (folder / "ranks.json").write_text('{"world_size": 2}\n')
+        for n in names:
+            (folder / n).write_bytes(b"")
+        assert saved_zero_stage(folder) == stage
+        assert needs_universal(stage, 2, 1) == (stage > 0) and not needs_universal(stage, 2, 2)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_across_zero_stage_0_or_3_is_refused_in_one_line(toy, tmp_path, capsys, stage):
+    """Stage 0 keeps the optimizer state whole in one file, stage 3 partitions the weights too; DeepSpeed moves
+    optimizer state only between stages 1 and 2 (its universal loader fails with a bare AssertionError between 2 and
+    3), so the ZeRO-2 checkpoint under stage 0 or 3 is refused before anything loads, naming both stages and the one
+    to use."""
+    run = copy(toy["run"], tmp_path / "run")
+    before = snapshot(run)
+    code, _, err = train_cli(toy, run, toy["cache"], capsys, f"train.zero_stage={stage}")
+    assert_one_line_error(code, err, f"written under train.zero_stage=2, this run has train.zero_stage={stage}",
+                          "only between ZeRO stages 1 and 2", "resume with train.zero_stage=2")
+    assert_unchanged(before, run)
+
+
+def test_zero2_checkpoint_resumes_under_zero1(toy, tmp_path, capsys):
+    """Stages 1 and 2 write the same files: the ZeRO-2 checkpoint resumes under ZeRO-1 and ends with the head of an
+    uninterrupted ZeRO-2 run, bit for bit."""
+    run = copy(toy["run"], tmp_path / "run")
+    code, out, err = train_cli(toy, run, toy["cache"], capsys, "train.zero_stage=1")
+    assert code == 0 and "resumed from" in out, err[-2000:]
+    code, _, err = train_cli(toy, tmp_path / "straight", toy["cache"], capsys)
+    assert code == 0, err[-2000:]
+    a, b = load_file(run / "head" / "model.safetensors"), load_file(tmp_path / "straight" / "head" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.slow
 def test_zero3_bf16_resume_through_the_safe_loader(toy, tmp_path):
     import subprocess

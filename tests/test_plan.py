@@ -351,3 +351,48 @@ def test_deepspeeds_scheduler_start_warning_is_dropped(caplog):
         ds_logger.removeHandler(caplog.handler)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["another DeepSpeed warning"], messages
+
+
+# ----------------------------------------------------------------------------- options that size memory, checked
+def test_an_unrolled_step_count_that_does_not_fit_is_refused_with_the_largest_that_fits():
+    """Issue 35: an EAGLE-3 run of 7 training-time-test steps on 8 x 16 GB GPUs (the plan's peak at the data's longest
+    records over the budget) is refused before training with one line naming head.ttt_steps and the largest count
+    that fits: that count passes the same check and one more does not."""
+    from dataclasses import replace
+
+    from train.plan import PlanError, check_run_fits
+
+    cfg = load_config("llama3-8b-eagle3", ["head.ttt_steps=7"])
+    s = plan_shape(cfg)
+    hw = Hardware(gpus=8, gpu_mem_gb=16)
+    longest = 2048  # the data's longest record
+    with pytest.raises(PlanError) as e:
+        check_run_fits(cfg, hw, s, longest, "head.ttt_steps", "head.ttt_row_stride")
+    msg = str(e.value)
+    assert msg.startswith("head.ttt_steps=7 does not fit in memory: the plan (train/plan.py) needs ")
+    mb = cfg.train.micro_batch_size
+    assert f"per GPU at micro-batch {mb} x 2048 tokens (the longest training record), 14.40 GB usable" in msg
+    assert "raise head.ttt_row_stride (now 1)" in msg and "train.check_memory=false starts it anyway" in msg
+    bound = int(msg.split("at most head.ttt_steps=")[1].split()[0])
+    assert 1 <= bound < 7
+    check_run_fits(cfg, hw, replace(s, ttt_steps=bound), longest, "head.ttt_steps")  # the bound fits
+    with pytest.raises(PlanError, match=f"head.ttt_steps={bound + 1} does not fit"):
+        check_run_fits(cfg, hw, replace(s, ttt_steps=bound + 1), longest, "head.ttt_steps")
+    # the data's records bound the micro-batch: the same steps over records of 256 tokens fit
+    check_run_fits(cfg, hw, s, 256, "head.ttt_steps")
+    # the plan is an estimate: train.check_memory=false starts the run anyway
+    check_run_fits(load_config("llama3-8b-eagle3", ["head.ttt_steps=7", "train.check_memory=false"]), hw, s, longest,
+                   "head.ttt_steps")
+
+
+def test_a_run_that_does_not_fit_at_one_step_names_the_plans_knobs(llama_shape):
+    """Nothing to lower in the step count (EAGLE-2 without alignment): the line names the settings that each alone
+    bring the plan under the budget (`suggest`)."""
+    from train.plan import PlanError, check_run_fits
+
+    cfg = load_config("llama3-8b", ["train.loss_chunk=0"])
+    with pytest.raises(PlanError) as e:
+        check_run_fits(cfg, Hardware(gpus=8, gpu_mem_gb=16), llama_shape, 2048, "head.align_steps")
+    msg = str(e.value)
+    assert msg.startswith("this run does not fit in memory: the plan (train/plan.py) needs ")
+    assert "set train.loss_chunk=256" in msg and "train.check_memory=false" in msg

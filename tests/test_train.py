@@ -152,6 +152,59 @@ def test_resume_rejects_changed_data(toy, tmp_path, dist_ctx):
         run_train(toy, out, "train.micro_batch_size=2", steps=4, ctx=dist_ctx)
 
 
+@pytest.mark.parametrize("kind", ["eagle2-align", "eagle3"])
+def test_unrolled_steps_beyond_the_records_are_refused_before_training(kind, toy, toy3, tmp_path, dist_ctx):
+    """Issue 35: an alignment / TTT step count beyond what the records can hold (step j at position t predicts token
+    t + j: a record of L tokens holds L - 1 steps) is refused before anything is allocated, naming the key and the
+    bound; the bound itself trains."""
+    import re
+
+    from recipes import RecipeError
+
+    t, key = ({**toy, "extra": ()}, "head.align_steps") if kind == "eagle2-align" else (toy3, "head.ttt_steps")
+    with pytest.raises(RecipeError) as e:
+        run_train(t, tmp_path / "over", f"{key}=500", steps=1, ctx=dist_ctx)
+    longest, bound = map(int, re.search(r"records has (\d+) tokens .* at most (\d+) unrolled", str(e.value)).groups())
+    assert str(e.value).startswith(f"{key}=500 is more than the training records hold") and bound == longest - 1
+    assert f"set {key} <= {bound}" in str(e.value) and longest <= 40  # toy records: 8-40 tokens
+    assert not (tmp_path / "over" / "train" / "checkpoints").exists()
+    with pytest.raises(RecipeError, match=f"{key}={bound + 1} is more"):
+        run_train(t, tmp_path / "over1", f"{key}={bound + 1}", steps=1, ctx=dist_ctx)
+    assert run_train(t, tmp_path / "bound", f"{key}={bound}", steps=1, ctx=dist_ctx)["steps"] == 1
+
+
+def test_unrolled_steps_that_do_not_fit_in_memory_are_refused_before_training(toy, tmp_path, dist_ctx, monkeypatch):
+    """Issue 35: on a machine whose memory holds the plan's peak for 2 aligned steps but not for 8 (at this data's
+    longest micro-batch: data.max_length 16 cuts every record here), head.align_steps=8 is refused before training
+    with one line naming the key and the largest count that fits; that count trains."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    import train.plan as plan
+    from recipes import load_config
+
+    extra = ("data.max_length=16",)
+    cfg = load_config("tiny", overrides(toy["target"], tmp_path / "x", f"train.cache_dir={toy['cache']}", *extra,
+                                        "head.align_steps=8"))
+    shape = plan.plan_shape(cfg, AutoConfig.from_pretrained(toy["target"]))
+    c, host = plan.data_bound_cfg(cfg, 16), plan.Hardware(gpus=1, host=True)
+
+    def need(steps):
+        return plan.peak_bytes(plan.memory_items(c, host, replace(shape, ttt_steps=steps)))[0]
+
+    budget_gb = (need(2) + need(3)) / 2 / plan.GB  # 2 steps fit, 3 do not
+    monkeypatch.setattr(plan, "hardware_for_run", lambda ctx: plan.Hardware(gpus=1, host=True, gpu_mem_gb=budget_gb))
+    with pytest.raises(plan.PlanError) as e:
+        run_train(toy, tmp_path / "big", *extra, "head.align_steps=8", steps=1, ctx=dist_ctx)
+    msg = str(e.value)
+    assert msg.startswith("head.align_steps=8 does not fit in memory: the plan (train/plan.py) needs ")
+    assert "per process at micro-batch 4 x 16 tokens (the longest training record)" in msg
+    assert "at most head.align_steps=2 fits" in msg and "head.align_row_stride" in msg
+    assert not (tmp_path / "big" / "train" / "checkpoints").exists()
+    assert run_train(toy, tmp_path / "two", *extra, "head.align_steps=2", steps=1, ctx=dist_ctx)["steps"] == 1
+
+
 def test_eagle3_learns_every_unrolled_step(toy3, tmp_path, dist_ctx):
     """EAGLE-3 on the learnable toy: loss falls, every unrolled step's accuracy is logged and rises, the eval reports
     per-step chain accuracy, simulated acceptance and the training-time-test accuracies; the draft vocabulary is

@@ -1,5 +1,6 @@
-"""More than one node, exercised on one box (slow tier): resume on another number of ranks (DeepSpeed universal
-checkpoint, ZeRO 1-3), two torchrun "nodes" vs one node, a killed launcher, a lost node. Tiny toy target, few steps."""
+"""More than one node, exercised on one box (slow tier): resume on another number of ranks (ZeRO 0 as it is,
+ZeRO 1-3 through DeepSpeed's universal checkpoint), two torchrun "nodes" vs one node, a killed launcher, a lost
+node. Tiny toy target, few steps."""
 from __future__ import annotations
 
 import json
@@ -52,30 +53,69 @@ def head(out) -> dict:
 
 
 # ----------------------------------------------------------------------------- resume on another number of ranks
-@pytest.mark.parametrize("stage,before,after", [(1, (2, 1), (1, 2)), (2, (1, 2), (2, 1)), (3, (2, 2), (4, 1))],
-                         ids=["2to1-zero1", "1to2-zero2", "2to4-zero3"])
-def test_resume_on_another_number_of_ranks(toy, tmp_path, stage, before, after):
-    """A checkpoint written by N ranks resumes on M (the global batch kept: ranks x grad_accum): the optimizer state
-    comes through DeepSpeed's universal checkpoint, the data position is a count of global micro-batches, the input
+RESIZES = {"2to1": ((2, 1), (1, 2)), "1to2": ((1, 2), (2, 1)), "2to4": ((2, 2), (4, 1))}  # (ranks, grad_accum)
+MATRIX = [(stage, d) for stage in (0, 1, 2, 3) for d in ("2to1", "1to2")] + [(3, "2to4")]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(toy, tmp_path_factory):
+    """Uninterrupted runs, one per (ZeRO stage, ranks, grad_accum), made on first use and shared by the cells."""
+    made = {}
+
+    def get(stage: int, ranks: int, accum: int) -> Path:
+        if (stage, ranks, accum) not in made:
+            out = tmp_path_factory.mktemp(f"straight-z{stage}-{ranks}x{accum}") / "run"
+            train(toy, out, ranks, f"train.zero_stage={stage}", f"train.grad_accum={accum}")
+            made[stage, ranks, accum] = out
+        return made[stage, ranks, accum]
+    return get
+
+
+@pytest.mark.parametrize("stage,resize", MATRIX, ids=[f"{d}-zero{s}" for s, d in MATRIX])
+def test_resume_on_another_number_of_ranks(toy, tmp_path, straight_runs, stage, resize):
+    """A checkpoint written by N ranks resumes on M (the global batch kept: ranks x grad_accum) under every ZeRO
+    stage: stage 0's one model-states file holds the whole optimizer state and loads as it is; ZeRO 1-3 partitions go
+    through DeepSpeed's universal checkpoint. The data position is a count of global micro-batches and the input
     noise is keyed per micro-batch, so the head equals an uninterrupted N-rank run's: bit for bit when the gradient
     sums differ only by powers of two (1 <-> 2 ranks), within the rounding of a reordered 4-term gradient sum
     otherwise."""
-    (w0, a0), (w1, a1) = before, after
+    (w0, a0), (w1, a1) = RESIZES[resize]
     common = (f"train.zero_stage={stage}",)
-    train(toy, tmp_path / "straight", w0, *common, f"train.grad_accum={a0}")
+    straight = straight_runs(stage, w0, a0)
     train(toy, tmp_path / "resized", w0, *common, f"train.grad_accum={a0}", "train.stop_after=3")
     proc = train(toy, tmp_path / "resized", w1, *common, f"train.grad_accum={a1}")
     assert f"written by {w0} ranks, continued on {w1}" in proc.stdout
-    assert (tmp_path / "resized" / "train" / "checkpoints" / "universal" / "step-00000003" / "complete").exists()
+    universal = tmp_path / "resized" / "train" / "checkpoints" / "universal"
+    assert (universal / "step-00000003" / "complete").exists() == (stage > 0)  # stage 0 needs no conversion
     summary = json.loads((tmp_path / "resized" / "train" / "summary.json").read_text())
     assert summary["world_size"] == w1 and summary["steps"] == STEPS
-    a, b = head(tmp_path / "resized"), head(tmp_path / "straight")
+    a, b = head(tmp_path / "resized"), head(straight)
     assert a.keys() == b.keys()
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    print(f"zero{stage} {w0}x{a0} -> {w1}x{a1}: max |resumed - uninterrupted| = {diff:.3g}")
     for k in a:
         if w0 * w1 <= 2:  # (a/2 + b/2) == (a + b)/2 exactly in binary floating point
             assert a[k].equal(b[k]), k
         else:  # 3 steps after the resume, each summing 4 micro-batch gradients in another order through one layer
             assert_same_function(a[k], b[k], terms=4, chained=3 * LAYER_REDUCTIONS, msg=k)
+
+
+def test_two_rank_checkpoint_without_its_optimizer_files_is_one_line_on_one_rank(toy, tmp_path):
+    """A 2-rank ZeRO-1 checkpoint whose optimizer partitions were removed, resumed on 1 rank (the conversion case):
+    one `error:` line naming the checkpoint, the missing files and what to do, before DeepSpeed's converter runs."""
+    out = tmp_path / "run"
+    train(toy, out, 2, "train.zero_stage=1", "train.stop_after=3")
+    ckpt = out / "train" / "checkpoints" / "step-00000003"
+    for f in ckpt.glob("*optim_states.pt"):
+        f.unlink()
+    proc = subprocess.run([sys.executable, *trainer_cmd(toy, out, "train.zero_stage=1", "train.grad_accum=2")],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint {ckpt} is incomplete: zero_pp_rank_0_mp_rank_00_optim_states.pt, "
+                                "zero_pp_rank_1_mp_rank_00_optim_states.pt missing (written by 2 ranks under "
+                                "train.zero_stage=1)"), errors[0]
+    assert "train.resume=false" in errors[0]
 
 
 # ----------------------------------------------------------------------------- two nodes on one box
@@ -116,7 +156,7 @@ def test_two_nodes_train_the_head_of_one_node(toy, tmp_path, per_node):
         f"{ckpt}/mp_rank_00_model_states.pt", f"{ckpt}/ranks.json", f"{ckpt}/head.json",
         *(f"{ckpt}/rng_rank{r:05d}.pt" for r in range(ranks)),
         *(f"{ckpt}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ranks))}
-    assert json.loads((shared / ckpt / "ranks.json").read_text()) == {"world_size": ranks}
+    assert json.loads((shared / ckpt / "ranks.json").read_text()) == {"world_size": ranks, "zero_stage": 1}
 
 
 def test_per_node_disks(toy, tmp_path):

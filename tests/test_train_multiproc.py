@@ -72,6 +72,27 @@ def test_two_ranks_with_torchrun_zero2_bf16(toy, tmp_path):
     assert load_file(out / "head" / "model.safetensors")["fc.weight"].abs().sum() > 0
 
 
+def test_zero0_checkpoint_of_two_ranks_resumes_on_one(toy2, tmp_path):
+    """The shipped stories260k recipe's stage: a ZeRO-0 checkpoint written by 2 torchrun ranks resumes under plain
+    `python` (1 rank, the global batch kept by train.grad_accum=2) with no universal conversion (its one model-states
+    file holds the whole optimizer state), and the head equals an uninterrupted 1-rank run's bit for bit. Every
+    stage x direction: tests/test_train_multinode.py (slow)."""
+    plain = [sys.executable]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    common = ("train.zero_stage=0", "train.precision=fp32", "train.checkpoint_every=2")
+    runs = [(plain, tmp_path / "straight", ("train.grad_accum=2",)),
+            (torchrun, tmp_path / "resized", ("train.stop_after=2",)),
+            (plain, tmp_path / "resized", ("train.grad_accum=2",))]
+    for launcher, out, extra in runs:
+        proc = launch(launcher, toy2, out, *common, *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "written by 2 ranks under ZeRO stage 0" in proc.stdout and "continued on 1" in proc.stdout
+    assert not (tmp_path / "resized" / "train" / "checkpoints" / "universal").exists()
+    a = load_file(tmp_path / "straight" / "head" / "model.safetensors")
+    b = load_file(tmp_path / "resized" / "head" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def deepspeed_launcher() -> str | None:
     """The `deepspeed` launcher script: on PATH, or next to this interpreter (a venv not activated)."""
     for cand in (shutil.which("deepspeed"), Path(sys.executable).parent / "deepspeed", REPO.parent / "venv" / "bin" / "deepspeed"):

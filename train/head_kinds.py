@@ -52,6 +52,8 @@ class TrainingKind:
     extra_eval = ""  # eval/{extra_eval}_step{j}_acc (j = 1..extra_steps): the kind's extra per-step accuracy
     extra_steps = 0
     logged_steps = 0  # unrolled steps whose accuracy is logged as train/step{j}_acc
+    steps_key = ""  # the recipe key of the unrolled step count ("": the kind trains one step)
+    stride_key = ""  # the recipe key of the row stride of steps >= 2
 
     def __init__(self, cfg, target_config):
         self.cfg, self.t = cfg, cfg.train
@@ -63,6 +65,18 @@ class TrainingKind:
     def describe(self) -> str | None:
         """What the trainer says about this kind's setup, if anything."""
         return None
+
+    def check_steps_fit_records(self, lengths: list[int]) -> None:
+        """RecipeError (one line naming the key and the bound) when the unrolled step count asks for more steps than
+        the training records hold targets for: step j at input position t predicts token t + j, so a record of L
+        tokens holds at most L - 1 steps; a step beyond the longest record would train on nothing while its
+        activations are still allocated for every position."""
+        longest = max(lengths, default=0)
+        if self.steps_key and self.steps > max(longest - 1, 1):
+            raise RecipeError(f"{self.steps_key}={self.steps} is more than the training records hold: the longest of "
+                              f"the {len(lengths)} training records has {longest} tokens (after data.max_length and "
+                              f"train.long_records), so at most {max(longest - 1, 1)} unrolled steps have a target; set "
+                              f"{self.steps_key} <= {max(longest - 1, 1)}")
 
     def summary(self) -> dict:
         """Extra keys of the run summary."""
@@ -173,6 +187,7 @@ class NextFeatureTargets:
 class Eagle2Training(TrainingKind):
     kind = EAGLE2
     extra_eval = "allfed"
+    steps_key, stride_key = "head.align_steps", "head.align_row_stride"
 
     def __init__(self, cfg, target_config):
         super().__init__(cfg, target_config)
@@ -302,6 +317,7 @@ class DraftVocabTargets:
 class Eagle3Training(TrainingKind):
     kind = EAGLE3
     extra_eval = "ttt"
+    steps_key, stride_key = "head.ttt_steps", "head.ttt_row_stride"
 
     def __init__(self, cfg, target_config):
         super().__init__(cfg, target_config)

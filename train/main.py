@@ -34,9 +34,10 @@ from recipes import add_print_config, command_config, layout, list_recipes  # no
 from recipes.schema import describe_recipe_keys  # noqa: E402
 from train import metrics  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
-from train.checkpoint import (CheckpointError, check_checkpoint_head, commit_checkpoint,  # noqa: E402
-                              discard_uncommitted, latest_tag, load_checkpoint, make_universal, save_checkpoint,
-                              saved_world_size)
+from train.checkpoint import (CheckpointError, check_checkpoint_head, check_complete,  # noqa: E402
+                              commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint, make_universal,
+                              needs_universal, ranks_text, save_checkpoint, saved_world_size, saved_zero_stage,
+                              stage_change_error)
 from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions, open_feature_cache,  # noqa: E402
                         micro_batch_loader, split_train_eval)
 from train.distributed import (all_reduce_sum, barrier, collective_failed, describe_ranks,  # noqa: E402
@@ -49,7 +50,7 @@ from train.frozen_target import check_cache_matches_target, load_frozen_target  
 from train.head_kinds import training_kind  # noqa: E402
 from train.live_tau import LiveTau  # noqa: E402
 from train.loss import LossOutput  # noqa: E402
-from train.plan import print_run_plan  # noqa: E402
+from train.plan import check_run_memory, print_run_plan  # noqa: E402
 from train.tracking import Tracker  # noqa: E402
 
 
@@ -212,6 +213,11 @@ class Trainer:
                  f"records; {self.plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; "
                  f"{self.total_steps} optimizer steps; batching={t.batching} (padding {self.plan.padding_fraction():.1%})")
         print_run_plan(cfg, ctx, self.target_config)  # rank 0: memory / disk / time plan of this run (train/plan.py)
+        # the options that size memory, against this data, before anything is allocated: the unrolled step count
+        # against the longest record, then the plan's peak at the data's largest micro-batch against this machine
+        self.part.check_steps_fit_records(self.train_set.lengths)
+        check_run_memory(cfg, ctx, self.target_config, max(self.train_set.lengths, default=1), self.part.steps_key,
+                         self.part.stride_key)
 
     def setup_model(self) -> None:
         """A fresh (or given) head with the target's frozen embedding, in a DeepSpeed engine; the target's frozen
@@ -232,25 +238,52 @@ class Trainer:
         ds_config = deepspeed_config(t, self.total_steps, ctx.world_size, on_cpu=ctx.device.type == "cpu")
         self.resume_tag = latest_tag(self.ckpt_root) if t.resume else None
         self.resume_from = None  # the checkpoint folder itself
-        if self.resume_tag is not None and saved_world_size(self.ckpt_root / self.resume_tag) != ctx.world_size:
-            if not t.shared_filesystem:
-                raise CheckpointError(
-                    f"checkpoint {self.ckpt_root / self.resume_tag} was written by "
-                    f"{saved_world_size(self.ckpt_root / self.resume_tag)} ranks, this run has {ctx.world_size}: "
-                    "converting it needs every rank's partition in one folder; copy all nodes' copies of it together "
-                    "on a filesystem every node mounts and set train.shared_filesystem=true, or resume on as many ranks")
-            # written by another number of ranks: its ZeRO partitions do not fit this run; DeepSpeed's universal
-            # checkpoint holds every parameter and optimizer moment whole, and loads on any number of ranks
-            self.say(f"checkpoint {self.ckpt_root / self.resume_tag} was written by "
-                     f"{saved_world_size(self.ckpt_root / self.resume_tag)} ranks, this run has {ctx.world_size}: "
-                     "converting it to a DeepSpeed universal checkpoint")
-            self.resume_from = make_universal(self.ckpt_root, self.resume_tag, ctx.rank)
-            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+        if self.resume_tag is not None:
+            self.plan_resume(ds_config)
         if ctx.is_main:
             (self.train_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
         self.engine, _, _, _ = deepspeed.initialize(
             model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=ds_config)
         seed_everything(cfg.seed * 1000 + 1 + ctx.rank)  # a stream per rank, restored on resume (input noise has its own)
+
+    def plan_resume(self, ds_config: dict) -> None:
+        """How checkpoint `resume_tag` loads into this run, decided on every rank before DeepSpeed reads a byte of
+        it: as it is (the same ranks and stage; or ZeRO stage 0, whose single file fits any number of ranks), or
+        through DeepSpeed's universal checkpoint (ZeRO 1-3 partitions on another number of ranks), converted once by
+        rank 0. A missing file, a change of ZeRO stage other than 1 <-> 2 or a failed conversion stops every rank
+        with one line."""
+        t, ctx, root, tag = self.t, self.ctx, self.ckpt_root, self.resume_tag
+        folder = root / tag
+        saved_world, saved_stage = saved_world_size(folder), saved_zero_stage(folder)
+        refusal = stage_change_error(folder, saved_stage, t.zero_stage)
+        if refusal is not None:
+            raise refusal
+        convert = needs_universal(saved_stage, saved_world, ctx.world_size)
+        if convert and not t.shared_filesystem:
+            raise CheckpointError(
+                f"checkpoint {folder} was written by {ranks_text(saved_world)} under train.zero_stage={saved_stage}, "
+                f"this run has {ctx.world_size}: converting it needs every rank's partition in one "
+                "folder; copy all nodes' copies of it together on a filesystem every node mounts and set "
+                "train.shared_filesystem=true, or resume on as many ranks")
+        if convert:
+            # its ZeRO partitions do not fit this run; DeepSpeed's universal checkpoint holds every parameter and
+            # optimizer moment whole, and loads on any number of ranks under ZeRO 1-3
+            self.say(f"checkpoint {folder} was written by {ranks_text(saved_world)} under ZeRO stage {saved_stage}, this "
+                     f"run has {ctx.world_size}: converting it to a DeepSpeed universal checkpoint")
+            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+        elif saved_world != ctx.world_size:  # stage 0: the one model-states file holds the whole optimizer state
+            self.say(f"checkpoint {folder} was written by {ranks_text(saved_world)} under ZeRO stage 0: its optimizer state "
+                     f"is whole, loading it on {ctx.world_size} as it is")
+        # without conversion, the files this rank reads (on a shared filesystem every rank checks every file, so all
+        # stop together); the converter (rank 0) checks every rank's files itself
+        mine = range(saved_world) if t.shared_filesystem else [ctx.rank]
+
+        def step() -> None:
+            if convert:
+                self.resume_from = make_universal(root, tag, ctx.rank, ctx.world_size, t.zero_stage)
+            else:
+                check_complete(root, tag, saved_stage, mine)
+        on_every_rank(step, ctx.world_size, f"checkpoint {folder} cannot be resumed on every rank")
 
     def setup_resume(self) -> None:
         """The trainer's state, from the latest checkpoint when there is one: weights, optimizer, scheduler, data

@@ -41,7 +41,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -679,6 +679,65 @@ def print_run_plan(cfg, ctx, config=None) -> None:
         print(format_plan(cfg, build_plan(cfg, hardware_for_run(ctx), plan_shape(cfg, config))), flush=True)
     except PlanError as e:
         print(f"[train] no plan: {e}", flush=True)
+
+
+def data_bound_cfg(cfg, longest: int):
+    """`cfg` with the plan's worst-case sequence length (data.max_length) cut to the data's longest record: a
+    micro-batch is padded to its longest record, so no micro-batch of this data is larger."""
+    return OmegaConf.merge(cfg, {"data": {"max_length": max(1, min(int(cfg.data.max_length), longest))}})
+
+
+def largest_fitting(need, low: int, high: int, budget: float) -> int:
+    """The largest n in [low, high] with need(n) <= budget (need grows with n), low - 1 when none does."""
+    if need(low) > budget:
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if need(mid) <= budget else (low, mid - 1)
+    return low
+
+
+def check_run_memory(cfg, ctx, config, longest: int, steps_key: str = "", stride_key: str = "") -> None:
+    """`check_run_fits` for a training run on its own hardware (`hardware_for_run`); a recipe the plan cannot shape
+    (print_run_plan said so) is not checked."""
+    try:
+        shape = plan_shape(cfg, config)
+    except PlanError:
+        return
+    check_run_fits(cfg, hardware_for_run(ctx), shape, longest, steps_key, stride_key)
+
+
+def check_run_fits(cfg, hw: Hardware, shape: Shape, longest: int, steps_key: str = "", stride_key: str = "") -> None:
+    """Before anything is trained: PlanError, one line naming the key and the bound, when the plan says this run
+    does not fit in `hw`'s memory at the data's worst micro-batch (train.micro_batch_size records of its longest
+    record, `data_bound_cfg`). An unrolled step count (`steps_key`, the kind's head.align_steps / head.ttt_steps) is
+    named with the largest count that fits; anything else with the plan's knobs (`suggest`). train.check_memory=false
+    skips the check (the plan is an estimate)."""
+    if not cfg.train.get("check_memory", True):
+        return
+    c = data_bound_cfg(cfg, longest)
+    budget = budget_bytes(hw)
+
+    def need(steps: int) -> float:
+        return peak_bytes(memory_items(c, hw, replace(shape, ttt_steps=steps)))[0]
+
+    used = need(shape.ttt_steps)
+    if used <= budget:
+        return
+    where = "process" if hw.host else "GPU"
+    t = cfg.train
+    at = (f"the plan (train/plan.py) needs {used / GB:.2f} GB per {where} at micro-batch {t.micro_batch_size} x "
+          f"{c.data.max_length} tokens (the longest training record), {budget / GB:.2f} GB usable")
+    anyway = "train.check_memory=false starts it anyway"
+    if steps_key and shape.ttt_steps > 1:
+        fits = largest_fitting(need, 1, shape.ttt_steps - 1, budget)
+        if fits >= 1:
+            stride = f", raise {stride_key} (now {shape.ttt_row_stride})" if stride_key else ""
+            raise PlanError(f"{steps_key}={shape.ttt_steps} does not fit in memory: {at}; at most {steps_key}={fits} "
+                            f"fits (or lower train.micro_batch_size{stride}); {anyway}")
+    knobs = suggest(c, hw, shape, budget)
+    fix = ("set " + " | or ".join(knobs)) if knobs else "no single setting is enough: use a machine with more memory"
+    raise PlanError(f"this run does not fit in memory: {at}; {fix}; {anyway}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
