@@ -16,8 +16,8 @@ import pytest
 
 import yaml
 
-from eagle.state_files import (REGISTRY, StateFile, StateFileError, read_json_state, read_state, read_text_state,
-                               write_json_state, write_yaml_state)
+from eagle.state_files import (REGISTRY, StateFile, StateFileError, read_state, read_text_state, write_json_state,
+                               write_yaml_state)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("eagle", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks")

@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from eagle.state_files import (StateFile, pattern_check, read_json_state, read_t
 from train.distributed import barrier, collective_failed, import_deepspeed
 
 TAG_PREFIX = "step-"
+TAG_PATTERN = re.compile(r"step-\d{8}")
 _TORCH_LOAD = torch.load  # the real one: `weights_only_torch_load` swaps torch.load for `weights_only_load` for a while
 HEAD_FILE = "head.json"  # in each checkpoint folder: the kind and tensor shapes of the head it holds
 _EARLIER = ("delete that checkpoint folder to resume from the one before it (and point train/checkpoints/latest at "
@@ -91,7 +93,7 @@ RANKS_STATE = register(StateFile(
     example={"world_size": 2, "zero_stage": 1}))
 LATEST_STATE = register(StateFile(
     "latest", "OUTPUT_DIR/train/checkpoints", writer="train/checkpoint.py", format="text", schema=str,
-    check=pattern_check(r"step-\d{8}", "a checkpoint tag step-NNNNNNNN"),
+    check=pattern_check(TAG_PATTERN.pattern, "a checkpoint tag step-NNNNNNNN"),
     rebuild="write the newest complete checkpoint's tag into it (e.g. step-00000020: the folder beside it), or "
             "delete it to start training over",
     when_missing="no checkpoint committed yet: training starts fresh", example="step-00000020"))
