@@ -38,8 +38,9 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from data_prep.feature_cache import bytes_per_token  # noqa: E402
+from data_prep.feature_cache import CACHE_MANIFEST, bytes_per_token  # noqa: E402
 from data_prep.tokenized import write_tokenized  # noqa: E402
+from eagle.state_files import read_json_state  # noqa: E402
 from recipes import load_config  # noqa: E402
 from train.plan import Hardware, KNOWN_TARGETS, build_plan, format_plan, phase_bytes, plan_shape  # noqa: E402
 
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         prep = run_measured([sys.executable, "data_prep/main.py", "--recipe", args.recipe, "--no-progress", "cache",
                              *common, "target.dtype=float32"], env, work / "prep.log")
         result["prep"] = prep
-    manifest = json.loads((data / "features" / "manifest.json").read_text())
+    manifest = read_json_state(data / "features" / CACHE_MANIFEST.name, CACHE_MANIFEST)
     result["cache"] = {k: manifest[k] for k in ("dtype", "num_tokens", "bytes_on_disk", "bytes_per_token")}
     files = sum(f.stat().st_size for f in (data / "features" / "shards").glob("*.safetensors"))
     result["cache"]["measured_bytes_per_token"] = files / manifest["num_tokens"]  # the shard files as they are on disk

@@ -10,7 +10,6 @@ reference code, vLLM (method "eagle3") and SGLang (EAGLE3) load.
 The folder also carries `recipe.yaml` and `train_summary.json` (read by the model card)."""
 from __future__ import annotations
 
-import json
 import runpy
 import subprocess
 import sys
@@ -24,13 +23,31 @@ from eagle.cli_errors import UserError
 from eagle.head_checks import check_head_weights
 from eagle.head_files import head_class
 from eagle.head_module import HeadModule
+from eagle.state_files import StateFile, register, write_json_state, write_yaml_state
 from train.distributed import import_deepspeed
 from train.divergence import DivergenceError
 
 MAX_ABS_WEIGHT = 1e4  # a head weight beyond this has exploded (trained heads stay within ~10)
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 RECIPE_FILE = "recipe.yaml"
+STORED_RECIPE = register(StateFile(
+    RECIPE_FILE, "HEAD_DIR", writer="train/export.py", format="yaml",
+    schema={"name": str, "target": dict, "data": dict, "head": {"kind": str, "*": object}, "train": dict, "*": object},
+    rebuild="export the head again (rerun `python train/main.py --recipe RECIPE`: a finished run only exports), or "
+            "delete it and pass the recipe the head was trained with (--recipe)",
+    when_missing="a head exported by another tool: the command's --recipe describes it",
+    example={"name": "tiny", "target": {"path": "models/t"}, "data": {"source": ""}, "head": {"kind": "eagle2"},
+             "train": {"max_steps": 4}}))
 SUMMARY_FILE = "train_summary.json"
+TRAIN_SUMMARY = register(StateFile(
+    SUMMARY_FILE, "HEAD_DIR", writer="train/export.py (from train/main.py)",
+    schema={"steps?": int, "total_steps?": int, "epochs?": float, "train_records?": int, "eval_records?": int,
+            "train_tokens_per_s?": float, "eval?": (dict, type(None)), "*": object},
+    rebuild="delete it (the model card then has no training section) or export the head again by rerunning "
+            "`python train/main.py --recipe RECIPE` (a finished run only exports)",
+    when_missing="a head exported by another tool: the model card has no training section",
+    example={"steps": 10, "total_steps": 10, "epochs": 1.0, "train_records": 8, "eval_records": 2,
+             "train_tokens_per_s": 100.0}))
 
 
 def _cpu_copy(v: torch.Tensor) -> torch.Tensor:
@@ -88,9 +105,10 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
     def fill(tmp: Path) -> None:
         head.save_pretrained(tmp, legacy_bin=legacy_bin, dtype=EXPORT_DTYPES[dtype])
         if recipe is not None:
-            (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
+            write_yaml_state(tmp / RECIPE_FILE, OmegaConf.to_container(recipe, resolve=True), STORED_RECIPE,
+                             text=OmegaConf.to_yaml(recipe, resolve=True))
         if summary is not None:
-            (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            write_json_state(tmp / SUMMARY_FILE, summary, TRAIN_SUMMARY, indent=2)
 
     return write_folder(out_dir, fill, overwrite=True)  # the run's own head folder: a rerun replaces it
 
