@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from data_prep.feature_cache import bytes_per_token
+from data_prep.feature_cache import CACHE_MANIFEST, bytes_per_token
 from data_prep.tokenized import write_tokenized
+from eagle.state_files import read_json_state
 from recipes import load_config
 from train.plan import Hardware, KNOWN_TARGETS, build_plan, format_plan, phase_bytes, plan_shape
 
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
         prep = run_measured([sys.executable, "data_prep/main.py", "--recipe", args.recipe, "--no-progress", "cache",
                              *common, "target.dtype=float32"], env, work / "prep.log")
         result["prep"] = prep
-    manifest = json.loads((data / "features" / "manifest.json").read_text())
+    manifest = read_json_state(data / "features" / CACHE_MANIFEST.name, CACHE_MANIFEST)
     result["cache"] = {k: manifest[k] for k in ("dtype", "num_tokens", "bytes_on_disk", "bytes_per_token")}
     files = sum(f.stat().st_size for f in (data / "features" / "shards").glob("*.safetensors"))
     result["cache"]["measured_bytes_per_token"] = files / manifest["num_tokens"]  # the shard files as they are on disk

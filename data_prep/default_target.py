@@ -26,9 +26,16 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 
 from data_prep.docstring_corpus import default_conversations, default_questions
+from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
 
 FORMAT_VERSION = 2  # bump when the build recipe changes: cached targets with another version are rebuilt
 BUILD_INFO_FILE = "default_target.json"  # fingerprint + training summary; its presence marks a complete build
+BUILD_INFO = register(StateFile(
+    BUILD_INFO_FILE, "DEFAULT_TARGET_DIR", writer="data_prep/default_target.py",
+    schema={"fingerprint": dict, "parameters": int, "train_loss_last": float, "eval_loss": float, "*": object},
+    rebuild="delete that target folder and rerun the quickstart: it builds the default target again",
+    when_missing="an incomplete build: the quickstart builds it again",
+    example={"fingerprint": {"seed": 0}, "parameters": 1000, "train_loss_last": 2.5, "eval_loss": 2.7}))
 CONVERSATIONS_FILE = "conversations_train.json"
 QUESTIONS_FILE = "questions_eval.jsonl"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -157,7 +164,10 @@ def default_target_config(preset: TargetSize = SIZES["default"], tokenizer=None)
 
 def read_build_info(target: str | Path) -> dict:
     """The fingerprint and training summary (losses, params, seconds, sample answer) of a built target."""
-    return json.loads((Path(target) / BUILD_INFO_FILE).read_text())
+    info = read_json_state(Path(target) / BUILD_INFO_FILE, BUILD_INFO)
+    if info is None:
+        raise StateFileError(f"{Path(target) / BUILD_INFO_FILE}: missing; {BUILD_INFO.rebuild}")
+    return info
 
 
 def _matches(target: Path, fingerprint: dict) -> bool:
@@ -165,7 +175,7 @@ def _matches(target: Path, fingerprint: dict) -> bool:
         return False
     try:
         info = read_build_info(target)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, StateFileError):  # damaged: the caller says "incomplete: rebuilding"
         return False
     return info.get("fingerprint") == fingerprint
 
@@ -238,7 +248,7 @@ def build_default_target(out_dir: str | Path, preset: TargetSize, *, seed: int =
         "sample": {"question": sample_q, "answer": greedy_answer(model, tokenizer, sample_q, max_new_tokens=48)},
     }
     # written last: its presence (with a matching fingerprint) marks the folder as complete
-    (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=1, ensure_ascii=False))
+    write_json_state(out_dir / BUILD_INFO_FILE, info, BUILD_INFO)
     print(f"[quickstart] default target: {info['parameters'] / 1e6:.2f}M params, train loss "
           f"{info['train_loss_last']:.3f}, held-out loss {eval_loss:.3f}, built in {info['build_seconds']}s",
           file=sys.stdout)

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle.cli_errors import UserError
+from eagle.state_files import StateFile, read_json_state, register, write_json_state
 
 FORMAT_NAME = "eagle2-feature-cache"
 FORMAT_VERSION = 1
@@ -75,13 +76,18 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+PART_MANIFEST = register(StateFile(
+    "PART.json", "CACHE_DIR/parts", writer="data_prep/feature_cache.py",
+    schema={"meta": dict, "dtype": str, "shards": [dict]},
+    rebuild="delete it and the shards it names (shards/PART-*.safetensors) and rerun data_prep: that part is redone",
+    when_missing="a part not started yet: its records are cached by the next run",
+    example={"meta": {"hidden_size": 8}, "dtype": "float16", "shards": []}))
+CACHE_MANIFEST = register(StateFile(
+    "manifest.json", "CACHE_DIR", writer="data_prep/feature_cache.py (merged from parts/*.json)",
+    schema={"num_records": int, "num_tokens": int, "num_loss_tokens": int, "dtype": str, "*": object},
+    rebuild="delete it and rerun data_prep (it is merged again from parts/*.json; nothing is recomputed)",
+    when_missing="no cache closed yet", example={"num_records": 2, "num_tokens": 10, "num_loss_tokens": 6,
+                                                 "dtype": "float16"}))
 
 
 def quantize_int8(hidden: torch.Tensor, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +112,7 @@ def _load_parts(out_dir: Path) -> dict[str, dict]:
     pdir = out_dir / "parts"
     if pdir.is_dir():
         for p in sorted(pdir.glob("*.json")):
-            try:
-                part = json.loads(p.read_bytes().decode("utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise FeatureCacheError(f"part manifest {p} is corrupt ({e}); delete it and its shards to redo that part") from None
+            part = read_json_state(p, PART_MANIFEST)
             _check_part(part, p)
             parts[p.stem] = part
     return parts
@@ -323,17 +326,17 @@ class FeatureCacheWriter:
                 "lengths": lengths,
             }
         )
-        _write_json_atomic(self.out_dir / "parts" / f"{self.part}.json", self._state)
+        write_json_state(self.out_dir / "parts" / f"{self.part}.json", self._state, PART_MANIFEST)
         self._buffer, self._buffer_bytes = [], 0
 
     def close(self) -> dict:
         """Flush, then write the merged manifest.json; returns it."""
         self.flush()
         if not (self.out_dir / "parts" / f"{self.part}.json").exists():
-            _write_json_atomic(self.out_dir / "parts" / f"{self.part}.json", self._state)  # an empty part still records meta
+            write_json_state(self.out_dir / "parts" / f"{self.part}.json", self._state, PART_MANIFEST)  # an empty part still records meta
         self._closed = True
         manifest = merge_manifests(self.out_dir)
-        _write_json_atomic(self.out_dir / "manifest.json", manifest)
+        write_json_state(self.out_dir / "manifest.json", manifest, CACHE_MANIFEST)
         return manifest
 
     def __enter__(self) -> "FeatureCacheWriter":

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root 
 from data_prep.cache_features import cache_shard, check_disk  # noqa: E402
 from data_prep.chat_template import stop_token_ids  # noqa: E402
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
-from data_prep.feature_cache import FeatureCacheWriter, _write_json_atomic, merge_manifests, sha256_file  # noqa: E402
+from data_prep.feature_cache import CACHE_MANIFEST, FeatureCacheWriter, merge_manifests, sha256_file  # noqa: E402
 from data_prep.feature_layers import feature_layers  # noqa: E402
 from data_prep.loss_mask import render_masked, tokenize_records  # noqa: E402
 from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,  # noqa: E402
@@ -47,12 +47,19 @@ from eagle.device import pick_device  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from eagle.hub_ids import check_local_exists  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402
+from eagle.state_files import StateFile, read_json_state, register, write_json_state  # noqa: E402
 from recipes import add_print_config, command_config, layout  # noqa: E402
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
 
 
 # --------------------------------------------------------------------------- run context
+DATA_REPORT = register(StateFile(
+    "report.json", "OUTPUT_DIR/data", writer="data_prep/main.py", schema={"*": dict},
+    rebuild="delete it and rerun data_prep (each stage writes its numbers into it again)",
+    when_missing="no stage has reported yet", example={"load": {"kept": 3}}))
+
+
 class Run:
     """The recipe, the data directory and this process's shard."""
 
@@ -89,12 +96,10 @@ class Run:
 
     def update_report(self, key: str, value: dict) -> None:
         """Merge one stage's numbers into report.json (per-shard keys avoid races between ranks)."""
-        path = self.data_dir / "report.json"
-        report = json.loads(path.read_text()) if path.exists() else {}
+        path = self.data_dir / DATA_REPORT.name
+        report = read_json_state(path, DATA_REPORT) or {}
         report[key] = value
-        tmp = path.with_name(f"report.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=1))
-        os.replace(tmp, path)
+        write_json_state(path, report, DATA_REPORT)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -262,7 +267,7 @@ def stage_cache(run: Run) -> None:
     run.barrier()
     if run.is_main:
         manifest = merge_manifests(out)
-        _write_json_atomic(out / "manifest.json", manifest)
+        write_json_state(out / "manifest.json", manifest, CACHE_MANIFEST)
         summary = {k: manifest[k] for k in ("dtype", "num_records", "num_tokens", "num_loss_tokens", "bytes_on_disk",
                                              "bytes_per_token", "reference_bytes_per_token") if k in manifest}
         if "quantization" in manifest:

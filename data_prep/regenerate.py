@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from data_prep.token_ids import chat_messages, prompt_ids
 from eagle.cli_errors import UserError
+from eagle.state_files import StateFile, read_json_state, register, write_json_state
 
 
 @dataclass
@@ -114,6 +115,59 @@ class HFBackend:
         return results
 
 
+class MalformedReply(ValueError):
+    """An HTTP 200 answer whose JSON is not an OpenAI completion; the message names the field and what came back."""
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, bytes) else repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def _ids(value, field: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise MalformedReply(f"{field} is {_shown(value)}, expected a list of token ids")
+    return value
+
+
+def parse_reply(payload, endpoint: str) -> tuple[str, dict, dict, list[int] | None, list[int] | None]:
+    """(text, choice, usage, generated ids, prompt ids) of an OpenAI-compatible completion, each field checked:
+    MalformedReply names the first field of the wrong shape and what came back."""
+    if not isinstance(payload, dict):
+        raise MalformedReply(f"the answer is {_shown(payload)}, expected an object with choices")
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise MalformedReply(f"choices is {_shown(choices) if 'choices' in payload else 'missing'}, expected a "
+                             "non-empty list")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise MalformedReply(f"choices[0] is {_shown(choice)}, expected an object")
+    if endpoint == "chat":
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            raise MalformedReply(f"choices[0].message is {_shown(message) if 'message' in choice else 'missing'}, "
+                                 "expected an object with content")
+        text, field = message.get("content"), "choices[0].message.content"
+    else:
+        text, field = choice.get("text"), "choices[0].text"
+    if text is not None and not isinstance(text, str):
+        raise MalformedReply(f"{field} is {_shown(text)}, expected text")
+    usage = payload.get("usage") or {}
+    if not isinstance(usage, dict):
+        raise MalformedReply(f"usage is {_shown(usage)}, expected an object")
+    count = usage.get("completion_tokens")
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+        raise MalformedReply(f"usage.completion_tokens is {_shown(count)}, expected a count")
+    if choice.get("finish_reason") is not None and not isinstance(choice["finish_reason"], str):
+        raise MalformedReply(f"choices[0].finish_reason is {_shown(choice['finish_reason'])}, expected a string")
+    generated = _ids(choice.get("token_ids"), "choices[0].token_ids")
+    where = "prompt_token_ids" if endpoint == "chat" else "choices[0].prompt_token_ids"
+    served_prompt = _ids(payload.get("prompt_token_ids") if endpoint == "chat" else choice.get("prompt_token_ids"), where)
+    return text or "", choice, usage, generated, served_prompt
+
+
 ENDPOINTS = ("chat", "completions")
 # how vLLM, SGLang and OpenAI word a prompt that does not fit the model's context (HTTP 400)
 CONTEXT_LENGTH_ERRORS = ("maximum context length", "context length", "context_length_exceeded", "too long")
@@ -170,7 +224,7 @@ class OpenAIBackend:
             req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    return json.loads(resp.read())
+                    raw = resp.read()
             except urllib.error.HTTPError as e:
                 detail = " ".join(e.read()[:400].decode(errors="replace").split())
                 if e.code == 400 and any(m in detail.lower() for m in CONTEXT_LENGTH_ERRORS):
@@ -184,27 +238,37 @@ class OpenAIBackend:
                 last_error = f"HTTP {e.code}: {detail}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 last_error = str(getattr(e, "reason", None) or e)
-            except json.JSONDecodeError as e:
-                raise ServerError(f"{self.url} returned a response that is not JSON ({e})") from None
+            else:
+                try:
+                    return json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:  # the caller retries it as a wrong shape
+                    raise MalformedReply(f"the answer is not JSON ({type(e).__name__}: {e}; it begins "
+                                         f"{raw[:60]!r})") from None
             if attempt < self.retries:
                 time.sleep(min(2.0**attempt, 30.0))
         raise ServerError(f"{self.url} failed after {self.retries + 1} attempts: {last_error}")
 
     def _request(self, history: list[dict]) -> Reply | Rejected:
+        """One reply. An answer of the wrong shape (HTTP 200, but a number where text belongs, a string where an
+        object belongs, no choices...) is retried like a 5xx, `retries` times; then the run stops with one line
+        naming the server, the field and what came back (records already appended stay; a rerun resumes)."""
         ours = prompt_ids(self.tokenizer, history) if self.tokenizer is not None else None
         if ours is not None and self.max_prompt_tokens and len(ours) >= self.max_prompt_tokens:
             return Rejected(too_long(len(ours), self.max_prompt_tokens))
-        payload = self._post(self._body(history, ours))
-        if isinstance(payload, Rejected):
-            return payload
-        try:
-            choice = payload["choices"][0]
-            text = (choice["message"]["content"] if self.endpoint == "chat" else choice["text"]) or ""
-            usage = payload.get("usage") or {}
-        except (KeyError, IndexError, TypeError) as e:
-            raise ServerError(f"{self.url} returned a malformed {self.endpoint} completion (no {e})") from None
-        generated = choice.get("token_ids")
-        served_prompt = payload.get("prompt_token_ids") or choice.get("prompt_token_ids")  # chat / completions
+        for attempt in range(self.retries + 1):
+            try:
+                payload = self._post(self._body(history, ours))
+                if isinstance(payload, Rejected):
+                    return payload
+                reply = parse_reply(payload, self.endpoint)
+                break
+            except MalformedReply as e:
+                if attempt == self.retries:
+                    raise ServerError(f"{self.url} answered HTTP 200 with a malformed {self.endpoint} completion "
+                                      f"({self.retries + 1} attempts): {e}; is data.api_base an OpenAI-compatible "
+                                      "server (vLLM, SGLang)?") from None
+                time.sleep(min(2.0**attempt, 30.0))
+        text, choice, usage, generated, served_prompt = reply
         if ours is not None and served_prompt is not None and list(served_prompt) != ours:
             at = next((i for i, (a, b) in enumerate(zip(served_prompt, ours)) if a != b), min(len(ours), len(served_prompt)))
             raise ServerError(
@@ -212,13 +276,12 @@ class OpenAIBackend:
                 f"(server {list(served_prompt[at:at + 5])}, ours {ours[at:at + 5]}; {len(served_prompt)} vs {len(ours)} "
                 "ids): its chat template is not target.chat_template, so the replies would be off-policy; serve the "
                 "recipe's template (data.serve does) or use data.api_endpoint=completions")
-        num = int(usage.get("completion_tokens") or (len(generated) if generated is not None else 0))
+        num = usage.get("completion_tokens") or (len(generated) if generated is not None else 0)
         if generated is not None and self.tokenizer is not None:
             # the text as the HF backend decodes the same ids: vLLM's incremental detokenizer holds back a trailing
             # incomplete UTF-8 character, and the next turn's prompt is rendered from this text
-            generated = [int(t) for t in generated]
-            reply = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
-            text = self.tokenizer.decode(reply, skip_special_tokens=True)
+            reply_ids = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
+            text = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
         return Reply(text.strip(), num, choice.get("finish_reason") == "length", generated)
 
     def generate_turn(self, histories: list[list[dict]]) -> list[Reply | Rejected]:
@@ -264,20 +327,28 @@ def read_parts(out_dir: Path, own: Path | None = None) -> dict[str, dict]:
     return done
 
 
+REGEN_SETTINGS = register(StateFile(
+    "settings.json", "REGENERATED_DIR", writer="data_prep/regenerate.py", schema={"target": str, "chat_template": (str, type(None)), "backend": str, "max_length": int,
+            "extra_stop_ids": [int], "max_new_tokens": int, "do_sample": bool, "temperature": float, "top_p": float,
+            "seed": int, "*": object},
+    rebuild="it guards the regenerated records beside it: restore it, or delete that folder (or set another "
+            "output_dir) and rerun data_prep to regenerate them",
+    when_missing="a new regeneration: the settings are written",
+    example={"target": "models/t", "chat_template": "llama3", "backend": "hf", "max_length": 512, "extra_stop_ids": [],
+             "max_new_tokens": 64, "do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": 0}))
+
+
 def check_settings(out_dir: Path, settings: dict) -> None:
     """Refuse to resume a regeneration made with other settings (it would mix two datasets)."""
-    path = Path(out_dir) / "settings.json"
-    if path.exists():
-        old = json.loads(path.read_text())
+    path = Path(out_dir) / REGEN_SETTINGS.name
+    old = read_json_state(path, REGEN_SETTINGS)
+    if old is not None:
         if old != settings:
             diff = {k: (old.get(k), settings.get(k)) for k in set(old) | set(settings) if old.get(k) != settings.get(k)}
             raise ValueError(f"{out_dir} was regenerated with other settings {diff} (old, new); "
                              "delete it or use another output_dir")
     else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"settings.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(settings, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        write_json_state(path, dict(sorted(settings.items())), REGEN_SETTINGS)
 
 
 def make_chunks(records: list[dict], batch_size: int) -> list[list[dict]]:

@@ -6,7 +6,6 @@ drafting modes sharing one verify step (`_verify`), as gpt-fast's speculative lo
 """
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -23,6 +22,7 @@ from eagle.head_kinds import text_config
 from eagle.head_module import HeadModule
 from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
 from eagle.score_calibration import ScoreCalibration, pick_calibration
+from eagle.state_files import StateFile, read_json_state, register, write_json_state
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
 from eagle.target import Target
@@ -439,19 +439,39 @@ class EaModel(nn.Module):
 
 
 CALIBRATION_KEY = "calibration"  # tree_config.json: list of ScoreCalibration dicts, one per sampling setting
+_CALIBRATION_SCHEMA = {"temperature": float, "top_p": float, "top_k": int, "knots_x": [[[float]]], "knots_y": [[[float]]],
+                       "fitted_on?": dict}
 
 
-def _read_tree_config(head_path: str | Path) -> dict:
-    """tree_config.json as a dict ({} when absent); unknown keys fail loudly."""
-    p = Path(head_path) / TREE_CONFIG_NAME
-    if not p.exists():
-        return {}
-    data = json.loads(p.read_text())
+def _tree_config_problem(data: dict) -> str | None:
+    """What tree_config.json holds beyond its structure: no unknown key, a valid tree, valid maps."""
     known = set(asdict(DecodingConfig())) | {CALIBRATION_KEY}
     unknown = set(data) - known
     if unknown:
-        raise ValueError(f"{p}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
-    return data
+        return f"unknown keys {sorted(unknown)}; valid: {sorted(known)}"
+    try:
+        DecodingConfig(**{k: v for k, v in data.items() if k != CALIBRATION_KEY}).validate()
+        for i, entry in enumerate(data.get(CALIBRATION_KEY, [])):
+            ScoreCalibration.from_dict(entry, f"calibration[{i}]")
+    except ValueError as e:
+        return " ".join(str(e).split())
+    return None
+
+
+TREE_CONFIG = register(StateFile(
+    TREE_CONFIG_NAME, "HEAD_DIR", writer="eagle/ea_model.py (evaluation/main.py autotune)",
+    schema={**{f"{k}?": type(v) for k, v in asdict(DecodingConfig()).items()}, f"{CALIBRATION_KEY}?": [_CALIBRATION_SCHEMA]},
+    check=_tree_config_problem,
+    rebuild="delete it and rerun `python evaluation/main.py autotune --base TARGET --head HEAD` (it writes the tree "
+            "and, unless eval.calibration_prompts=0, the score maps), or decode with an explicit tree",
+    when_missing="no tuned tree: the recipe's (or the published) tree settings",
+    example={"total_token": 30, "depth": 4, "top_k": 8, CALIBRATION_KEY: [
+        {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "knots_x": [[[0.0, 1.0]]], "knots_y": [[[0.0, 1.0]]]}]}))
+
+
+def _read_tree_config(head_path: str | Path) -> dict:
+    """tree_config.json as a dict ({} when absent); a damaged one (or one with unknown keys) is a StateFileError."""
+    return read_json_state(Path(head_path) / TREE_CONFIG_NAME, TREE_CONFIG) or {}
 
 
 def load_tree_config(head_path: str | Path) -> DecodingConfig:
@@ -483,5 +503,4 @@ def save_tree_config(head_path: str | Path, decoding: DecodingConfig | None = No
         maps.append(c.to_dict())
     if maps:
         data[CALIBRATION_KEY] = maps
-    p.write_text(json.dumps(data, indent=2) + "\n")
-    return p
+    return write_json_state(p, data, TREE_CONFIG, indent=2)

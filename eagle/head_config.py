@@ -2,12 +2,12 @@
 (eagle/head_kinds.py)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from eagle.cli_errors import FileFormatError, file_error
+from eagle.cli_errors import FileFormatError
 from eagle.head_kinds import HeadConfigError, HeadKind, head_kind, kind_of_config, text_config
+from eagle.state_files import StateFile, read_json_state, register
 
 
 @dataclass
@@ -135,14 +135,24 @@ def head_config_from_target(target_config, bias: bool = True, kind: str = "eagle
     return HeadConfig(**the_kind.from_target(shape, c.num_hidden_layers, aux_layers, draft_vocab_size))
 
 
+HEAD_CONFIG = register(StateFile(
+    "config.json", "HEAD_DIR", writer="eagle/head_module.py (export/engine_formats.py for engine folders)",
+    schema={"hidden_size?": int, "transformer_layer_config?": dict, "architectures?": [str], "*": object},
+    check=lambda c: None if "hidden_size" in c or "transformer_layer_config" in c else
+    "names neither hidden_size (an EAGLE head) nor transformer_layer_config (vLLM's speculators layout)",
+    rebuild="export the head again (`python -m train.export --recipe RECIPE --format ...`, or rerun `python "
+            "train/main.py --recipe RECIPE`: a finished run only exports), or fetch the released head again",
+    example={"hidden_size": 64, "vocab_size": 512, "num_attention_heads": 8}))
+
+
+def read_head_json(folder: str | Path) -> dict:
+    """A head folder's config.json as a dict (official or engine layout), checked to be a head's config."""
+    return read_json_state(Path(folder) / HEAD_CONFIG.name, HEAD_CONFIG)
+
+
 def read_head_config(config_file: str | Path) -> HeadConfig:
     """A head's config.json as a HeadConfig; any problem (JSON, UTF-8, types, values) raises naming the file."""
-    try:
-        raw = json.loads(Path(config_file).read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise file_error(config_file, e, "head config") from None
-    if not isinstance(raw, dict):
-        raise FileFormatError(f"head config {config_file}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_state(config_file, HEAD_CONFIG)
     ints = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
             "max_position_embeddings")
     bad = [k for k in ints if k in raw and not (isinstance(raw[k], int) and not isinstance(raw[k], bool) and raw[k] >= 1)]

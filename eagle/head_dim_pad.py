@@ -15,14 +15,13 @@ project's decoder.
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
 
 import torch
 
-from eagle.head_config import HeadConfig
+from eagle.head_config import HeadConfig, read_head_json
 from eagle.head_module import HeadModule
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -122,7 +121,7 @@ def pad_target_folder(src: str | Path, dst: str | Path, head_dim: int) -> Path:
         if f.is_file() and f.name not in WEIGHT_FILES and f.name != "config.json":
             shutil.copy2(f, dst / f.name)
     padded.to(getattr(torch, str(getattr(model.config, "dtype", "float32")).replace("torch.", ""))).save_pretrained(dst)
-    cfg = json.loads((dst / "config.json").read_text())
+    cfg = read_head_json(dst)
     if cfg.get("head_dim") != head_dim:
         raise RuntimeError(f"{dst}/config.json did not keep head_dim {head_dim}")
     return dst

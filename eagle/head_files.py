@@ -17,12 +17,32 @@ from eagle.head_checks import expected_shapes
 from eagle.head_config import HeadConfig, read_head_config
 from eagle.head_kinds import HeadConfigError, kind_of_config
 from eagle.hub_ids import check_local_exists
+from eagle.state_files import StateFile, register
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
-RECIPE_FILE = "recipe.yaml"  # the recipe that trained the head (written by the trainer's export, read by the card)
-SUMMARY_FILE = "train_summary.json"  # the training run's summary (likewise)
+# The trainer's export (train/export.py) also writes these two into the head folder; the Hub push and the model card
+# (export/, a layer below train/) read them, so they are declared here with the folder's other files.
+RECIPE_FILE = "recipe.yaml"  # the recipe that trained the head
+STORED_RECIPE = register(StateFile(
+    RECIPE_FILE, "HEAD_DIR", writer="train/export.py", format="yaml",
+    schema={"name": str, "target": dict, "data": dict, "head": {"kind": str, "*": object}, "train": dict, "*": object},
+    rebuild="export the head again (rerun `python train/main.py --recipe RECIPE`: a finished run only exports), or "
+            "delete it and pass the recipe the head was trained with (--recipe)",
+    when_missing="a head exported by another tool: the command's --recipe describes it",
+    example={"name": "tiny", "target": {"path": "models/t"}, "data": {"source": ""}, "head": {"kind": "eagle2"},
+             "train": {"max_steps": 4}}))
+SUMMARY_FILE = "train_summary.json"  # the training run's summary
+TRAIN_SUMMARY = register(StateFile(
+    SUMMARY_FILE, "HEAD_DIR", writer="train/export.py (from train/main.py)",
+    schema={"steps?": int, "total_steps?": int, "epochs?": float, "train_records?": int, "eval_records?": int,
+            "train_tokens_per_s?": float, "eval?": (dict, type(None)), "*": object},
+    rebuild="delete it (the model card then has no training section) or export the head again by rerunning "
+            "`python train/main.py --recipe RECIPE` (a finished run only exports)",
+    when_missing="a head exported by another tool: the model card has no training section",
+    example={"steps": 10, "total_steps": 10, "epochs": 1.0, "train_records": 8, "eval_records": 2,
+             "train_tokens_per_s": 100.0}))
 
 
 def head_class(config: HeadConfig) -> type:

@@ -10,8 +10,14 @@ from pathlib import Path
 
 from data_prep.vllm_server import engine_env
 from eagle.cli_errors import UserError
+from eagle.state_files import StateFile, read_json_state, register
 
 ENGINES = ("vllm",)
+ENGINE_RESULT = register(StateFile(
+    "ENGINE_result.json", "SERVE_CHECK_WORK_DIR", writer="evaluation/engine_vllm.py (under the engine's interpreter)",
+    schema={"runs": {"*": dict}, "*": object},
+    rebuild="rerun the serve-check: the engine script writes it fresh (its log beside it says why it is incomplete)",
+    example={"runs": {"spec": {"outputs": [[1, 2]]}}}))
 ENGINE_SCRIPTS = {"vllm": Path(__file__).resolve().parent / "engine_vllm.py"}
 
 
@@ -30,7 +36,7 @@ def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeo
     if proc.returncode != 0 or not res.exists():
         tail = "\n".join(logf.read_text(errors="replace").splitlines()[-25:])
         raise ServeCheckError(f"{engine} exited with {proc.returncode} (log {logf}):\n{tail}")
-    return json.loads(res.read_text())
+    return read_json_state(res, ENGINE_RESULT)
 
 
 def engine_runs(engine: str, engine_python: str, request: dict, work: Path) -> dict:

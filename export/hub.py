@@ -19,13 +19,17 @@ from pathlib import Path
 from huggingface_hub import HfApi
 from omegaconf import OmegaConf
 
+from data_prep.feature_cache import CACHE_MANIFEST
 from data_prep.target import load_target_config
 from eagle.atomic_folder import write_folder
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
-from eagle.head_files import RECIPE_FILE, SUMMARY_FILE
+from eagle.head_config import read_head_json
+from eagle.head_files import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY
 from eagle.head_kinds import kind_of_config
+from eagle.state_files import read_json_state, read_yaml_state, write_yaml_state
 from export.head_kinds import check_head_folder, write_engine_head
-from export.model_card import model_card, read_json
+from export.eval_outputs import EVAL_REPORT, SWEEP
+from export.model_card import model_card
 from recipes import add_print_config, command_config, layout
 
 HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE, "tree_config.json")
@@ -48,7 +52,8 @@ def trained_recipe(cfg, head_dir: Path, head_config: dict):
     else this command's; either way it must train the head's own kind (from its config.json)."""
     kind = kind_of_config(dict(head_config))
     stored = head_dir / RECIPE_FILE
-    recipe = OmegaConf.load(stored) if stored.exists() else cfg
+    saved = read_yaml_state(stored, STORED_RECIPE)
+    recipe = cfg if saved is None else OmegaConf.create(saved)
     recipe_kind = OmegaConf.select(recipe, "head.kind", default="eagle2")
     if recipe_kind != kind.name:
         where = f"its {stored}" if stored.exists() else f"the recipe {cfg.name!r} (the head folder has no {RECIPE_FILE})"
@@ -67,18 +72,18 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
     head_dir = Path(head_dir)
     if not (head_dir / "config.json").exists() or not any((head_dir / f).exists() for f in HEAD_FILES[1:3]):
         raise HubPushError(f"{head_dir} is not an exported head (config.json + model.safetensors); train or export first")
-    head_config = read_json(head_dir / "config.json")
+    head_config = read_head_json(head_dir)
     trained = trained_recipe(cfg, head_dir, head_config)
     local = bool(cfg.target.path) and Path(cfg.target.path).exists()  # the official folder needs no Hub download
     target_config = load_target_config(cfg.target.path) if cfg.target.path and (fmt != "eagle" or local) else None
     if fmt == "eagle":  # shipped as it is: the checks every export applies (engine formats run them when converting)
         check_head_folder(head_dir, target_config)
-    summary = read_json(head_dir / SUMMARY_FILE)
+    summary = read_json_state(head_dir / SUMMARY_FILE, TRAIN_SUMMARY)
     edir = layout.eval_dir(cfg)
-    report = read_json(edir / "report.json") if edir.is_dir() else None
+    report = read_json_state(edir / EVAL_REPORT.name, EVAL_REPORT)
     sweep_dir = layout.serve_sweep_dir(cfg)
-    sweep = read_json(sweep_dir / "sweep.json")  # serve-sweep's draft length per concurrency level, when it ran
-    manifest = read_json(layout.cache_dir(cfg) / "manifest.json")
+    sweep = read_json_state(sweep_dir / SWEEP.name, SWEEP)  # serve-sweep's draft length per concurrency level
+    manifest = read_json_state(layout.cache_dir(cfg) / CACHE_MANIFEST.name, CACHE_MANIFEST)
     if manifest:
         manifest = {k: manifest.get(k) for k in ("num_records", "num_tokens", "num_loss_tokens", "source")}
 
@@ -90,7 +95,8 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
                 if (head_dir / name).exists():
                     shutil.copy2(head_dir / name, tmp / name)
         if not (tmp / RECIPE_FILE).exists():  # the card cites recipe.yaml: ship the one it describes
-            (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(trained, resolve=True))
+            write_yaml_state(tmp / RECIPE_FILE, OmegaConf.to_container(trained, resolve=True), STORED_RECIPE,
+                             text=OmegaConf.to_yaml(trained, resolve=True))
         plots: list[str] = []
         if edir.is_dir():
             (tmp / "eval").mkdir()

@@ -180,12 +180,3 @@ def serving_commands(base: str, draft: str, fmt: str, kind: ExportKind = EXPORT[
                            f"--speculative-num-draft-tokens {d.total_token}")
     return out
 
-
-def read_json(path: Path) -> dict | None:
-    """The JSON file at `path`, None when absent; a damaged file raises naming it."""
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: damaged JSON ({e}); rerun the stage that writes it") from None

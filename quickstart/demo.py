@@ -53,7 +53,9 @@ from data_prep.docstring_corpus import default_conversations, default_questions
 from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import DEBUG_ENV, ArgumentParser, debug_enabled, one_line_errors
 from eagle.head_kinds import EAGLE2, EAGLE3, HEAD_KINDS, HeadKind
+from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
 from evaluation.headline import headline_text
+from export.eval_outputs import EVAL_REPORT
 from recipes import RecipeError, layout, load_config
 from recipes.head import check_head_fits_target
 
@@ -222,15 +224,20 @@ def stage_fingerprint(cfg, stage: Stage, upstream: str, identity: dict) -> str:
     return _sha256(json.dumps(parts, sort_keys=True, default=str).encode())[:16]
 
 
+QUICKSTART_STATE = register(StateFile(
+    STATE_FILE, "QUICKSTART_OUT", writer="quickstart/demo.py",
+    schema={"*": {"fingerprint": str, "done": bool, "seconds?": float}},
+    rebuild="delete it (the demo then reruns every stage it cannot vouch for) or rerun with --fresh",
+    when_missing="a fresh demo folder: every stage runs",
+    example={"data": {"fingerprint": "0123456789abcdef", "done": True, "seconds": 12.5}}))
+
+
 def read_state(out_dir: Path) -> dict:
-    path = out_dir / STATE_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json_state(out_dir / STATE_FILE, QUICKSTART_STATE) or {}
 
 
 def write_state(out_dir: Path, state: dict) -> None:
-    tmp = out_dir / f"{STATE_FILE}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, out_dir / STATE_FILE)
+    write_json_state(out_dir / STATE_FILE, state, QUICKSTART_STATE)
 
 
 def remove_outputs(out_dir: Path, stages) -> None:
@@ -279,9 +286,18 @@ class StageFailed(RuntimeError):
         self.stage, self.code, self.detail = stage, code, detail
 
 
+def read_eval_report(eval_dir: Path) -> dict:
+    """The evaluation stage's report.json (it must exist: the stage just wrote it)."""
+    path = eval_dir / EVAL_REPORT.name
+    report = read_json_state(path, EVAL_REPORT)
+    if report is None:
+        raise StateFileError(f"{path}: missing (the eval stage writes it); {EVAL_REPORT.rebuild}")
+    return report
+
+
 def summarize_report(eval_dir: Path) -> list[str]:
     """One line per method (tau, speedup over vanilla) and the losslessness verdict, from report.json."""
-    report = json.loads((eval_dir / "report.json").read_text())
+    report = read_eval_report(eval_dir)
     lines = []
     for s in report["summaries"]:
         if s["category"] != "overall":
@@ -299,9 +315,9 @@ def summarize_report(eval_dir: Path) -> list[str]:
 def head_pair_lines(eval_dir: Path) -> list[str]:
     """Head B (EAGLE-3) beside head A (EAGLE-2), one line per tree both were evaluated with ("eagle2" and "eagle2@B"):
     tau and speed-up of each, and B / A paired over the same questions with its CI. [] without a head B."""
-    report = json.loads((eval_dir / "report.json").read_text())
+    report = read_eval_report(eval_dir)
     overall = {s["method"]: s for s in report["summaries"] if s["category"] == "overall"}
-    pairs = {(c["a"], c["b"]): c for c in report["comparisons"] if c["category"] == "overall"}
+    pairs = {(c["a"], c["b"]): c for c in report.get("comparisons", []) if c["category"] == "overall"}
     lines = []
     for b in overall:
         spec, sep, args = b.partition(":")
@@ -318,7 +334,8 @@ def head_pair_lines(eval_dir: Path) -> list[str]:
             continue
         sa, sb = overall[a], overall[b]
         if not lines:
-            lines.append(f"EAGLE-3 (head B) vs EAGLE-2 (head A), paired over the same {sa['questions']} questions "
+            n = sa.get("questions", "?")
+            lines.append(f"EAGLE-3 (head B) vs EAGLE-2 (head A), paired over the same {n} questions "
                          "(B / A with 95% CI):")
         lines.append(f"{a:>10} vs {b}: tau {sa['tau']['value']:.2f} vs {sb['tau']['value']:.2f}, B / A "
                      f"{_ratio_text(c['tau_ratio'], flip)}; speed-up {_speedup(sa)} vs {_speedup(sb)}, tokens/s B / A "
@@ -341,7 +358,7 @@ def _speedup(summary: dict) -> str:
 
 def headline_line(eval_dir: Path) -> str | None:
     """The report's headline sentence (fastest method, tau, speedup with CI, mismatches), or None."""
-    h = json.loads((eval_dir / "report.json").read_text()).get("headline")
+    h = read_eval_report(eval_dir).get("headline")
     return None if h is None else headline_text(h)
 
 

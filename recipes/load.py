@@ -9,6 +9,8 @@ bad values raise RecipeError naming the key. Every command loads its recipe thro
 """
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import difflib
 import re
@@ -109,11 +111,22 @@ def command_config(args, overrides: list[str] | None = None) -> DictConfig:
     return cfg
 
 
+class _PrintConfig(argparse.Action):
+    """--print-config: a run's other required options (--head, --text, --format...) are not needed to print its
+    recipe, so they stop being required; --recipe stays required where the command needs one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        for action in parser._actions:
+            if action.required and action.dest != "recipe":
+                action.required = False
+
+
 def add_print_config(parser) -> None:
-    """The `--print-config` flag of a command that loads a recipe."""
-    parser.add_argument("--print-config", action="store_true",
+    """The `--print-config` flag of a command that loads a recipe (`command_config` prints and exits)."""
+    parser.add_argument("--print-config", action=_PrintConfig, nargs=0, default=False,
                         help="print the resolved recipe (its base recipes merged, the overrides applied, every key) "
-                             "and exit")
+                             "and exit; needs only --recipe (and overrides), where the command takes one")
 
 
 def _did_you_mean(key: str) -> str:

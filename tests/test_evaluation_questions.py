@@ -122,6 +122,45 @@ def test_raw_text_without_template_continues_from_the_own_tokens():
     assert ChatFormat(tok, chat_template=TEMPLATE).name == "chat_template"
 
 
+METHOD_SPEC_ERRORS = [  # (spec, what the one line must say)
+    ("eagle2:calibrate=yes", "calibrate='yes': expected true or false"),
+    ("eagle2:calibrate=1", "calibrate='1': expected true or false"),
+    ("eagle2:calibrate=", "calibrate='': expected true or false"),
+    ("eagle2@", "nothing after @; expected a head, one of ('A', 'B')"),
+    ("eagle2@ :depth=3", "nothing after @"),
+    ("eagle2@C", "'C' after @; expected a head, one of ('A', 'B')"),
+    ("eagle2@A@B", "'A@B' after @"),
+    ("eagle2:wdth=3", "unknown option 'wdth'; options: total_token (an integer); depth (an integer)"),
+    ("eagle2:mode=chain", "unknown option 'mode'"),
+    ("eagle2:depth", "'depth' is not key=value"),
+    ("eagle2:depth=3,,top_k=2", "'' is not key=value"),
+    ("eagle2:depth=three", "depth='three': expected an integer"),
+    ("eagle2:depth=3,depth=4", "option depth given twice"),
+    ("eagle2:", "nothing after ':'"),
+    ("chain:draft_sampling=random", "draft_sampling='random': expected one of ('greedy', 'probabilistic')"),
+    ("eagle1:static_choices=mine", "unknown static tree 'mine'; shipped: ['mc_sim_7b_63']"),
+    ("", "empty; expected NAME[@HEAD][:key=value,...] with NAME one of ('vanilla', 'chain', 'eagle1', 'eagle2', 'tuned')"),
+    ("Eagle2", "unknown method 'Eagle2' in 'Eagle2': expected one of ('vanilla', 'chain', 'eagle1', 'eagle2', 'tuned')"),
+]
+
+
+@pytest.mark.parametrize("spec,needle", METHOD_SPEC_ERRORS, ids=[s or "empty" for s, _ in METHOD_SPEC_ERRORS])
+def test_a_method_spec_off_the_grammar_is_one_line_listing_what_is_accepted(spec, needle):
+    from evaluation.methods import MethodSpecError
+    with pytest.raises(MethodSpecError) as e:
+        parse_method(spec, DecodingConfig())
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_method_spec_booleans_and_heads_parse():
+    base = DecodingConfig()
+    assert parse_method("eagle2:calibrate=false", base).decoding.calibrate is False
+    assert parse_method("eagle2:calibrate=TRUE", base).decoding.calibrate is True
+    m = parse_method(" eagle2 @ B : depth = 3 ", base)
+    assert (m.head, m.decoding.depth) == ("B", 3)
+    assert parse_method("chain:draft_sampling=probabilistic", base).decoding.draft_sampling == "probabilistic"
+
+
 def test_method_specs(tmp_path):
     base = DecodingConfig(total_token=60, depth=5, top_k=10)
     assert parse_method("eagle2", base).decoding.mode == "dynamic"
@@ -131,7 +170,7 @@ def test_method_specs(tmp_path):
     assert parse_method("chain:chain_length=3", base).decoding.chain_length == 3
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("medusa", base)
-    with pytest.raises(ValueError, match="bad override 'width=3'"):
+    with pytest.raises(ValueError, match="unknown option 'width'; options: total_token"):
         parse_method("eagle2:width=3", base)
     with pytest.raises(ValueError, match="top_k=0"):
         parse_method("eagle2:top_k=0", base)

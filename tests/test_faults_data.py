@@ -94,7 +94,7 @@ DAMAGED = [  # (file under data/, stage run after damaging it, damage, needles)
     ("regenerated/part-00000-of-00001.jsonl", "tokenize", lambda b: b"\xff" + b, ["part-00000-of-00001.jsonl:1"]),
     ("regenerated/part-00000-of-00001.jsonl", "tokenize", lambda b: b'{"no_id": 1}\n' + b, ["part-00000-of-00001.jsonl:1"]),
     ("features/parts/shard00000-of-00001.json", "cache", lambda b: b[: len(b) // 2], ["shard00000-of-00001.json",
-                                                                                       "corrupt"]),
+                                                                                       "not valid JSON"]),
 ]
 
 

@@ -447,7 +447,8 @@ def test_hub_staging_refuses_a_recipe_of_another_kind_than_the_head(heads, tmp_p
     code, _, err = run_cli(main, argv, capsys)
     assert_one_line_error(code, err, str(head), "EAGLE-3 head", "'tiny'", "head.kind=eagle2", "--recipe")
     assert_unchanged(good, run)
-    (head / "recipe.yaml").write_text("name: other\nhead:\n  kind: eagle2\n")  # a stale recipe of another kind
+    from recipes import config_yaml, load_config
+    (head / "recipe.yaml").write_text(config_yaml(load_config("tiny")))  # a stale recipe of another kind (eagle2)
     code, _, err = run_cli(main, argv, capsys)
     assert_one_line_error(code, err, str(head / "recipe.yaml"), "EAGLE-3 head", "head.kind=eagle2")
     assert_unchanged(good, run)

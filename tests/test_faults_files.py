@@ -83,7 +83,7 @@ CACHE_FAULTS = [  # (id, damage(cache), extra overrides, needles)
     ("missing-key", lambda c: edit_part(c, lambda p: p["shards"][0].pop("lengths")), [], ["inconsistent", "lengths"]),
     ("escape", lambda c: edit_part(c, lambda p: p["shards"][0].update(file="../../x.safetensors")), [], ["outside"]),
     ("num-records", lambda c: edit_part(c, lambda p: p["shards"][0].update(num_records=3)), [], ["num_records=3"]),
-    ("part-json", lambda c: part_file(c).write_text("{"), [], ["part manifest", "corrupt"]),
+    ("part-json", lambda c: part_file(c).write_text("{"), [], ["parts", "not valid JSON", "rerun data_prep"]),
     ("header-size-only", lambda c: flip_byte(shard_file(c), 12), ["train.verify_cache=size"], ["cannot read"]),
     ("duplicate-part", lambda c: shutil.copy(part_file(c), c / "parts" / "zz.json"), [], ["duplicated record ids"]),
 ]
@@ -143,7 +143,7 @@ HEAD_FAULTS = [  # (id, damage(head dir), needles)
     ("no-config", lambda d: (d / "config.json").unlink(), ["has no config.json"]),
     ("config-json", lambda d: (d / "config.json").write_text("{"), ["config.json", "not valid JSON"]),
     ("config-utf8", lambda d: (d / "config.json").write_bytes(b'{"hidden_size": "\xff"}'), ["config.json", "UTF-8"]),
-    ("config-type", lambda d: set_config(d, hidden_size="64"), ["config.json", "hidden_size='64'"]),
+    ("config-type", lambda d: set_config(d, hidden_size="64"), ["config.json", 'hidden_size is a string ("64"), expected an integer']),
     ("config-layers", lambda d: set_config(d, num_hidden_layers=2), ["config.json", "num_hidden_layers=2"]),
     ("config-list", lambda d: (d / "config.json").write_text("[1]"), ["config.json", "JSON object"]),
     ("config-keys", lambda d: (d / "config.json").write_text('{"hidden_size": 64}'), ["config.json", "lacks required"]),
@@ -272,7 +272,7 @@ def test_damaged_checkpoint_and_latest_are_named(toy, tmp_path, capsys):
     (root / "latest").write_text("../../../etc")
     before = snapshot(run)
     code, _, err = train_cli(toy, run, toy["cache"], capsys)
-    assert_one_line_error(code, err, "latest", "not a checkpoint")
+    assert_one_line_error(code, err, "latest", "expected a checkpoint tag step-NNNNNNNN")
     (root / "latest").write_text("step-00000002")
     f = root / "step-00000002" / "mp_rank_00_model_states.pt"
     f.write_bytes(f.read_bytes()[:200])
@@ -443,7 +443,7 @@ def damage_then(action, extra):
 HUB_FAULTS = [  # (id, setup(head dir) -> extra argv, needles)
     ("not-a-head", damage_then(lambda d: (d / "config.json").unlink(), ["--dry-run"]), ["is not an exported head"]),
     ("damaged-summary", damage_then(lambda d: (d / "train_summary.json").write_text("{"), ["--dry-run"]),
-     ["train_summary.json", "damaged JSON"]),
+     ["train_summary.json", "not valid JSON"]),
     ("no-repo", damage_then(lambda d: None, ["export.repo_id=''", "--dry-run"]), ["export.repo_id is empty"]),
     ("no-token", damage_then(lambda d: None, ["export.token_env=EAGLE_TEST_NO_SUCH_TOKEN"]),
      ["no Hub token", "EAGLE_TEST_NO_SUCH_TOKEN"]),

@@ -391,7 +391,7 @@ def test_the_command_training_suggests_for_a_missing_cache_is_one_the_demo_accep
 def test_head_pair_lines_match_trees_by_name_and_orient_the_ratio_b_over_a(tmp_path):
     def summary(m, tau):
         return {"method": m, "category": "overall", "questions": 3, "tau": {"value": tau},
-                "speedup": {"value": tau / 2}}
+                "tokens_per_s": {"value": 10.0 * tau}, "speedup": {"value": tau / 2}}
 
     def comparison(a, b, value, low, high):
         ci = {"value": value, "ci_low": low, "ci_high": high}

@@ -23,10 +23,45 @@ from test_data_prep_regenerate import local_server
 SETTINGS = GenerationSettings(max_new_tokens=16, do_sample=False, temperature=1.0, top_p=1.0, seed=0)
 
 
+def _dumps(value) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _content(payload, chat, value):
+    key = "message" if chat else "text"
+    payload["choices"][0][key] = {"role": "assistant", "content": value} if chat else value
+    return _dumps(payload)
+
+
+WRONG_SHAPES = {  # name -> (good payload, chat) -> the bytes a misbehaving server answers with HTTP 200
+    "number-as-text": lambda p, chat: _content(p, chat, 42),
+    "object-as-text": lambda p, chat: _content(p, chat, {"text": "hi"}),
+    "string-as-message": lambda p, chat: (p["choices"][0].update(message="hello") if chat else
+                                          p["choices"].__setitem__(0, "hello")) or _dumps(p),
+    "no-choices": lambda p, chat: _dumps({k: v for k, v in p.items() if k != "choices"}),
+    "empty-choices": lambda p, chat: _dumps({**p, "choices": []}),
+    "choices-string": lambda p, chat: _dumps({**p, "choices": "none"}),
+    "answer-list": lambda p, chat: _dumps([p]),
+    "count-as-string": lambda p, chat: _dumps({**p, "usage": {"completion_tokens": "many"}}),
+    "ids-as-string": lambda p, chat: p["choices"][0].update(token_ids="1 2 3") or _dumps(p),
+    "not-json": lambda p, chat: b"<html>502 Bad Gateway</html>",
+}
+SHAPE_NEEDLES = {  # what the one line says: the field and what came back
+    "number-as-text": "message.content is int 42, expected text", "object-as-text": "is dict {\"text\": \"hi\"}",
+    "string-as-message": "is str \"hello\"", "no-choices": "choices is missing, expected a non-empty list",
+    "empty-choices": "choices is list [], expected a non-empty list", "choices-string": "choices is str \"none\"",
+    "answer-list": "the answer is list", "count-as-string": "usage.completion_tokens is str \"many\", expected a count",
+    "ids-as-string": "choices[0].token_ids is str \"1 2 3\", expected a list of token ids",
+    "not-json": "the answer is not JSON",
+}
+
+
 class FakeServer(BaseHTTPRequestHandler):
     """vLLM-shaped answers: token_ids and prompt_token_ids when asked; `mode` picks a failure."""
 
     mode = "ok"
+    shape = ""  # mode "shape": the WRONG_SHAPES entry answered (HTTP 200) after `good_requests` good answers
+    good_requests = 0
     tokenizer = None
     reply_ids: list[int] = []  # what the fake "generated": "a reply é" + the stop id 2
     requests: list = []
@@ -65,7 +100,16 @@ class FakeServer(BaseHTTPRequestHandler):
                 payload["prompt_token_ids"] = ids
             else:
                 choice["prompt_token_ids"] = ids
+        if self.mode == "shape" and len(FakeServer.requests) > FakeServer.good_requests:
+            return self._send_raw(WRONG_SHAPES[FakeServer.shape](payload, chat))
         self._send(200, payload)
+
+    def _send_raw(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def log_message(self, *args):
         pass
@@ -74,6 +118,7 @@ class FakeServer(BaseHTTPRequestHandler):
 @pytest.fixture()
 def server():
     FakeServer.mode, FakeServer.requests, FakeServer.tokenizer = "ok", [], build_tokenizer("chatml")
+    FakeServer.shape, FakeServer.good_requests = "", 0
     ids = FakeServer.tokenizer(" a reply é", add_special_tokens=False)["input_ids"]
     FakeServer.reply_ids = ids[:-1] + [2]  # the last byte of "é" cut off by the stop token
     with local_server(FakeServer) as url:
@@ -128,6 +173,70 @@ def test_failures_give_one_clear_line(server):
     assert len(FakeServer.requests) == 3  # the 500 was retried once
     with pytest.raises(ServerError, match=r"failed after 1 attempts: .*(refused|Errno)"):
         OpenAIBackend("http://127.0.0.1:9/v1", "m", SETTINGS, retries=0, timeout_s=2).generate_turn([history()])
+
+
+@pytest.fixture()
+def no_backoff(monkeypatch):
+    """The retries' back-off sleeps recorded, not slept."""
+    import data_prep.regenerate as regenerate
+    slept = []
+    monkeypatch.setattr(regenerate.time, "sleep", slept.append)
+    return slept
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("shape", sorted(WRONG_SHAPES))
+def test_a_200_answer_of_the_wrong_shape_is_retried_then_one_line(server, shape, endpoint, no_backoff):
+    FakeServer.mode, FakeServer.shape = "shape", shape
+    with pytest.raises(ServerError) as e:
+        backend(server, endpoint, retries=1).generate_turn([history()])
+    line = str(e.value)
+    assert "\n" not in line and is_expected(e.value)
+    assert line.startswith(f"{server}/{'chat/completions' if endpoint == 'chat' else 'completions'} answered HTTP 200 "
+                           f"with a malformed {endpoint} completion (2 attempts): ")
+    needle = SHAPE_NEEDLES[shape]
+    if endpoint == "completions":
+        needle = {"number-as-text": "choices[0].text is int 42, expected text",
+                  "string-as-message": "choices[0] is str \"hello\", expected an object"}.get(shape, needle)
+    assert needle in line, line
+    assert len(FakeServer.requests) == 2 and no_backoff == [1.0]  # retried once after a back-off, as a 5xx is
+
+
+def test_a_wrong_shape_once_is_retried_and_the_run_goes_on(server, no_backoff):
+    FakeServer.mode, FakeServer.shape = "shape", "number-as-text"
+    FakeServer.good_requests = 10**9  # answers well...
+    calls = []
+    real = FakeServer.do_POST
+
+    def flaky(self):  # ...except the first request
+        calls.append(1)
+        FakeServer.good_requests = 0 if len(calls) == 1 else 10**9
+        real(self)
+
+    FakeServer.do_POST = flaky
+    try:
+        out = backend(server, retries=1).generate_turn([history()])[0]
+    finally:
+        FakeServer.do_POST = real
+    assert out.token_ids == FakeServer.reply_ids and len(calls) == 2
+
+
+def test_a_server_turning_bad_mid_run_loses_nothing_already_written(server, tmp_path, no_backoff):
+    """Two chunks answered, then malformed answers: the run stops with the one line; the part file keeps the two
+    chunks; a rerun against a good server regenerates only the rest, no record twice."""
+    from data_prep.regenerate import read_parts, regenerate_shard
+    records = [{"id": f"r{i}", "messages": history(f"Question {i}?")} for i in range(6)]
+    FakeServer.mode, FakeServer.shape, FakeServer.good_requests = "shape", "no-choices", 4
+    with pytest.raises(ServerError, match="choices is missing"):
+        regenerate_shard(records, backend(server, concurrency=1), tmp_path, 0, 1, batch_size=2, seed=0, progress=False)
+    kept = read_parts(tmp_path)
+    assert len(kept) == 4  # chunks 1 and 2 (two records each), appended when complete
+    FakeServer.mode = "ok"
+    stats = regenerate_shard(records, backend(server), tmp_path, 0, 1, batch_size=2, seed=0, progress=False)
+    assert stats.records_skipped_done == 4 and stats.records_generated == 2
+    lines = (tmp_path / "part-00000-of-00001.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in lines) == sorted(r["id"] for r in records)
+    assert all(read_parts(tmp_path)[k] == v for k, v in kept.items())  # what was written is unchanged
 
 
 def test_overlong_prompts_are_rejected_records(server):
@@ -224,3 +333,37 @@ def test_engine_python_must_have_vllm(tmp_path, monkeypatch):
         resolve_engine_python(str(tmp_path / "missing-python"))
     monkeypatch.setenv("EAGLE_VLLM_PYTHON", fake_engine(tmp_path))
     assert resolve_engine_python("") == fake_engine(tmp_path)
+
+
+def test_the_data_prep_command_names_the_server_and_field_and_keeps_what_was_written(server, tmp_path, capsys,
+                                                                                      no_backoff):
+    """`data_prep/main.py` against a server that turns to HTTP 200 answers of the wrong shape after two chunks: one
+    line naming the server, the field and what came back; the two chunks stay; the same command against a good
+    server then regenerates only the rest, every record once."""
+    from data_prep.main import main
+    from data_prep.regenerate import read_parts
+    from fault_helpers import assert_one_line_error, run_cli
+    from test_data_prep_helpers import save_target
+
+    target = save_target(tmp_path / "target", "chatml")
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question {i}?"},
+                                                {"from": "gpt", "value": "old"}]} for i in range(6)]
+    (tmp_path / "convs.json").write_text(json.dumps(convs))
+    run = tmp_path / "run"
+    argv = ["--recipe", "tiny", f"target.path={target}", "target.chat_template=chatml",
+            f"data.source={tmp_path / 'convs.json'}", "data.max_new_tokens=16", "data.max_length=256",
+            "data.cache_features=false", "data.gen_batch_size=2", "data.backend=openai", f"data.api_base={server}",
+            "data.api_model=served-model", "data.api_retries=1", f"output_dir={run}", "--no-progress"]
+    FakeServer.mode, FakeServer.shape, FakeServer.good_requests = "shape", "number-as-text", 4
+    code, _, err = run_cli(main, argv, capsys)
+    assert_one_line_error(code, err, f"{server}/chat/completions answered HTTP 200 with a malformed chat completion",
+                          "choices[0].message.content is int 42, expected text", "finished records are kept")
+    regenerated = run / "data" / "regenerated"
+    kept = read_parts(regenerated)
+    assert len(kept) == 4  # two chunks of two, appended when complete
+    FakeServer.mode = "ok"
+    code, _, err = run_cli(main, argv, capsys)
+    assert code == 0, err
+    lines = (regenerated / "part-00000-of-00001.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in lines) == [f"c{i}" for i in range(6)]
+    assert {k: read_parts(regenerated)[k] for k in kept} == kept

@@ -152,7 +152,8 @@ def test_the_sweep_reaches_the_model_card_and_the_hub_upload(tmp_path):
     sweep_dir = tmp_path / "run" / "eval" / "serve_sweep"
     sweep_dir.mkdir(parents=True)
     (sweep_dir / "sweep.json").write_text(json.dumps({"engine_version": "0.32.0", "max_new_tokens": 128,
-                                                      "load_average": [2.0, 2.0, 2.0], "best": best_k(points)}))
+                                                      "load_average": [2.0, 2.0, 2.0], "best": best_k(points),
+                                                      "points": points}))
     (sweep_dir / "sweep.md").write_text("# serve-sweep\n")
     plot(points, sweep_dir / "throughput.png", "t")
     result = push_to_hub(cfg, dry_run=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import pickle
 import random
@@ -22,13 +21,25 @@ import numpy as np
 import torch
 
 from eagle.cli_errors import UserError
-from eagle.head_kinds import head_kind
+from eagle.atomic_file import FileWriteError
+from eagle.head_kinds import HEAD_KINDS, head_kind
+from eagle.state_files import (StateFile, pattern_check, read_json_state, read_text_state, register, write_json_state,
+                               write_text_state)
 from train.distributed import barrier, collective_failed, import_deepspeed
 
 TAG_PREFIX = "step-"
-_TORCH_LOAD = torch.load  # the real one: `weights_only_torch_load` swaps torch.load for `weights_only_load` for a while
 TAG_PATTERN = re.compile(r"step-\d{8}")
+_TORCH_LOAD = torch.load  # the real one: `weights_only_torch_load` swaps torch.load for `weights_only_load` for a while
 HEAD_FILE = "head.json"  # in each checkpoint folder: the kind and tensor shapes of the head it holds
+_EARLIER = ("delete that checkpoint folder to resume from the one before it (and point train/checkpoints/latest at "
+            "it), or set train.resume=false to start over")
+HEAD_STATE = register(StateFile(
+    HEAD_FILE, "OUTPUT_DIR/train/checkpoints/TAG", writer="train/checkpoint.py",
+    schema={"kind": str, "shapes": {"*": [int]}}, rebuild=_EARLIER,
+    when_missing="a checkpoint written before the file existed: the loader's own error checks the head",
+    check=lambda d: None if d["kind"] in HEAD_KINDS else f"kind {d['kind']!r} is not a head kind of this project "
+                                                         f"({', '.join(HEAD_KINDS)})",
+    example={"kind": "eagle2", "shapes": {"fc.weight": [8, 16]}}))
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -73,23 +84,34 @@ def weights_only_torch_load():
 
 
 RANKS_FILE = "ranks.json"  # {"world_size": N, "zero_stage": S}: how a checkpoint was written (each node's copy has one)
+RANKS_STATE = register(StateFile(
+    RANKS_FILE, "OUTPUT_DIR/train/checkpoints/TAG", writer="train/checkpoint.py",
+    schema={"world_size": int, "zero_stage?": int}, rebuild=_EARLIER,
+    when_missing="a checkpoint written before the file existed: its rng_rank files are counted",
+    check=lambda d: f"world_size {d['world_size']} is not >= 1" if d["world_size"] < 1 else
+    f"zero_stage {d['zero_stage']} is not a ZeRO stage (0-3)" if d.get("zero_stage", 0) not in range(4) else None,
+    example={"world_size": 2, "zero_stage": 1}))
+LATEST_STATE = register(StateFile(
+    "latest", "OUTPUT_DIR/train/checkpoints", writer="train/checkpoint.py", format="text", schema=str,
+    check=pattern_check(TAG_PATTERN.pattern, "a checkpoint tag step-NNNNNNNN"),
+    rebuild="write the newest complete checkpoint's tag into it (e.g. step-00000020: the folder beside it), or "
+            "delete it to start training over",
+    when_missing="no checkpoint committed yet: training starts fresh", example="step-00000020"))
 
 
 def saved_world_size(folder: Path) -> int:
     """How many ranks wrote the checkpoint in `folder` (ranks.json; older checkpoints: their rng_rank files)."""
-    if (folder / RANKS_FILE).exists():
-        return int(json.loads((folder / RANKS_FILE).read_text())["world_size"])
-    return len(list(folder.glob("rng_rank*.pt")))
+    saved = read_json_state(folder / RANKS_FILE, RANKS_STATE)
+    return len(list(folder.glob("rng_rank*.pt"))) if saved is None else saved["world_size"]
 
 
 def saved_zero_stage(folder: Path) -> int:
     """The ZeRO stage the checkpoint in `folder` was written under (ranks.json; checkpoints written before it held the
     stage: DeepSpeed's file names, which tell 0 (no optimizer partitions), 1-2 (optimizer partitions) and 3 (model
     partitions too) apart)."""
-    if (folder / RANKS_FILE).exists():
-        saved = json.loads((folder / RANKS_FILE).read_text())
-        if "zero_stage" in saved:
-            return int(saved["zero_stage"])
+    saved = read_json_state(folder / RANKS_FILE, RANKS_STATE)
+    if saved is not None and "zero_stage" in saved:
+        return saved["zero_stage"]
     if any(folder.glob("zero_pp_rank_*_model_states.pt")):
         return 3
     return 1 if any(folder.glob("*zero_pp_rank_*_optim_states.pt")) else 0
@@ -246,16 +268,10 @@ def check_checkpoint_head(ckpt: Path, module, config_name: str) -> None:
     """CheckpointError (one line naming both heads and the way out) when checkpoint `ckpt` holds another head kind or
     other shapes than this run's `module` (a rerun of the run folder with another recipe); checkpoints written before
     the file existed are checked by the loader's own error (`load_checkpoint`)."""
-    f = Path(ckpt) / HEAD_FILE
-    if not f.exists():
+    saved = read_json_state(Path(ckpt) / HEAD_FILE, HEAD_STATE)
+    if saved is None:
         return
-    try:
-        saved = json.loads(f.read_text())
-        saved_kind = saved["kind"]
-        head_kind(saved_kind)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: {f.name} is damaged ({' '.join(str(e).split())[:120]}); delete "
-                              "the checkpoint folder to resume from an earlier one") from None
+    saved_kind = saved["kind"]
     mine = head_signature(module)
     if saved == mine:
         return
@@ -299,12 +315,10 @@ def set_rng_state(state: dict) -> None:
 
 def latest_tag(root: Path) -> str | None:
     """Tag of the newest complete checkpoint (DeepSpeed's `latest` file), or None."""
-    latest = root / "latest"
-    if not latest.exists():
+    latest = root / LATEST_STATE.name
+    tag = read_text_state(latest, LATEST_STATE)
+    if tag is None:
         return None
-    tag = latest.read_text().strip()
-    if not TAG_PATTERN.fullmatch(tag):
-        raise CheckpointError(f"{latest} names {tag[:80]!r}, not a checkpoint of this trainer (step-NNNNNNNN)")
     if not (root / tag).is_dir():
         raise FileNotFoundError(f"{latest} names checkpoint {tag!r}, but {root / tag} does not exist")
     return tag
@@ -326,11 +340,11 @@ def save_checkpoint(engine, root: Path, step: int, trainer_state: dict, keep_las
             # a universal copy of an earlier checkpoint of this step (a rerun after a rollback) is not this one's
             shutil.rmtree(universal_dir(root) / tag, ignore_errors=True)
             layout = {"world_size": world_size, "zero_stage": int(engine.zero_optimization_stage())}
-            (root / tag / RANKS_FILE).write_text(json.dumps(layout) + "\n")
-            (root / tag / HEAD_FILE).write_text(json.dumps(head_signature(engine.module)) + "\n")
+            write_json_state(root / tag / RANKS_FILE, layout, RANKS_STATE, indent=None)
+            write_json_state(root / tag / HEAD_FILE, head_signature(engine.module), HEAD_STATE, indent=None)
         barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state={"trainer_state": trainer_state}, save_latest=False)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+    except (OSError, RuntimeError, FileWriteError) as e:  # torch.save reports a full disk as a RuntimeError
         good = latest_tag(root)
         if good != tag:
             shutil.rmtree(root / tag, ignore_errors=True)  # never leave a half-written folder behind
@@ -347,9 +361,7 @@ def commit_checkpoint(root: Path, tag: str, keep_last: int, rank: int, writer: b
     """Point `latest` at the complete checkpoint `tag` (atomically) and keep the newest `keep_last`. Collective;
     the writer(s) (`save_checkpoint`) do it."""
     if (rank == 0 if writer is None else writer):
-        tmp = root / f"latest.tmp{os.getpid()}"
-        tmp.write_text(tag)
-        os.replace(tmp, root / "latest")
+        write_text_state(root / LATEST_STATE.name, tag, LATEST_STATE)
         prune_checkpoints(root, keep_last)
     barrier()
 

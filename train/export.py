@@ -11,7 +11,6 @@ reference code, vLLM (method "eagle3") and SGLang (EAGLE3) load.
 The folder also carries `recipe.yaml` and `train_summary.json` (read by the model card)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -21,8 +20,9 @@ from omegaconf import OmegaConf
 from eagle.atomic_folder import write_folder
 from eagle.cli_errors import UserError, is_expected, one_line
 from eagle.head_checks import check_head_weights
-from eagle.head_files import RECIPE_FILE, SUMMARY_FILE, head_class
+from eagle.head_files import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY, head_class
 from eagle.head_module import HeadModule
+from eagle.state_files import write_json_state, write_yaml_state
 from export.cli import main
 from export.hub import print_push, push_to_hub
 from train.distributed import import_deepspeed
@@ -87,9 +87,10 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
     def fill(tmp: Path) -> None:
         head.save_pretrained(tmp, legacy_bin=legacy_bin, dtype=EXPORT_DTYPES[dtype])
         if recipe is not None:
-            (tmp / RECIPE_FILE).write_text(OmegaConf.to_yaml(recipe, resolve=True))
+            write_yaml_state(tmp / RECIPE_FILE, OmegaConf.to_container(recipe, resolve=True), STORED_RECIPE,
+                             text=OmegaConf.to_yaml(recipe, resolve=True))
         if summary is not None:
-            (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            write_json_state(tmp / SUMMARY_FILE, summary, TRAIN_SUMMARY, indent=2)
 
     return write_folder(out_dir, fill, overwrite=True)  # the run's own head folder: a rerun replaces it
 
