@@ -218,8 +218,10 @@ def fit_score_calibration(rounds: list, temperature: float, top_p: float, top_k:
     Depth d gets maps of its own when it has >= min_nodes_per_depth nodes whose parent was accepted (deeper depths
     share the last ones). Within a depth, ranks 0 .. rank_maps - 2 get one map each and higher ranks share one; a
     rank with fewer than min_nodes_per_map nodes takes its map from the depth above, or, at depth 1, is fitted on
-    the nodes of its rank and all higher ones together (a rank never drafted takes the rank below's map). When even
-    depth 1 is short, all depths are pooled as one."""
+    the nodes of its rank at every depth (at T = 0 the rank says more about acceptance than the depth: pooling it
+    with other ranks would give the draft's best token the acceptance of its siblings), and only when those are
+    short too on the nodes of its rank and all higher ones of depth 1 (a rank never drafted takes the rank below's
+    map). When even depth 1 is short, all depths are pooled as one."""
     prob, depth, rank, acc = node_outcomes(rounds)
     if len(prob) < min_nodes_per_depth:
         raise ValueError(f"calibration: {len(prob)} drafted nodes with an accepted parent, need at least "
@@ -241,7 +243,9 @@ def fit_score_calibration(rounds: list, temperature: float, top_p: float, top_k:
             elif sel.sum() < min_nodes_per_map and not (at_d & (bucket >= r)).any():  # no such rank drafted yet
                 xs, ys = (xd[-1], yd[-1]) if xd else isotonic_knots(prob[at_d], acc[at_d])
             else:
-                if sel.sum() < min_nodes_per_map:  # depth 1: pool with the higher ranks
+                if sel.sum() < min_nodes_per_map:  # depth 1: the same rank over all depths (rank predicts most) ...
+                    sel = bucket == r
+                if sel.sum() < min_nodes_per_map:  # ... else with the higher ranks of depth 1
                     sel = at_d & (bucket >= r)
                 xs, ys = isotonic_knots(prob[sel], acc[sel])
             xd.append(xs)

@@ -121,6 +121,17 @@ def test_fit_learns_that_rank_predicts_acceptance():
     assert [c[0] > 0 for c in cal.fitted_on["per_depth"][0]["per_rank"]] == [True, True, True, False]
 
 
+def test_a_short_rank_at_depth_1_borrows_its_own_rank_at_other_depths_not_its_siblings():
+    curves = {0: lambda p: 0.85, 1: lambda p: 0.1, 2: lambda p: 0.02}
+    rounds = synthetic_rounds(60, None, rank_curves=curves)
+    at_1 = sum(int(((r.node_depth == 1) & (r.node_rank == 0)).sum()) for r in rounds)
+    assert at_1 < 100  # short of min_nodes_per_map at depth 1, not over all depths
+    cal = fit_score_calibration(rounds, 0.0, 0.0, 0, rank_maps=3)
+    first = cal.fitted_on["per_depth"][0]["per_rank"][0]  # [nodes, accepted] the rank-0 map was fitted on
+    assert first[0] > at_1 and first[1] / first[0] > 0.6, first  # rank 0's own nodes (its siblings': ~6%)
+    assert float(cal.probability(torch.tensor([0.05]), 1, 0)) > 0.6
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(knots_x=[[[0.2, 0.1]]], knots_y=[[[0.1, 0.2]]]), "increase"),
     (dict(knots_x=[[[0.1, 0.2]]], knots_y=[[[0.3, 0.2]]]), "decrease"),
