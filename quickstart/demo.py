@@ -474,6 +474,8 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         recipe, overrides, cfg = stage_run(stage, chains, out_dir)
         with lock:
             beside = sorted(running - {stage.name})
+            if beside:  # the other stage's progress bar may be mid-line (redrawn with carriage returns)
+                print(file=sys.stdout, flush=True)
             say(f"{i + 2}/{len(stages) + 1} {stage.title}" + (f" (beside {', '.join(beside)})" if beside else ""))
             state[stage.name] = {"fingerprint": fingerprints[stage.name], "done": False}
             write_state(out_dir, state)
