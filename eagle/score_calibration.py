@@ -16,6 +16,11 @@ evaluation/calibration.py), tabulated over log-probabilities so that a draft lev
 ops. It changes tree SCORES only -- which candidates are expanded and kept; the verified tokens, their order among
 siblings and verification itself are untouched, so decoding stays exactly lossless whatever the map says (greedy:
 identical to vanilla; sampling: verification reads only the target's probabilities). Saved in the head's tree_config.json under "calibration" (a list, one map per sampling setting).
+
+A map also records which (depth, rank) cells its fit saw and how many nodes of each (fitted_on["coverage"]):
+`covered()` is the largest tree shape (node depth x ranks) every cell of which had at least MIN_NODES_PER_CELL
+nodes; a tree decoded deeper or wider than that ranks by scores extrapolated from shallower depths / lower ranks
+(evaluation warns in one line).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 GREEDY_TEMPERATURE = 1e-5  # at or below this, decoding is greedy (eagle.sampling.SamplingParams.greedy)
 TABLE_LOGPROB_MIN = -16.0  # log-probabilities below this share the first table entry (p < 1.1e-7)
 TABLE_SIZE = 4096  # entries over [TABLE_LOGPROB_MIN, 0]: 0.004 nats apart
+MIN_NODES_PER_CELL = 30  # a (depth, rank) cell the fit saw fewer nodes of (parent accepted) is not covered
 SCORE_FLOOR = 1e-6  # calibrated acceptance is clipped to [SCORE_FLOOR, 1]: scores stay finite and never increase along a path
 
 
@@ -61,6 +67,16 @@ class ScoreCalibration:
                     raise ValueError(f"{where}: knots must lie in [0, 1]")
                 if any(b <= a for a, b in zip(xs, xs[1:])) or any(b < a for a, b in zip(ys, ys[1:])):
                     raise ValueError(f"{where}: knots_x must increase and knots_y must not decrease")
+        cov = self.fitted_on.get("coverage")
+        if cov is not None:
+            nodes = cov.get("nodes") if isinstance(cov, dict) else None
+            need = cov.get("min_nodes", MIN_NODES_PER_CELL) if isinstance(cov, dict) else None
+            if (not isinstance(nodes, list) or not all(isinstance(row, list) for row in nodes)
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for row in nodes for n in row)
+                    or not isinstance(need, int) or isinstance(need, bool) or need < 1):
+                raise ValueError('calibration fitted_on.coverage: expected {"nodes": [[count per rank] per depth] of '
+                                 'integers >= 0, "min_nodes": an integer >= 1}; refit the map (evaluation/main.py '
+                                 'autotune)')
         for name in ("temperature", "top_p", "top_k"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -87,7 +103,34 @@ class ScoreCalibration:
 
     def describe(self) -> str:
         setting = "greedy" if self.greedy else f"T={self.temperature:g}, top_p={self.top_p:g}, top_k={self.top_k}"
-        return f"{setting}, maps for {len(self.knots_x)} depth(s) x {self.ranks} rank(s)"
+        shape = self.covered()
+        cover = "" if shape is None else f", covering node depths 1-{shape[0]} x ranks 0-{shape[1] - 1}"
+        return f"{setting}, maps for {len(self.knots_x)} depth(s) x {self.ranks} rank(s){cover}"
+
+    # ------------------------------------------------------------------ what the fit saw
+    def covered(self) -> tuple[int, int] | None:
+        """(node depth, ranks) of the largest tree whose every (depth, rank) cell the fit saw at least `min_nodes`
+        nodes of (parent accepted): ranks = the leading ranks covered at depth 1, depth = the leading depths at
+        which all of those are covered. None when the map records no coverage (fitted before it was recorded)."""
+        cov = self.fitted_on.get("coverage")
+        if cov is None:
+            return None
+        nodes, need = cov["nodes"], cov.get("min_nodes", MIN_NODES_PER_CELL)
+        ranks = 0
+        while nodes and ranks < len(nodes[0]) and nodes[0][ranks] >= need:
+            ranks += 1
+        depth = 0
+        while ranks and depth < len(nodes) and len(nodes[depth]) >= ranks and min(nodes[depth][:ranks]) >= need:
+            depth += 1
+        return depth, ranks
+
+    def cell_nodes(self, depth: int, rank: int) -> int | None:
+        """Nodes (parent accepted) of cell (depth, rank) the fit saw; None when the map records no coverage."""
+        cov = self.fitted_on.get("coverage")
+        if cov is None:
+            return None
+        nodes = cov["nodes"]
+        return nodes[depth - 1][rank] if depth - 1 < len(nodes) and rank < len(nodes[depth - 1]) else 0
 
     # ------------------------------------------------------------------ applying it
     def probability(self, prob: torch.Tensor, depth: int, rank: int = 0) -> torch.Tensor:

@@ -12,6 +12,16 @@ MC_SIM_7B_63 = [
 STATIC_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
 
 
+def coverage_choices(depth: int, top_k: int) -> list[list[int]]:
+    """The tree a tree-score map is fitted on (evaluation/autotune.py `fit_tree_calibration`): a rank-0 spine `depth`
+    nodes deep, every spine node (and the root) drafting all `top_k` ranks as children, depth x top_k nodes. Every
+    (depth, rank) cell of a dynamic tree of node depth <= `depth` and top_k <= `top_k` gets one node per round, whose
+    parent (the spine) is accepted as often as the head's best guesses are."""
+    if depth < 1 or top_k < 1:
+        raise ValueError(f"coverage tree {depth} x {top_k}: depth and top_k must be >= 1")
+    return [[0] * (d - 1) + [r] for d in range(1, depth + 1) for r in range(top_k)]
+
+
 def static_choices(name_or_list) -> list[list[int]]:
     """Resolve a shipped tree name (or pass a choice list through)."""
     if isinstance(name_or_list, str):

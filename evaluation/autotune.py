@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from eagle.decoding_config import DecodingConfig
 from eagle.score_calibration import ScoreCalibration
+from eagle.static_trees import coverage_choices
 from evaluation.calibration import fit_score_calibration
 from evaluation.methods import Method
 from evaluation.runner import GenerationArgs, generate
@@ -151,31 +152,47 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
 
 
 def fit_tree_calibration(model, prompts: list[list[int]], base: DecodingConfig, gen: GenerationArgs, *,
-                         passes: int = 2, progress: bool = True, fitted_on: dict | None = None) -> ScoreCalibration:
+                         passes: int = 2, cover: tuple[int, int] | None = None, progress: bool = True,
+                         fitted_on: dict | None = None) -> ScoreCalibration:
     """Fit the head's tree-score map (eagle/score_calibration.py) for the sampling setting of `gen` on held-out
     `prompts`, and install it on `model` (replacing a map for the same setting).
 
-    Pass 1 decodes with the dynamic tree `base` ranked by the raw draft probabilities; every later pass decodes with
-    the map fitted so far (its trees reach deeper, so deeper depths get data of their own) and refits on the nodes of
-    all passes. Sampling passes (T > 0) draw with a fixed seed per prompt and pass."""
+    cover: (node depth, top_k) of the largest dynamic tree the head will be decoded with (default `base`'s:
+    depth + 1, top_k). Pass 1 decodes with the coverage tree of that shape (eagle.static_trees.coverage_choices: a
+    rank-0 spine that deep, every spine node drafting all top_k ranks), whatever any score says, so every (depth,
+    rank) cell such a tree can expand gets data of its own by construction (the cells a raw tree starves included);
+    every later pass decodes the dynamic tree `base` ranked by the map fitted so far and refits on the nodes of all
+    passes (the cells that tree actually expands get more data). Sampling passes (T > 0) draw with a fixed seed per
+    prompt and pass. Decoding stays lossless in every pass: the scores only choose which nodes are drafted."""
+    depth, top_k = cover if cover is not None else (base.depth + 1, base.top_k)
+    if passes < 1:
+        raise ValueError(f"calibration passes={passes}: need at least 1 (the coverage tree's)")
     tree = dataclasses.replace(base, mode="dynamic", calibrate=True)
+    coverage = Method(f"calibration pass 1 (coverage tree {depth} x {top_k})",
+                      dataclasses.replace(base, mode="static", calibrate=False))
     rounds: list = []
     cal = None
+    keep_static = model.static_tree
     bar = tqdm(total=passes * len(prompts), disable=not progress, desc="calibration")
-    for i in range(passes):
-        model.calibrations = [c for c in model.calibrations
-                              if not c.matches(gen.temperature, gen.top_p, gen.top_k)] + ([cal] if cal else [])
-        method = Method(f"calibration pass {i + 1}", tree if cal else dataclasses.replace(tree, calibrate=False))
-        for j, p in enumerate(prompts):
-            generator = None
-            if gen.temperature > 0:
-                generator = torch.Generator(device=model.target.device).manual_seed(1_000_003 * (i + 1) + j)
-            _, stats, _ = generate(model, method, p, gen, generator)
-            rounds += stats.rounds
-            bar.update(1)
-        info = {"prompts": len(prompts), "passes": i + 1, "tree": f"{tree.total_token}/{tree.depth}/{tree.top_k}",
-                "max_new_tokens": gen.max_new_tokens, **(fitted_on or {})}
-        cal = fit_score_calibration(rounds, gen.temperature, gen.top_p, gen.top_k, fitted_on=info)
-    bar.close()
+    try:
+        for i in range(passes):
+            model.calibrations = [c for c in model.calibrations
+                                  if not c.matches(gen.temperature, gen.top_p, gen.top_k)] + ([cal] if cal else [])
+            model.static_tree = coverage_choices(depth, top_k) if i == 0 else keep_static
+            method = coverage if i == 0 else Method(f"calibration pass {i + 1}", tree)
+            for j, p in enumerate(prompts):
+                generator = None
+                if gen.temperature > 0:
+                    generator = torch.Generator(device=model.target.device).manual_seed(1_000_003 * (i + 1) + j)
+                _, stats, _ = generate(model, method, p, gen, generator)
+                rounds += stats.rounds
+                bar.update(1)
+            info = {"prompts": len(prompts), "passes": i + 1, "coverage_tree": f"{depth}x{top_k}",
+                    "tree": f"{tree.total_token}/{tree.depth}/{tree.top_k}", "max_new_tokens": gen.max_new_tokens,
+                    **(fitted_on or {})}
+            cal = fit_score_calibration(rounds, gen.temperature, gen.top_p, gen.top_k, fitted_on=info)
+    finally:
+        model.static_tree = keep_static
+        bar.close()
     model.calibrations = [c for c in model.calibrations if not c.matches(gen.temperature, gen.top_p, gen.top_k)] + [cal]
     return cal

@@ -15,6 +15,8 @@ bins (a map that is wrong everywhere but in one crowded bin shows here), Pearson
 
 `fit_score_calibration` fits the map itself: per tree depth, an isotonic (increasing) regression of
 "accepted | parent accepted" on the node's draft probability, over equal-count bins of held-out decoding rounds.
+It records how many nodes of each (depth, rank) cell it saw; `coverage_warning` is the one line evaluation prints
+when a tree is decoded deeper or wider than those cells cover.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle.score_calibration import ScoreCalibration
+from eagle.decoding_config import DecodingConfig
+from eagle.score_calibration import MIN_NODES_PER_CELL, ScoreCalibration
 
 QUANTITIES = ("path_prob", "node_prob", "path_score", "node_score")
 
@@ -215,13 +218,16 @@ def fit_score_calibration(rounds: list, temperature: float, top_p: float, top_k:
     Depth d gets maps of its own when it has >= min_nodes_per_depth nodes whose parent was accepted (deeper depths
     share the last ones). Within a depth, ranks 0 .. rank_maps - 2 get one map each and higher ranks share one; a
     rank with fewer than min_nodes_per_map nodes takes its map from the depth above, or, at depth 1, is fitted on
-    the nodes of its rank and all higher ones together (a rank never drafted takes the rank below's map). When even
-    depth 1 is short, all depths are pooled as one."""
+    the nodes of its rank at every depth (at T = 0 the rank says more about acceptance than the depth: pooling it
+    with other ranks would give the draft's best token the acceptance of its siblings), and only when those are
+    short too on the nodes of its rank and all higher ones of depth 1 (a rank never drafted takes the rank below's
+    map). When even depth 1 is short, all depths are pooled as one."""
     prob, depth, rank, acc = node_outcomes(rounds)
     if len(prob) < min_nodes_per_depth:
         raise ValueError(f"calibration: {len(prob)} drafted nodes with an accepted parent, need at least "
                          f"{min_nodes_per_depth}: decode more held-out prompts (eval.calibration_prompts)")
     bucket = np.minimum(rank, rank_maps - 1)
+    depth_seen = depth  # the nodes' own depths (coverage), before a short depth 1 pools them all
     if (depth == 1).sum() < min_nodes_per_depth:  # no depth has enough on its own: one set of maps for all depths
         depth = np.ones_like(depth)
     knots_x, knots_y, per_depth = [], [], []
@@ -237,7 +243,9 @@ def fit_score_calibration(rounds: list, temperature: float, top_p: float, top_k:
             elif sel.sum() < min_nodes_per_map and not (at_d & (bucket >= r)).any():  # no such rank drafted yet
                 xs, ys = (xd[-1], yd[-1]) if xd else isotonic_knots(prob[at_d], acc[at_d])
             else:
-                if sel.sum() < min_nodes_per_map:  # depth 1: pool with the higher ranks
+                if sel.sum() < min_nodes_per_map:  # depth 1: the same rank over all depths (rank predicts most) ...
+                    sel = bucket == r
+                if sel.sum() < min_nodes_per_map:  # ... else with the higher ranks of depth 1
                     sel = at_d & (bucket >= r)
                 xs, ys = isotonic_knots(prob[sel], acc[sel])
             xd.append(xs)
@@ -247,6 +255,34 @@ def fit_score_calibration(rounds: list, temperature: float, top_p: float, top_k:
         knots_y.append(yd)
         per_depth.append({"depth": d, "nodes": int(at_d.sum()), "accepted": int(acc[at_d].sum()),
                           "per_rank": counts})
-    info = {"nodes": int(len(prob)), "accepted": int(acc.sum()), "per_depth": per_depth, **(fitted_on or {})}
+    cells = np.zeros((int(depth_seen.max()), int(rank.max()) + 1), np.int64)  # [depth, rank] nodes, parent accepted
+    np.add.at(cells, (depth_seen - 1, rank), 1)
+    info = {"nodes": int(len(prob)), "accepted": int(acc.sum()), "per_depth": per_depth,
+            "coverage": {"nodes": cells.tolist(), "min_nodes": MIN_NODES_PER_CELL}, **(fitted_on or {})}
     return ScoreCalibration(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                             knots_x=knots_x, knots_y=knots_y, fitted_on=info)
+
+
+def coverage_warning(what: str, head: str, decoding: DecodingConfig, cal: ScoreCalibration | None) -> str | None:
+    """The one-line warning for a dynamic tree decoded with a calibration map that does not cover it (a (depth, rank)
+    cell the tree can expand of which the fit saw fewer than MIN_NODES_PER_CELL nodes: the tree is deeper or wider
+    than the map covers), or that records no coverage; None when every cell is covered or no map is used."""
+    if cal is None or decoding.mode != "dynamic":
+        return None
+    tree = f"{decoding.total_token}/{decoding.depth}/{decoding.top_k}"
+    refit = "refit it with `evaluation/main.py autotune` (its coverage tree spans eval.tune_depths x eval.tune_top_ks)"
+    shape = cal.covered()
+    if shape is None:
+        return (f"{what}: head {head}'s calibration map records no coverage (fitted before it was recorded), so whether "
+                f"tree {tree} ranks by fitted or extrapolated scores is unknown; {refit}")
+    depth, ranks = decoding.depth + 1, decoding.top_k  # a dynamic tree's nodes reach depth `depth` + 1
+    need = cal.fitted_on["coverage"].get("min_nodes", MIN_NODES_PER_CELL)
+    short = [(d, r, cal.cell_nodes(d, r)) for d in range(1, depth + 1) for r in range(ranks)]
+    short = [c for c in short if c[2] < need]
+    if not short:
+        return None
+    listed = ", ".join(f"({d}, {r}): {n}" for d, r, n in short[:4]) + (", ..." if len(short) > 4 else "")
+    return (f"{what}: tree {tree} reaches node depth {depth} x {ranks} ranks, but head {head}'s calibration map covers "
+            f"depth {shape[0]} x {shape[1]} ranks ({len(short)} cells with fewer than {need} fitted nodes, "
+            f"(depth, rank): nodes "
+            f"{listed}); its scores there are extrapolated; {refit}")

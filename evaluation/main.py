@@ -42,7 +42,7 @@ from eagle.hub_ids import looks_local
 from eagle.sampling import SamplingParams
 from eagle.score_calibration import ScoreCalibration
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid
-from evaluation.calibration import calibrate
+from evaluation.calibration import calibrate, coverage_warning
 from evaluation.chat_format import ChatFormat
 from evaluation.engine_process import ENGINES
 from evaluation.head_health import acceptance_warning, warn, weights_warning
@@ -309,13 +309,17 @@ def bench(s: Setup, questions: list) -> int:
     questions = questions[: ev.num_questions] if ev.num_questions > 0 else questions
     log.info("%d questions (%d turns) x %d methods, chat format %s", len(questions),
              sum(len(q.turns) for q in questions), len(methods), s.fmt.name)
+    heads = {m.label: s.head_path if m.head == "A" else str(s.cfg.eval.compare_head) for m in methods}
+    sampling = SamplingParams(s.gen.temperature, s.gen.top_p, s.gen.top_k)
+    for m in methods:  # a tree deeper / wider than its head's map covers ranks partly by extrapolated scores
+        warn(coverage_warning(f"method {m.label}", heads[m.label], m.decoding,
+                              s.models[m.head].calibration_for(m.decoding, sampling)))
     run = run_benchmark(s.models, s.fmt, questions, methods, s.gen, warmup=ev.warmup, seed=s.cfg.seed)
     if not run.results:
         raise RuntimeError("every turn was skipped (prompts too long for max_length); see the warnings above")
     stat_kw = dict(n_resamples=ev.bootstrap_samples, confidence_level=ev.confidence_level, seed=s.cfg.seed)
     summaries = summarize(run.results, **stat_kw)
     speculative = [m.label for m in methods if not m.is_vanilla]
-    heads = {m.label: s.head_path if m.head == "A" else str(s.cfg.eval.compare_head) for m in methods}
     for summary in summaries:
         if summary.category == "overall" and summary.method in speculative:
             warn(acceptance_warning(f"method {summary.method}", heads[summary.method], summary.tau.value,
@@ -363,11 +367,16 @@ def calibrate_tree(s: Setup, held_out: list) -> ScoreCalibration | None:
     log.info("calibration: fitting the tree-score map on %d held-out prompts, %d passes, T=%g", len(prompts),
              ev.calibration_passes, s.gen.temperature)
     try:
+        # the coverage tree spans the largest tree decoded with this map: the bench's 60/5/10 and the tuning grid
+        cover = (max(s.base_decoding.depth, *ev.tune_depths) + 1, max(s.base_decoding.top_k, *ev.tune_top_ks))
         cal = fit_tree_calibration(s.models["A"], prompts, s.base_decoding, s.gen, passes=int(ev.calibration_passes),
+                                   cover=cover,
                                    fitted_on={"question_ids": [q.question_id for q in held_out[: len(prompts)]]})
     except ValueError as e:  # too few nodes to fit: say so and tune the uncalibrated tree
         log.warning("calibration not fitted (%s); the tree keeps ranking by the raw draft probabilities", e)
         return None
+    largest = dataclasses.replace(s.base_decoding, mode="dynamic", depth=cover[0] - 1, top_k=cover[1])
+    warn(coverage_warning("calibration", s.head_path, largest, cal))  # too few prompts for the deep cells
     per_depth = ", ".join(f"depth {d['depth']}: {d['accepted']}/{d['nodes']}" for d in cal.fitted_on["per_depth"])
     print(f"calibration ({cal.describe()}): accepted/nodes with an accepted parent per depth: {per_depth}")
     return cal

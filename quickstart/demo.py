@@ -25,6 +25,10 @@ Rerunnable: `{out}/quickstart_state.json` records each finished stage with a fin
 sections it reads and of the stages it reads from; a finished stage with the same fingerprint is skipped, an
 interrupted one is rerun (data prep and training resume from their own partial outputs), and a stage whose settings
 changed is redone from scratch together with every stage that reads its output.
+Side by side: a stage starts as soon as the stages it reads from are done, up to --jobs (default 2) at a time, so
+with both heads the EAGLE-3 chain (data prep, training, tuning) runs on the second core beside the EAGLE-2 training
+and tuning, each stage with one intra-op thread; their progress lines interleave. When a stage fails no further
+stage starts, the ones running finish (and are reused by the rerun), and the failure is still the one stderr line.
 """
 from __future__ import annotations
 
@@ -39,7 +43,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -171,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle3-override", action="append", default=[], metavar="key=value",
                    help="a recipe override for the EAGLE-3 stages only, after the shared ones (repeatable), e.g. "
                         "head.aux_layers=[1,2,4] for a --target with fewer than 14 layers")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="stages run side by side when they do not read each other's output (default: 2, or 1 on a "
+                        "one-core machine): with both heads the EAGLE-3 chain runs beside the EAGLE-2 training and "
+                        "tuning; each stage keeps one intra-op thread")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides passed to every stage (of both "
                                                                      "heads)")
     return p
@@ -246,7 +256,8 @@ def remove_outputs(out_dir: Path, stages) -> None:
             shutil.rmtree(out_dir / name, ignore_errors=True)
 
 
-def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> None:
+def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> float:
+    """Run one stage's command; returns the CPU seconds (user + system) of it and its children."""
     cmd = [sys.executable, "-m", stage.module, *stage.command, "--recipe", recipe, *overrides]
     if "autotune" in stage.command:  # its report goes to {output_dir}/tune, not into the evaluation's folder
         out = dict(o.split("=", 1) for o in overrides if "=" in o)["output_dir"]
@@ -255,9 +266,11 @@ def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> Non
     sys.stdout.flush()
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
     tail = relay(proc.stderr, sys.stdout)
-    code = proc.wait()
+    _, status, usage = os.wait4(proc.pid, 0)  # this stage's own CPU time: stages may run side by side
+    code = proc.returncode = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise StageFailed(stage, code, last_line(tail))
+    return usage.ru_utime + usage.ru_stime
 
 
 def relay(src, dst, keep: int = 8192) -> str:
@@ -368,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in [*args.overrides, *args.eagle3_override] if "=" not in o]
     if bad:
         raise SystemExit(f"expected key=value overrides, got {bad}")
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs}: expected at least 1 (stages run side by side)")
     started = time.time()
     env = dict(os.environ)
     env.setdefault("WANDB_MODE", "disabled")
@@ -467,6 +482,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     fingerprints: dict[str, str] = {}
     timings = {"target": round(time.time() - t0, 1)}
     cpu = {"target": round(cpu_seconds() - c0, 1)}
+    todo: list[tuple[int, Stage]] = []  # (step number, stage) to run, in plan order
     for i, stage in enumerate(stages):
         recipe, overrides, cfg = stage_run(stage, chains, out_dir)
         fp = stage_fingerprint(cfg, stage, "+".join(fingerprints[s] for s in stage.after), identity)
@@ -484,31 +500,46 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
                 state.pop(s.name, None)
         elif rec:
             say(f"{header}: resuming an interrupted run")
-        else:
-            say(header)
-        state[stage.name] = {"fingerprint": fp, "done": False}
-        write_state(out_dir, state)
-        t, c = time.time(), cpu_seconds()
+        todo.append((i, stage))
+    write_state(out_dir, state)
+
+    lock = threading.Lock()  # state, timings and the progress lines of stages running side by side
+
+    def one(i: int, stage: Stage) -> None:
+        recipe, overrides, cfg = stage_run(stage, chains, out_dir)
+        with lock:
+            beside = sorted(running - {stage.name})
+            if beside:  # the other stage's progress bar may be mid-line (redrawn with carriage returns)
+                print(file=sys.stdout, flush=True)
+            say(f"{i + 2}/{len(stages) + 1} {stage.title}" + (f" (beside {', '.join(beside)})" if beside else ""))
+            state[stage.name] = {"fingerprint": fingerprints[stage.name], "done": False}
+            write_state(out_dir, state)
+        t = time.time()
         if stage.name == "eagle3-data" and "data" in stage.after:
             reuse_answers(chains[EAGLE2][2], cfg)
-        try:
-            run_stage(stage, recipe, overrides, env)
-        except StageFailed as e:
-            eval_report = layout.eval_dir(cfg) / "report.json"
-            if stage.name == "eval" and e.code == 1 and eval_report.exists():  # the report lists the mismatches
-                for line in summarize_report(eval_report.parent):
-                    say("  " + line)
-                fail(f"evaluation found outputs that differ from vanilla: see {eval_report.parent / 'report.md'}", err)
-            elif e.code == 2:  # the stage's own one-line error names what to fix
-                fail(f"stage {stage.name}: {e.detail or 'failed (exit code 2)'}; fix it and rerun the same command "
-                     "(finished stages are reused)", err)
-            else:  # a crash: its traceback is in the output above
-                fail(f"{e} (its traceback is above, on stdout); rerun the same command to resume", err)
-            return e.code
-        timings[stage.name] = round(time.time() - t, 1)
-        cpu[stage.name] = round(cpu_seconds() - c, 1)
-        state[stage.name] = {"fingerprint": fp, "done": True, "seconds": timings[stage.name]}
-        write_state(out_dir, state)
+        used = run_stage(stage, recipe, overrides, env)
+        with lock:
+            timings[stage.name] = round(time.time() - t, 1)
+            cpu[stage.name] = round(used or 0.0, 1)
+            state[stage.name] = {"fingerprint": fingerprints[stage.name], "done": True, "seconds": timings[stage.name]}
+            write_state(out_dir, state)
+
+    running: set[str] = set()
+    failed = run_parallel(todo, one, running, lock, jobs=args.jobs)
+    if failed is not None:
+        stage, e = failed
+        cfg = stage_run(stage, chains, out_dir)[2]
+        eval_report = layout.eval_dir(cfg) / "report.json"
+        if stage.name == "eval" and e.code == 1 and eval_report.exists():  # the report lists the mismatches
+            for line in summarize_report(eval_report.parent):
+                say("  " + line)
+            fail(f"evaluation found outputs that differ from vanilla: see {eval_report.parent / 'report.md'}", err)
+        elif e.code == 2:  # the stage's own one-line error names what to fix
+            fail(f"stage {stage.name}: {e.detail or 'failed (exit code 2)'}; fix it and rerun the same command "
+                 "(finished stages are reused)", err)
+        else:  # a crash: its traceback is in the output above
+            fail(f"{e} (its traceback is above, on stdout); rerun the same command to resume", err)
+        return e.code
 
     eval_dir = out_dir / layout.EVAL_DIR
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -525,6 +556,44 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     if best is not None:
         say(best)
     return 0
+
+
+def run_parallel(todo: list[tuple[int, Stage]], one, running: set[str], lock, jobs: int
+                 ) -> tuple[Stage, StageFailed] | None:
+    """Run `one(step, stage)` for every stage of `todo`, up to `jobs` at a time, each as soon as the stages it reads
+    from (`after`) are done (finished before or in this run), in plan order among the ready ones. After a failure no
+    further stage starts; those running finish (their work is kept for the rerun). Returns the first failure, or
+    None."""
+    pending = list(todo)
+    names = {s.name for _, s in todo}
+    finished: set[str] = set()
+    failed: tuple[Stage, StageFailed] | None = None
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        active: dict = {}  # future -> stage
+        while pending or active:
+            while failed is None and len(active) < max(1, jobs):
+                ready = next(((i, s) for i, s in pending if all(a in finished or a not in names for a in s.after)),
+                             None)
+                if ready is None:
+                    break
+                pending.remove(ready)
+                with lock:
+                    running.add(ready[1].name)
+                active[pool.submit(one, *ready)] = ready[1]
+            if not active:
+                break
+            done, _ = wait(active, return_when=FIRST_COMPLETED)
+            for future in done:
+                stage = active.pop(future)
+                with lock:
+                    running.discard(stage.name)
+                try:
+                    future.result()
+                except StageFailed as e:
+                    failed = failed or (stage, e)
+                else:
+                    finished.add(stage.name)
+    return failed
 
 
 def stage_run(stage: Stage, chains: dict, out_dir: Path) -> tuple[str, list[str], object]:

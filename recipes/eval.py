@@ -64,7 +64,7 @@ class EvalSettings:
     # held-out prompts decoded (after the bench's and the tuning's) to fit the map from draft probability to
     # acceptance at eval.temperature (/top_p/top_k); 0 = fit none (trees rank by the raw draft probabilities)
     calibration_prompts: int = 16
-    calibration_passes: int = 2  # pass 1 with raw scores, then refits with the map so far (deeper trees, deeper data)
+    calibration_passes: int = 2  # pass 1 on the coverage tree (every (depth, rank) cell), then refits with the map so far
     # --- distribution test at T > 0 (`chi2` command; tests every speculative method) ------
     chi2_samples: int = 400  # samples per method
     chi2_positions: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # 0-based generated positions

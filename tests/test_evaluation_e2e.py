@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from test_evaluation_questions import TEMPLATE, char_tokenizer
 from tiny_models import TEST_THREADS, random_head, tiny_llama
 
 from eagle.decoding_config import DecodingConfig
-from eagle.ea_model import EaModel
+from eagle.ea_model import EaModel, save_tree_config
+from eagle.score_calibration import ScoreCalibration
 from eagle.tau import measure_tau
 from evaluation.chat_format import ChatFormat
 from evaluation.losslessness import check_greedy, distribution_test
@@ -229,6 +231,27 @@ def test_cli_autotune_saves_tree_config(saved, tmp_path):
     # EaModel picks the saved tree up, and the "tuned" method reads it
     assert EaModel.from_pretrained(str(saved / "target"), str(head_dir)).decoding.total_token == best["total_token"]
     assert main([*args, "--out", str(tmp_path / "eval2"), "eval.methods=[tuned]", "eval.num_questions=1"]) == 0
+
+
+def test_cli_bench_warns_once_when_a_tree_outgrows_its_calibration_map(saved, tmp_path, caplog):
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    for f in (saved / "head").iterdir():
+        (head_dir / f.name).write_bytes(f.read_bytes())
+    # a greedy map fitted on node depths 1-2 x ranks 0-3: the 12/3/4 tree reaches depth 4
+    cal = ScoreCalibration(0.0, 0.0, 0, [[[0.01, 0.5]]], [[[0.3, 0.9]]],
+                           fitted_on={"nodes": 480, "coverage": {"nodes": [[60] * 4] * 2, "min_nodes": 30}})
+    save_tree_config(head_dir, DecodingConfig(total_token=12, depth=3, top_k=4), cal)
+    args = cli(saved, "--out", str(tmp_path / "eval"), "eval.methods=[eagle1,eagle2]", "eval.num_questions=1")
+    args[args.index("--head") + 1] = str(head_dir)
+    with caplog.at_level(logging.WARNING, logger="evaluation"):
+        assert main(args) == 0
+    lines = [r.getMessage() for r in caplog.records if "calibration map" in r.getMessage()]
+    assert len(lines) == 1, lines  # eagle1 (static) uses no map
+    assert lines[0].startswith("method eagle2: tree 12/3/4 reaches node depth 4 x 4 ranks") and "\n" not in lines[0]
+    assert "covers depth 2 x 4 ranks (8 cells with fewer than 30 fitted nodes" in lines[0]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert "covering node depths 1-2 x ranks 0-3" in json.dumps(report["meta"])  # the report names the coverage
 
 
 def test_live_measure_tau_restores_the_head(tiny):

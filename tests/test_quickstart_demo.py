@@ -5,6 +5,7 @@ tests); the last test runs the real stage CLIs of both heads end to end on a tes
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,80 @@ class FakeStages:
         return dict(o.split("=", 1) for o in next(c[1] for c in self.calls if c[0] == name))
 
 
-def run(monkeypatch, fake, out, target, *extra):
+def run(monkeypatch, fake, out, target, *extra, jobs: int = 1):
+    """The demo with fake stages; one at a time by default (a fixed order), `jobs=2` side by side."""
     monkeypatch.setattr(demo, "run_stage", fake)
-    return demo.main(["--target", str(target), "--out", str(out), *FIT, *extra])
+    return demo.main(["--target", str(target), "--out", str(out), "--jobs", str(jobs), *FIT, *extra])
+
+
+class SideBySide(FakeStages):
+    """Fake stages that record when each starts and ends; `meet` stages wait (up to 10 s) until all of them are
+    running at once, so a schedule that runs them one after the other fails with BrokenBarrierError."""
+
+    def __init__(self, meet: tuple[str, ...] = (), **kw):
+        super().__init__(**kw)
+        self.events: list[tuple[str, str]] = []
+        self.meet = set(meet)
+        self.barrier = threading.Barrier(len(meet), timeout=10) if meet else None
+        self.failed = threading.Event()  # set when the failing stage has raised
+
+    def __call__(self, stage, recipe, overrides, env):
+        self.events.append(("start", stage.name))
+        if stage.name in self.meet:
+            self.barrier.wait()
+        try:
+            super().__call__(stage, recipe, overrides, env)
+        except demo.StageFailed:
+            self.failed.set()
+            raise
+        finally:
+            self.events.append(("end", stage.name))
+        if stage.name in self.meet and self.fail in self.meet:  # end after the failing stage beside it
+            self.failed.wait(timeout=10)
+        return 1.5  # CPU seconds
+
+
+def test_eagle3_chain_runs_beside_the_eagle2_chain(monkeypatch, tmp_path, small_target, capsys):
+    fake = SideBySide(meet=("train", "eagle3-data"))
+    assert run(monkeypatch, fake, tmp_path / "run", small_target, jobs=2) == 0
+    assert sorted(fake.names) == sorted(BOTH)
+    order = [name for what, name in fake.events if what == "start"]
+    ended = lambda name: fake.events.index(("end", name))  # noqa: E731
+    started = lambda name: fake.events.index(("start", name))  # noqa: E731
+    for stage in demo.plan("both"):  # no stage starts before the stages it reads are done
+        assert all(ended(a) < started(stage.name) for a in stage.after), (stage.name, fake.events)
+    assert order[0] == "data" and order[-1] == "eval"
+    out = capsys.readouterr().out
+    assert "(beside train)" in out or "(beside eagle3-data)" in out
+    assert "eagle3-data 1.5" not in out and "/1.5" in out  # each stage's own CPU seconds in the summary line
+    # the answers were copied before the EAGLE-3 data prep ran, the evaluation saw both heads
+    assert (tmp_path / "run" / "eagle3" / "data" / "regenerated" / "part-00000.jsonl").read_text() == "written"
+    assert "eval.compare_head" in fake.overrides("eval")
+    # a rerun reuses everything, side by side or not
+    again = SideBySide()
+    assert run(monkeypatch, again, tmp_path / "run", small_target, jobs=2) == 0 and again.names == []
+
+
+def test_a_failure_beside_another_stage_stops_the_schedule_with_one_line(monkeypatch, tmp_path, small_target, capsys):
+    out = tmp_path / "run"
+    fake = SideBySide(meet=("train", "eagle3-data"), fail="train")
+    assert run(monkeypatch, fake, out, small_target, jobs=2) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("error: stage train failed with exit code 3") and err.count("\n") == 1
+    # the stage running beside it finished and is kept; nothing that reads the failed stage started (eagle3-train may
+    # have started when eagle3-data ended before the failure was seen: it does not read train's output)
+    assert {"data", "train", "eagle3-data"} <= set(fake.names) <= {"data", "train", "eagle3-data", "eagle3-train"}
+    state = json.loads((out / demo.STATE_FILE).read_text())
+    assert state["eagle3-data"]["done"] and not state["train"]["done"] and "tune" not in state and "eval" not in state
+    resumed = SideBySide()
+    assert run(monkeypatch, resumed, out, small_target, jobs=2) == 0
+    assert {"train", "tune", "eagle3-tune", "eval"} <= set(resumed.names) and "data" not in resumed.names
+
+
+def test_jobs_below_one_is_refused(monkeypatch, tmp_path, small_target, capsys):
+    fake = FakeStages()
+    assert run(monkeypatch, fake, tmp_path / "run", small_target, jobs=0) == 2
+    assert "--jobs 0: expected at least 1" in capsys.readouterr().err and fake.names == []
 
 
 def test_runs_every_stage_in_order_with_the_target_and_prompts(monkeypatch, tmp_path, small_target, capsys):

@@ -8,7 +8,10 @@
    the raw draft probabilities untouched; a map that favours depth makes deeper trees.
 4. Losslessness with a calibrated tree, both head kinds: greedy equals transformers' greedy `generate` token for
    token; sampling matches the exact law of the first three tokens (chi-square, as tests/test_sampling.py).
-5. The driver fits a map on a tiny model's held-out prompts, at T = 0 and T > 0, and installs it.
+5. The driver fits a map on a tiny model's held-out prompts, at T = 0 and T > 0, and installs it; its first pass
+   decodes the coverage tree, so every (depth, rank) cell of the largest tree gets nodes by construction.
+6. Coverage: the map records its (depth, rank) cells and node counts; `covered()` is the largest tree shape it
+   covers, and evaluation's one-line warning fires for a tree deeper or wider than that (or a map without a record).
 """
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ import torch
 from eagle import DecodingConfig, EaModel
 from eagle.ea_model import load_calibrations, load_tree_config, save_tree_config
 from eagle.score_calibration import ScoreCalibration, pick_calibration
+from eagle.static_trees import coverage_choices
 from eagle.stats import RoundStats
-from eagle.tree import rerank_tree
+from eagle.tree import StaticTreeSpec, rerank_tree
 from evaluation.autotune import fit_tree_calibration
-from evaluation.calibration import calibrate, fit_score_calibration, isotonic_knots
+from evaluation.calibration import calibrate, coverage_warning, fit_score_calibration, isotonic_knots
 from evaluation.runner import GenerationArgs
 from test_sampling import ALPHA, SETTINGS, run_chi_square, sampling_setup
 from tiny_models import family_setup, first_divergence_report, single_thread  # noqa: F401
@@ -115,6 +119,17 @@ def test_fit_learns_that_rank_predicts_acceptance():
     for r, want in ((0, 0.8), (1, 0.1), (2, 0.02)):
         assert torch.allclose(cal.probability(p, 1, r), torch.full((2,), want), atol=0.06), (r, cal.probability(p, 1, r))
     assert [c[0] > 0 for c in cal.fitted_on["per_depth"][0]["per_rank"]] == [True, True, True, False]
+
+
+def test_a_short_rank_at_depth_1_borrows_its_own_rank_at_other_depths_not_its_siblings():
+    curves = {0: lambda p: 0.85, 1: lambda p: 0.1, 2: lambda p: 0.02}
+    rounds = synthetic_rounds(60, None, rank_curves=curves)
+    at_1 = sum(int(((r.node_depth == 1) & (r.node_rank == 0)).sum()) for r in rounds)
+    assert at_1 < 100  # short of min_nodes_per_map at depth 1, not over all depths
+    cal = fit_score_calibration(rounds, 0.0, 0.0, 0, rank_maps=3)
+    first = cal.fitted_on["per_depth"][0]["per_rank"][0]  # [nodes, accepted] the rank-0 map was fitted on
+    assert first[0] > at_1 and first[1] / first[0] > 0.6, first  # rank 0's own nodes (its siblings': ~6%)
+    assert float(cal.probability(torch.tensor([0.05]), 1, 0)) > 0.6
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -274,6 +289,7 @@ def test_fit_tree_calibration_fits_installs_and_reports(kind, temperature):
     cal = fit_tree_calibration(model, prompts, model.decoding, gen, passes=2, progress=False)
     assert cal.matches(temperature, 0.0, 0) and model.calibrations == [cal]
     assert cal.fitted_on["passes"] == 2 and cal.fitted_on["prompts"] == 10 and cal.fitted_on["nodes"] >= 200
+    assert cal.fitted_on["coverage_tree"] == "5x5"  # default: the base tree's node depth (4 + 1) x top_k
     # the fitted map predicts acceptance on its own data better than the raw probabilities (log loss)
     _, stats = model.eagenerate(s.prompts[10], max_new_tokens=24, return_stats=True, temperature=temperature,
                                 generator=torch.Generator().manual_seed(3))
@@ -281,3 +297,77 @@ def test_fit_tree_calibration_fits_installs_and_reports(kind, temperature):
     report = calibrate(stats.rounds)
     assert {"path_prob", "node_prob", "path_score", "node_score"} <= set(report)
     assert not math.isnan(report["node_score"].ece_bins)
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_coverage_pass_fills_every_cell_of_the_largest_tree_by_construction(kind):
+    s = family_setup("llama", kind=kind)
+    # a map that ranks every node alike: its dynamic tree (20/3/3) would never reach depth 5 or rank 3
+    model = EaModel(s.target, s.good_head, DecodingConfig(total_token=20, depth=3, top_k=3))
+    gen = GenerationArgs(max_new_tokens=24, max_length=256)
+    prompts = [p[0].tolist() for p in s.prompts[:6]]
+    static_before = model.static_tree
+    cal = fit_tree_calibration(model, prompts, model.decoding, gen, passes=1, cover=(5, 4), progress=False)
+    assert model.static_tree is static_before  # the coverage tree was only borrowed for the pass
+    cells = cal.fitted_on["coverage"]["nodes"]  # [depth][rank] nodes whose parent was accepted
+    assert len(cells) == 5 and all(len(row) == 4 for row in cells)
+    rounds = cells[0][0]
+    assert rounds > 0 and cells[0] == [rounds] * 4  # depth 1: every rank drafted every round (parent = root)
+    for d in range(1, 5):  # deeper: every rank as often as the spine above it was accepted, never more
+        assert cells[d] == [cells[d][0]] * 4 and cells[d][0] <= cells[d - 1][0]
+    assert cells[4][0] > 0, "the good head's spine never reached depth 4 accepted"
+    assert cal.covered()[1] == 4 or rounds < cal.fitted_on["coverage"]["min_nodes"]
+
+
+def test_coverage_tree_is_a_spine_with_every_rank():
+    assert coverage_choices(3, 2) == [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1]]
+    spec = StaticTreeSpec.from_choices(coverage_choices(9, 10))
+    assert spec.size == 1 + 90 and spec.max_depth == 9 and spec.max_rank == 9
+    with pytest.raises(ValueError, match="must be >= 1"):
+        coverage_choices(0, 3)
+
+
+def covering(nodes, min_nodes=30):
+    return ScoreCalibration(0.0, 0.0, 0, [[[0.1, 0.5]]], [[[0.4, 0.9]]],
+                            fitted_on={"coverage": {"nodes": nodes, "min_nodes": min_nodes}})
+
+
+def test_covered_is_the_largest_tree_every_cell_of_which_has_data():
+    assert covering([[50, 40, 30], [45, 31, 30], [35, 29, 30], [90, 90, 90]]).covered() == (2, 3)
+    assert covering([[50, 40, 12], [45, 31, 30], [35, 30, 5]]).covered() == (3, 2)
+    assert covering([[50], [45]]).covered() == (2, 1)
+    assert covering([[5, 40]]).covered() == (0, 0)
+    assert ScoreCalibration(0.0, 0.0, 0, [[[0.1]]], [[[0.4]]]).covered() is None  # fitted before coverage existed
+    assert "covering node depths 1-2 x ranks 0-2" in covering([[50, 40, 30], [45, 31, 30]]).describe()
+    cal = covering([[50, 40], [45, 31]])
+    assert (cal.cell_nodes(2, 1), cal.cell_nodes(3, 0), cal.cell_nodes(1, 5)) == (31, 0, 0)
+
+
+@pytest.mark.parametrize("bad", [{"nodes": "many"}, {"nodes": [[1, -2]]}, {"nodes": [[1.5]]},
+                                 {"nodes": [[1]], "min_nodes": 0}, ["not", "a", "dict"]])
+def test_bad_coverage_records_are_refused(bad):
+    with pytest.raises(ValueError, match="fitted_on.coverage"):
+        ScoreCalibration.from_dict({"temperature": 0.0, "top_p": 0.0, "top_k": 0, "knots_x": [[[0.1]]],
+                                    "knots_y": [[[0.4]]], "fitted_on": {"coverage": bad}})
+
+
+def test_coverage_warning_fires_for_a_deeper_or_wider_tree_only():
+    cal = covering([[80] * 10] * 6 + [[80] * 4 + [3] * 6] * 2)  # depths 1-6 x 10 ranks, 7-8 x 4 ranks
+    assert cal.covered() == (6, 10)
+    eagle2 = DecodingConfig(total_token=60, depth=5, top_k=10)  # nodes at depths 1-6
+    assert coverage_warning("method eagle2", "runs/x/head", eagle2, cal) is None
+    assert coverage_warning("method eagle2", "runs/x/head", eagle2, None) is None  # no map: raw scores
+    assert coverage_warning("method eagle1", "h", DecodingConfig(mode="static"), cal) is None
+    # depths 7-8 have data at ranks 0-3: a deep narrow tree is covered cell by cell, a deep wide one is not
+    assert coverage_warning("method tuned", "runs/x/head", dataclasses.replace(eagle2, depth=7, top_k=4), cal) is None
+    deeper = coverage_warning("method tuned", "runs/x/head", dataclasses.replace(eagle2, depth=6, top_k=6), cal)
+    assert "tree 60/6/6 reaches node depth 7 x 6 ranks" in deeper and "covers depth 6 x 10 ranks" in deeper
+    assert "(2 cells with fewer than 30 fitted nodes, (depth, rank): nodes (7, 4): 3, (7, 5): 3)" in deeper
+    assert "autotune" in deeper and "\n" not in deeper
+    assert "(9, 0): 0" in coverage_warning("method eagle2", "h", dataclasses.replace(eagle2, depth=8, top_k=2), cal)
+    narrow = covering([[80] * 4] * 6)
+    wider = coverage_warning("method eagle2", "runs/x/head", eagle2, narrow)
+    assert "covers depth 6 x 4 ranks (36 cells with fewer than 30" in wider and "(1, 4): 0" in wider
+    legacy = coverage_warning("method eagle2", "runs/x/head", eagle2, ScoreCalibration(0.0, 0.0, 0, [[[0.1]]],
+                                                                                       [[[0.4]]]))
+    assert "records no coverage" in legacy and "\n" not in legacy
