@@ -69,7 +69,7 @@ def simulate(rates, prompts, rounds, seed):
     return out
 
 
-AGREEMENT_REPEATS = 400  # power: tests/test_statistical_power.py
+AGREEMENT_REPEATS = 1500  # power: tests/test_statistical_power.py
 
 
 # compare's z uses the normal approximation of a cluster-robust se over 40 prompts: measured over 3000 repeats of
