@@ -5,6 +5,7 @@ choice) and how far the seeded statistical tests' p-values move with the arithme
     python tests/float_variants.py                 # every variant, the tests marked `numeric` or `statistical`
     python tests/float_variants.py -k unroll       # extra pytest arguments narrow the run
     python tests/float_variants.py --list          # the variants this machine offers
+    EAGLE_VARIANTS=aten-default,sdpa-math python tests/float_variants.py   # only these variants
 
 Each variant runs pytest in a fresh process (the environment must be set before torch loads its kernels):
   threads-2       two intra-op threads in the tests that otherwise pin one (EAGLE_TEST_THREADS=2)
@@ -123,6 +124,12 @@ def summarise(logs: dict[str, Path]) -> None:
 
 def main(argv: list[str]) -> int:
     table = variants()
+    only = [name for name in os.environ.get("EAGLE_VARIANTS", "").split(",") if name]
+    unknown = sorted(set(only) - set(table))
+    if unknown:
+        print(f"EAGLE_VARIANTS names {', '.join(unknown)}: this machine offers {', '.join(table)}", file=sys.stderr)
+        return 2
+    table = {name: env for name, env in table.items() if not only or name in only}
     if argv[:1] == ["--list"]:
         for name, env in table.items():
             print(name, " ".join(f"{k}={v}" for k, v in env.items()))

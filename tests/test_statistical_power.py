@@ -309,8 +309,10 @@ def pooled_power(generate, setting, kind, draws, pvalue_of_counts, test, defect,
     law = sampling.exact_joint(target, prompt, *sampling.SETTINGS[setting]).flatten()
     big = law * draws >= 5  # the test's cells at its draws; the rest pooled into one, as chi_square_against does
 
-    def cells(v):
-        return torch.cat([v[big], v[~big].sum()[None]])
+    def cells(v):  # the test's cells; those of probability 0 (top-k / top-p) carry no chi-square term
+        grouped = torch.cat([v[big], v[~big].sum()[None]])
+        return grouped[possible]
+    possible = torch.cat([law[big], law[~big].sum()[None]]) > 0
     L = cells(law)
     start = time.time()
     pool = pool_counts(generate, setting, kind, key)
