@@ -18,11 +18,13 @@ The arithmetic. Under the null hypothesis a valid p-value satisfies P(p < a) <= 
 so one test fails with probability
     P(p1 < ALPHA_FIRST) * P(p2 < ALPHA_RERUN) <= ALPHA_FIRST * ALPHA_RERUN.
 Pearson's chi-square p-value (cells with expected count >= 5, the rest pooled) is approximate: its far tail can
-sit above nominal, so the budget keeps a factor APPROXIMATION_MARGIN = 2 for it. Over the family of
+sit above nominal, so the budget keeps a factor APPROXIMATION_MARGIN = 3 for it (measured on eagenerate's law with
+counts drawn from the exact law, tests/test_statistical_power.py, 40000 simulations a stage: P(p < 0.01) = 0.0121
+at 2000 draws, P(p < 2.6e-4) = 2.75e-4 at 8000 draws, 1.3x the nominal product). Over the family of
 BUDGET_TESTS = m tests (union bound: no independence between tests is assumed),
     P(any false alarm in a CI run) <= m * ALPHA_FIRST * ALPHA_RERUN * APPROXIMATION_MARGIN = FAMILY_FALSE_ALARM
     ALPHA_RERUN = FAMILY_FALSE_ALARM / (m * ALPHA_FIRST * APPROXIMATION_MARGIN)
-                = 1e-4 / (13 * 0.01 * 2) = 3.8e-4.
+                = 1e-4 / (13 * 0.01 * 3) = 2.6e-4.
 m counts test items (each parametrisation is one test) of the default tier marked `statistical`; the rule refuses
 to run in a test without the marker, and tests/test_statistical_rule.py collects the default tier and fails when
 more than BUDGET_TESTS tests use the rule: a new statistical test cannot silently spend the budget; whoever adds
@@ -48,7 +50,7 @@ from typing import Callable
 FAMILY_FALSE_ALARM = 1e-4  # P(a CI run is red with every sampler exact), any machine
 BUDGET_TESTS = 13  # m: default-tier tests marked `statistical` (tests/test_statistical_rule.py counts them)
 ALPHA_FIRST = 0.01
-APPROXIMATION_MARGIN = 2.0  # the chi-square approximation's tail, see above
+APPROXIMATION_MARGIN = 3.0  # the chi-square approximation's tail, see above
 ALPHA_RERUN = FAMILY_FALSE_ALARM / (BUDGET_TESTS * ALPHA_FIRST * APPROXIMATION_MARGIN)
 RERUN_FACTOR = 4
 RERUN_SEED_STEP = 1_000_003  # rerun_seed(s) = s + this: never a seed a first stage uses (those are small)
@@ -86,8 +88,8 @@ class Verdict:
             return f"p={p:.2e} at {draws} draws (seed {seed}{', ' + note if note else ''})"
         text = stage(self.p_first, self.draws, self.seed, self.note_first)
         if self.p_rerun is not None:
-            text += (f" < {ALPHA_FIRST}, rerun: {stage(self.p_rerun, self.rerun_draws, self.rerun_seed, self.note_rerun)}"
-                     f" vs {ALPHA_RERUN:.1e}")
+            rerun = stage(self.p_rerun, self.rerun_draws, self.rerun_seed, self.note_rerun)
+            text += f" < {ALPHA_FIRST}, rerun: {rerun} vs {ALPHA_RERUN:.1e}"
         return text
 
 

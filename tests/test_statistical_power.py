@@ -8,8 +8,10 @@ The wrong samplers (module-level functions below):
                                    is accepted with p(y), not p(y) / (1 - p(x)) (the residual without renormalising)
   verify_chain_accepting_more      a sampled draft accepted with min(1, 1.1 p/q) instead of min(1, p/q)
   verify_chain_resampling_from_p   a rejection resampled from p instead of the residual max(p - q, 0)
-  plus, for the tests of statistical tools: a second sample from another law (chi2_homogeneity), a sampler at 0.8x
-  the temperature (distribution_test), and a `compare` at 5x its alpha (serve-check's agreement).
+  verify_sampling_within_draft_vocabulary   the next token drawn within the head's draft vocabulary (EAGLE-3)
+  plus, for the tests of statistical tools: a second sample from another law (chi2_homogeneity), a speculative side
+  at 0.5x the temperature (distribution_test), and a `compare` without its Bonferroni over the k positions
+  (serve-check's agreement).
 
 How the power is measured, per test (each way runs the rule itself, `sequential_verdict`, on many seeds; a seed is
 a first stage at the test's draws and, when it fails, a rerun at 4x with another seed):
@@ -20,7 +22,10 @@ a first stage at the test's draws and, when it fails, a rerun at 4x with another
           chi-square distance equals the pool's unbiased estimate (the pool's own noise would add (cells - 1) / pool
           draws to it and inflate the power); each seed draws counts from it through the test's own p-value. Power is
           given at that estimate and at its lower 95% bound (Student t over the blocks).
-  real    the test's own draws from the wrong sampler (cheap: numpy, a Python simulation, a tiny model).
+  real    the test's own draws from the wrong sampler (chi2_homogeneity: numpy, cheap).
+  serve-check's agreement counts are Binomial(repeats, r): r of the wrong `compare` is measured over RATE_REPEATS
+  real repeats, the power given at its lower 95% bound; distribution_test's wrong side is eagenerate at 0.5x the
+  temperature, whose law (exact at any temperature) is enumerated like the target's.
 Clopper-Pearson 95% intervals over the seeds. EAGLE_POWER_SEEDS (default 300: 0 failures of 300 bound the power
 below by 0.990) and EAGLE_POWER_POOL (draws per block, default 4000) size it; EAGLE_POWER_TABLE=FILE appends one
 JSON line per test.
@@ -494,3 +499,24 @@ def test_power_distribution_test():
     record("test_evaluation_e2e.py::test_chi2_passes_for_eagle2_and_fails_for_a_biased_sampler",
            "speculative side at 0.5x the temperature", "law", e2e.DISTRIBUTION_SAMPLES, result)
     assert result["power"] >= POWER
+
+
+# ----------------------------------------------------------------------------- the chi-square's own tail
+def test_the_chi_square_tail_is_within_the_rules_margin():
+    """Size, not power: counts drawn from the EXACT law (eagenerate's T1.0 law, the test's 2000 draws and the rerun's
+    8000) through chi_square_against; the rule's budget allows the two stages' true false-alarm rates a product up
+    to APPROXIMATION_MARGIN x ALPHA_FIRST x ALPHA_RERUN."""
+    from statistical_rule import ALPHA_FIRST, ALPHA_RERUN, APPROXIMATION_MARGIN
+    target, prompt, _ = sampling.sampling_setup("eagle2")
+    law = sampling.exact_joint(target, prompt, 1.0, 0.0, 0)
+    probs = (law.flatten() / law.sum()).numpy()
+    sims = int(os.environ.get("EAGLE_SIZE_SIMULATIONS", "20000"))
+    rates = {}
+    for draws, alpha in [(2000, ALPHA_FIRST), (8000, ALPHA_RERUN)]:
+        rng = np.random.default_rng(123)
+        ps = np.array([sampling.chi_square_against(torch.from_numpy(rng.multinomial(draws, probs)).view_as(law), law)[0]
+                       for _ in range(sims)])
+        rates[draws] = float((ps < alpha).mean())
+        record(f"chi_square_against at {draws} draws (exact law)", f"size at alpha {alpha:.1e}", "size", draws,
+               {"simulations": sims, "rate": rates[draws], "ratio_to_alpha": rates[draws] / alpha})
+    assert rates[2000] * rates[8000] <= APPROXIMATION_MARGIN * ALPHA_FIRST * ALPHA_RERUN

@@ -50,7 +50,7 @@ def test_a_first_stage_failure_reruns_with_four_times_the_draws_and_another_seed
     assert calls == [(100, 7), (RERUN_FACTOR * 100, rerun_seed(7))] and rerun_seed(7) != 7 and verdict.passed
     run, calls = recording([ALPHA_FIRST / 2, ALPHA_RERUN / 2])
     with pytest.raises(AssertionError, match=r"x: not the exact law: p=5.00e-03 at 100 draws \(seed 7, note\) < 0.01, "
-                                             r"rerun: p=.* at 400 draws \(seed 1000010, note\) vs 3.8e-04"):
+                                             r"rerun: p=.* at 400 draws \(seed 1000010, note\) vs " + f"{ALPHA_RERUN:.1e}"):
         assert_same_law(run, draws=100, seed=7, what="x")
     assert not sequential_verdict(recording([0.0, 0.0])[0], 10, 1).passed
 
