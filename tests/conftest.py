@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import statistical_rule
+
 os.environ.setdefault("WANDB_MODE", "disabled")  # online wandb hangs ~90 s without network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,3 +57,13 @@ def arithmetic_variant():
         if os.environ.get("EAGLE_TEST_MKLDNN") == "0":
             stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
         yield
+
+
+@pytest.fixture(autouse=True)
+def statistical_marker(request):
+    """Tell tests/statistical_rule.py which test runs and whether it is marked `statistical` (its budget counts
+    the marked tests; the rule refuses to run in an unmarked one)."""
+    statistical_rule.current_test = (request.node.nodeid,
+                                     request.node.get_closest_marker(statistical_rule.MARKER) is not None)
+    yield
+    statistical_rule.current_test = None

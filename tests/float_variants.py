@@ -1,9 +1,11 @@
-"""Run the float-comparison tests under every arithmetic variant this machine offers, to see before CI does
-which comparisons depend on the machine (summation order, vector width, thread count, kernel choice).
+"""Run the float-comparison tests and the statistical tests under every arithmetic variant this machine offers, to
+see before CI does which comparisons depend on the machine (summation order, vector width, thread count, kernel
+choice) and how far the seeded statistical tests' p-values move with the arithmetic.
 
-    python tests/float_variants.py                 # every variant, the tests marked `numeric`
+    python tests/float_variants.py                 # every variant, the tests marked `numeric` or `statistical`
     python tests/float_variants.py -k unroll       # extra pytest arguments narrow the run
     python tests/float_variants.py --list          # the variants this machine offers
+    EAGLE_VARIANTS=aten-default,sdpa-math python tests/float_variants.py   # only these variants
 
 Each variant runs pytest in a fresh process (the environment must be set before torch loads its kernels):
   threads-2       two intra-op threads in the tests that otherwise pin one (EAGLE_TEST_THREADS=2)
@@ -15,8 +17,10 @@ Each variant runs pytest in a fresh process (the environment must be set before 
   no-mkldnn       oneDNN off (EAGLE_TEST_MKLDNN=0): bf16 and some fp32 ops take ATen's own kernels
 and the baseline. Every comparison through tests/float_tolerance.py is logged; the summary prints, per test, the
 largest observed difference as a fraction of its bound over all variants (the headroom), and which variants
-failed. Exit status 1 when any variant fails. EAGLE_VARIANTS_KEEP=DIR keeps each variant's pytest output and log
-there (default: a temporary folder).
+failed. Every statistical test (marked `statistical`, tests/statistical_rule.py) logs its p-values: the summary
+prints them per test and variant (a seeded draw sequence is other draws under other arithmetic, so its p-value is
+a fresh number; `*` marks a first stage below 0.01 that the rule reran). Exit status 1 when any variant fails.
+EAGLE_VARIANTS_KEEP=DIR keeps each variant's pytest output and logs there (default: a temporary folder).
 """
 from __future__ import annotations
 
@@ -58,8 +62,10 @@ def variants() -> dict[str, dict[str, str]]:
 
 
 def run(name: str, env_extra: dict[str, str], pytest_args: list[str], log: Path) -> int:
-    env = {**os.environ, **env_extra, "EAGLE_TOLERANCE_LOG": str(log)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "numeric and not slow", "-p", "no:cacheprovider", *pytest_args]
+    env = {**os.environ, **env_extra, "EAGLE_TOLERANCE_LOG": str(log),
+           "EAGLE_STATISTICS_LOG": str(statistics_log(log))}
+    marks = "(numeric or statistical) and not slow"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", marks, "-p", "no:cacheprovider", *pytest_args]
     print(f"== {name}: {' '.join(f'{k}={v}' for k, v in env_extra.items()) or '(defaults)'}", flush=True)
     out = log.with_suffix(".out")
     with open(out, "w") as f:  # pytest's own output, for a look while it runs (EAGLE_VARIANTS_KEEP keeps it)
@@ -68,6 +74,35 @@ def run(name: str, env_extra: dict[str, str], pytest_args: list[str], log: Path)
     tail = [ln for ln in lines if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln]
     print("\n".join(tail[-12:]) or "\n".join(lines[-30:]), flush=True)
     return code
+
+
+def statistics_log(log: Path) -> Path:
+    return log.with_suffix(".statistics.jsonl")
+
+
+def summarise_pvalues(logs: dict[str, Path]) -> None:
+    """Per statistical test, its p-value under every variant (first stage; the rerun's after a slash)."""
+    table: dict[str, dict[str, str]] = defaultdict(dict)
+    lowest: dict[str, float] = {}
+    for name, log in logs.items():
+        path = statistics_log(log)
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            cell = f"{rec['p']:.2e}"
+            if rec["stage"] == "first":
+                table[rec["test"]][name] = cell + ("*" if rec["p"] < 0.01 else "")
+                lowest[rec["test"]] = min(lowest.get(rec["test"], 1.0), rec["p"])
+            else:
+                table[rec["test"]][name] = table[rec["test"]].get(name, "?") + "/" + cell
+    if not table:
+        return
+    names = [n for n in logs if any(n in row for row in table.values())]
+    print("\np-values of the statistical tests per variant (first stage; * below 0.01, then /the rerun's p):")
+    print("  " + "  ".join(f"{n:>13}" for n in names) + "  test")
+    for test in sorted(table, key=lambda t: lowest[t]):
+        print("  " + "  ".join(f"{table[test].get(n, '-'):>13}" for n in names) + f"  {test}")
 
 
 def summarise(logs: dict[str, Path]) -> None:
@@ -89,6 +124,12 @@ def summarise(logs: dict[str, Path]) -> None:
 
 def main(argv: list[str]) -> int:
     table = variants()
+    only = [name for name in os.environ.get("EAGLE_VARIANTS", "").split(",") if name]
+    unknown = sorted(set(only) - set(table))
+    if unknown:
+        print(f"EAGLE_VARIANTS names {', '.join(unknown)}: this machine offers {', '.join(table)}", file=sys.stderr)
+        return 2
+    table = {name: env for name, env in table.items() if not only or name in only}
     if argv[:1] == ["--list"]:
         for name, env in table.items():
             print(name, " ".join(f"{k}={v}" for k, v in env.items()))
@@ -103,6 +144,7 @@ def main(argv: list[str]) -> int:
             if run(name, env, argv, logs[name]) != 0:
                 failed.append(name)
         summarise(logs)
+        summarise_pvalues(logs)
     print(f"\nvariants failed: {', '.join(failed)}" if failed else "\nevery variant passed")
     return 1 if failed else 0
 

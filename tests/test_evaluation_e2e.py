@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from statistical_rule import assert_same_law, bonferroni
 from test_evaluation_questions import TEMPLATE, char_tokenizer
 from tiny_models import TEST_THREADS, random_head, tiny_llama
 
@@ -185,14 +186,29 @@ def test_real_chat_template_history(tiny):
     assert tok.decode(second.prompt_ids) == f"<user>Hi</s><assistant>{answer}</s><user>More</s><assistant>"
 
 
+DISTRIBUTION_SAMPLES = 150  # power: tests/test_statistical_power.py
+
+
+def distribution_test_run(model, vanilla, method, **kw):
+    """`run(samples, seed)` for tests/statistical_rule.py: distribution_test's positions, one Bonferroni p-value (the
+    tool's own pass rule: every position at alpha / positions)."""
+    def run(samples, seed):
+        t = distribution_test(model, vanilla, method, [5, 9, 14], samples=samples, seed=seed, **kw)
+        return bonferroni(*(p.p_value for p in t.positions)), f"positions {[p.__dict__ for p in t.positions]}"
+    return run
+
+
+@pytest.mark.statistical
 def test_chi2_passes_for_eagle2_and_fails_for_a_biased_sampler():
     # a 16-token vocabulary and moderate logits: the next-token distributions are far from one-hot
     target = tiny_llama(vocab_size=16, init_std=0.2, seed=1)
     model = EaModel(target, random_head(target), DecodingConfig(total_token=8, depth=2, top_k=3))
     vanilla, eagle2 = parse_methods(["eagle2"], model.decoding)
-    kw = dict(positions=[1, 2], samples=150, temperature=1.0, max_length=64, eos_token_id=[], alpha=0.01)
-    ok = distribution_test(model, vanilla, eagle2, [5, 9, 14], **kw)
-    assert ok.passed, ok.to_dict()
+    kw = dict(positions=[1, 2], samples=DISTRIBUTION_SAMPLES, temperature=1.0, max_length=64, eos_token_id=[],
+              alpha=0.01)
+    law = {k: v for k, v in kw.items() if k != "samples"}
+    assert_same_law(distribution_test_run(model, vanilla, eagle2, **law), draws=DISTRIBUTION_SAMPLES, seed=0,
+                    what="distribution_test of eagle2 against vanilla")
 
     class Biased:  # samples the speculative side at a lower temperature: a subtly wrong distribution
         base_model = model.base_model

@@ -13,6 +13,7 @@ from evaluation.calibration import calibrate, collect_nodes, reliability
 from evaluation.losslessness import check_greedy, chi2_homogeneity, explain_mismatches, first_divergence
 from evaluation.metrics import OVERALL, compare, depth_acceptance, summarize
 from evaluation.report import EvalReport, write_report
+from statistical_rule import assert_same_law
 from evaluation.runner import BenchmarkRun, TurnResult
 
 
@@ -198,14 +199,24 @@ def test_mismatches_are_explained_as_near_ties_or_divergences(hand_run):
     assert (d["lossless"], d["divergences"], d["near_ties"]) == (False, 1, 1)
 
 
+HOMOGENEITY_DRAWS = 8000  # power: tests/test_statistical_power.py
+
+
+def homogeneity_run(p, q):
+    """`run(draws, seed)` for tests/statistical_rule.py: chi2_homogeneity's p-value of two samples from p and q."""
+    def run(draws, seed):
+        rng = np.random.default_rng(seed)
+        return chi2_homogeneity(rng.choice(len(p), draws, p=p), rng.choice(len(q), draws, p=q))[2]
+    return run
+
+
+@pytest.mark.statistical
 def test_chi2_homogeneity():
-    rng = np.random.default_rng(0)
     p = np.array([0.5, 0.3, 0.15, 0.05])
-    same = chi2_homogeneity(rng.choice(4, 2000, p=p), rng.choice(4, 2000, p=p))
-    assert same[2] > 0.01
+    assert_same_law(homogeneity_run(p, p), draws=HOMOGENEITY_DRAWS, seed=0,
+                    what="chi2_homogeneity of two samples of one law")
     q = np.array([0.4, 0.35, 0.2, 0.05])
-    diff = chi2_homogeneity(rng.choice(4, 2000, p=p), rng.choice(4, 2000, p=q))
-    assert diff[2] < 1e-4
+    assert homogeneity_run(p, q)(2000, 1) < 1e-4
     # rare tokens are pooled: 3 singletons become one "other" cell
     stat, dof, pv, cells = chi2_homogeneity(np.array([0] * 50 + [7]), np.array([0] * 50 + [8, 9]))
     assert cells == 2 and dof == 1

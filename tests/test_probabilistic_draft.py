@@ -2,7 +2,8 @@
 `draft_sample_method: probabilistic`): drafts sampled from the head at the request's temperature, accepted with
 min(1, p/q), a rejection resampled from max(p - q, 0). Lossless like every decoder here: greedy output identical
 to vanilla, sampled output distributed exactly as vanilla (chi-square against the enumerated law of the first
-three tokens, the harness of tests/test_sampling.py), and `verify_chain_sampling` itself exact and able to fail."""
+three tokens, the harness of tests/test_sampling.py), and `verify_chain_sampling` itself exact and able to fail;
+every law check through the sequential rule of tests/statistical_rule.py."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,8 @@ from scipy.stats import chisquare
 from eagle import DecodingConfig, EaModel
 from eagle.tree import DraftTree
 from eagle.verify import verify_chain_sampling
-from test_sampling import ALPHA, SETTINGS, run_chi_square, sampling_setup
+from statistical_rule import assert_same_law, binomial_pvalue, bonferroni
+from test_sampling import SETTINGS, chi_square_run, sampling_setup
 from tiny_models import single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -25,7 +27,8 @@ def chain_tree(tokens: list[int], q: torch.Tensor) -> DraftTree:
                      prob=torch.ones(n), path_logprob=torch.zeros(n), draft_probs=q)
 
 
-def draw_rounds(p: torch.Tensor, q: torch.Tensor, draws: int, seed: int, residual: bool = True):
+def draw_rounds(p: torch.Tensor, q: torch.Tensor, draws: int, seed: int, residual: bool = True,
+                verify=verify_chain_sampling):
     """(first output token counts [V], accepted-at-position-1 count) of `draws` rounds whose 2-token chain is drawn
     from q (fixed per position); residual=False is a broken verifier that resamples a rejection from p."""
     g = torch.Generator().manual_seed(seed)
@@ -33,7 +36,7 @@ def draw_rounds(p: torch.Tensor, q: torch.Tensor, draws: int, seed: int, residua
     first, accepted = torch.zeros(V, dtype=torch.long), 0
     for _ in range(draws):
         toks = [0] + [int(torch.multinomial(q[i], 1, generator=g)) for i in (1, 2)]
-        path, new = verify_chain_sampling(chain_tree(toks, q), p, g)
+        path, new = verify(chain_tree(toks, q), p, g)
         if not residual and path.numel() == 1:  # rejected at position 1: the broken rule draws from p, not the residual
             new = torch.multinomial(p[0], 1, generator=g)
         first[int(new[0])] += 1
@@ -41,19 +44,43 @@ def draw_rounds(p: torch.Tensor, q: torch.Tensor, draws: int, seed: int, residua
     return first, accepted
 
 
-def test_verify_chain_sampling_is_exact_and_the_test_can_fail():
-    g = torch.Generator().manual_seed(0)
+def chain_distributions():
+    """Target p for positions 1, 2 and the bonus token; an overconfident draft q (sharper than p, and noisy), as a
+    trained head's tends to be: where q > p the acceptance ratio p/q < 1 decides, so a wrong ratio shows."""
     V = 6
-    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)  # target for positions 1, 2 and the bonus token
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0)) * 1.5
+    p = torch.softmax(logits, -1)
     q = torch.zeros(3, V)
-    q[1:] = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)  # the draft, unlike the target
+    q[1:] = torch.softmax(logits[:2] * 1.5 + 0.5 * torch.randn(2, V, generator=torch.Generator().manual_seed(1)), -1)
+    return p, q
+
+
+def chain_round_run(p, q, verify=verify_chain_sampling):
+    """`run(draws, seed)`: the first output token ~ p exactly (chi-square) and drafts accepted at the rate
+    sum_x min(p(x), q(x)) = 1 - TV(p, q) (exact binomial test), one Bonferroni p-value."""
+    def run(draws, seed):
+        return chain_pvalue(*draw_rounds(p, q, draws, seed, verify=verify), p, q)
+    return run
+
+
+def chain_pvalue(first: torch.Tensor, accepted: int, p: torch.Tensor, q: torch.Tensor) -> tuple[float, str]:
+    draws = int(first.sum())
+    rate = float(torch.minimum(p[0], q[1]).sum())
+    expected = (p[0].double() / p[0].double().sum() * draws).tolist()
+    p_first = float(chisquare(first.tolist(), expected).pvalue)
+    p_rate = binomial_pvalue(accepted, draws, rate)
+    return bonferroni(p_first, p_rate), (f"first token chi-square p={p_first:.2e}; {accepted} accepted, expected "
+                                         f"{draws * rate:.0f}: binomial p={p_rate:.2e}")
+
+
+@pytest.mark.statistical
+def test_verify_chain_sampling_is_exact_and_the_test_can_fail():
+    p, q = chain_distributions()
+    rate = float(torch.minimum(p[0], q[1]).sum())
+    assert 0.2 < rate < 0.9  # rejections happen often enough for the residual to matter (rate 0.85)
+    assert_same_law(chain_round_run(p, q), draws=20_000, seed=1, what="verify_chain_sampling")
     draws = 20_000
     expected = (p[0].double() / p[0].double().sum() * draws).tolist()
-    first, accepted = draw_rounds(p, q, draws, seed=1)
-    assert chisquare(first.tolist(), expected).pvalue > ALPHA  # the first token ~ p exactly
-    rate = float(torch.minimum(p[0], q[1]).sum())  # P(accept) = sum_x min(p(x), q(x)) = 1 - TV(p, q)
-    assert abs(accepted - draws * rate) < 4.5 * (draws * rate * (1 - rate)) ** 0.5
-    assert 0.2 < rate < 0.9  # rejections happen often enough for the residual to matter
     biased, _ = draw_rounds(p, q, draws, seed=1, residual=False)
     assert chisquare(biased.tolist(), expected).pvalue < 1e-6  # a wrong rule is caught
 
@@ -69,12 +96,11 @@ def test_greedy_output_is_vanilla_and_probabilistic_needs_a_chain():
         DecodingConfig(mode="chain", draft_sampling="sampled").validate()
 
 
+@pytest.mark.statistical
 def test_probabilistic_chain_sampling_matches_the_exact_law_2k_draws():
     target, _, head = sampling_setup()
-    pvalue, bins, rounds = run_chi_square(EaModel(target, head, PROBABILISTIC).eagenerate, 1.0, 0.0, 0, draws=2_000,
-                                          seed=11)
-    assert rounds < 2.0, f"{rounds:.2f} verification rounds per 3 tokens: drafts are hardly ever accepted"
-    assert pvalue > ALPHA, f"chi-square p={pvalue:.2e} over {bins} bins"
+    assert_same_law(chi_square_run(EaModel(target, head, PROBABILISTIC).eagenerate, *SETTINGS["T1.0"], max_rounds=2.0),
+                    draws=2_000, seed=11, what="probabilistic chain T1.0")
 
 
 def test_probabilistic_drafts_keep_their_distributions():
@@ -93,10 +119,10 @@ def test_probabilistic_drafts_keep_their_distributions():
 
 
 @pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 @pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
 def test_probabilistic_chain_sampling_is_exact_20k_draws(kind, setting):
     target, _, head = sampling_setup(kind)
-    pvalue, bins, _ = run_chi_square(EaModel(target, head, PROBABILISTIC).eagenerate, *SETTINGS[setting],
-                                     draws=20_000, seed=12, kind=kind)
-    assert pvalue > ALPHA, f"{kind} {setting}: chi-square p={pvalue:.2e} over {bins} bins"
+    assert_same_law(chi_square_run(EaModel(target, head, PROBABILISTIC).eagenerate, *SETTINGS[setting], kind=kind),
+                    draws=20_000, seed=12, what=f"probabilistic chain {kind} {setting}")

@@ -4,9 +4,10 @@
    transformers' order (temperature, top-k, top-p), i.e. what `generate(do_sample=True)` samples from.
 2. End to end on a 32-token-vocabulary model: the joint law of the first 3 generated tokens is
    enumerated exactly (all 32^2 prefixes in one batched forward, transformers' warpers) and the
-   tokens produced by `eagenerate` (and `naivegenerate`) are compared to it by a chi-square test,
-   alpha = 0.01. 20k draws per setting under `-m slow` (about 3 min each on one core); the default
-   run keeps a 2k-draw T=1.0 check. The >= 20k-draw exactness test that runs by default is on
+   tokens produced by `eagenerate` (and `naivegenerate`) are compared to it by a chi-square test, through
+   the sequential rule of tests/statistical_rule.py (alpha 0.01, then a rerun at 4x the draws with another seed).
+   20k draws per setting under `-m slow` (about 3 min each on one core); the default run keeps a 4k-draw T=1.0
+   check (its power: tests/test_statistical_power.py). The >= 20k-draw exactness test that runs by default is on
    `verify_sampling` itself (tests/test_verify.py), where exactness lives.
 3. The same for an EAGLE-3 head whose draft vocabulary leaves out a token the target samples with real
    probability: that token is never drafted, yet it is produced with its exact probability.
@@ -28,10 +29,10 @@ from transformers.generation.logits_process import (
 from eagle import DecodingConfig, EaModel
 from eagle.sampling import SamplingParams, greedy_ids, target_probs
 from float_tolerance import assert_same_function
+from statistical_rule import assert_same_law, binomial_pvalue, bonferroni
 from tiny_models import EAGLE3_LAYERS, fit_good_head, hf_greedy, random_prompts, single_thread, tiny_target  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]  # numeric: tests/float_variants.py
-ALPHA = 0.01
 VOCAB = 32
 NEW = 3
 
@@ -138,6 +139,17 @@ def run_chi_square(generate, temperature, top_p, top_k, draws, seed, kind="eagle
     return pvalue, bins, rounds / draws
 
 
+def chi_square_run(generate, temperature, top_p, top_k, kind="eagle2", max_rounds=None):
+    """`run(draws, seed)` for tests/statistical_rule.py: the chi-square p-value of `draws` generations against the
+    exact law; with max_rounds, also that drafts are accepted (fewer verification rounds per 3 tokens)."""
+    def run(draws, seed):
+        pvalue, bins, rounds = run_chi_square(generate, temperature, top_p, top_k, draws, seed, kind)
+        if max_rounds is not None:
+            assert rounds < max_rounds, f"{rounds:.2f} verification rounds per 3 tokens: drafts are rarely accepted"
+        return pvalue, f"{bins} bins"
+    return run
+
+
 SETTINGS = {
     "T1.0": (1.0, 0.0, 0),
     "T0.7": (0.7, 0.0, 0),
@@ -167,34 +179,50 @@ def test_greedy_ids_is_argmax_with_first_index_on_ties(dtype):
     assert greedy_ids(tied).tolist() == [1, 0, 0]  # the FIRST maximum, as argmax and transformers' greedy search
 
 
-def test_eagenerate_sampling_matches_the_exact_law_2k_draws():
-    pvalue, bins, rounds = run_chi_square(eagle_generate("dynamic"), 1.0, 0.0, 0, draws=2_000, seed=0)
-    assert rounds < 1.9, f"{rounds:.2f} verification rounds per 3 tokens: drafts are hardly ever accepted"
-    assert pvalue > ALPHA, f"chi-square p={pvalue:.2e} over {bins} bins"
+DYNAMIC_DRAWS = 4_000  # power against an unnormalised sibling: tests/test_statistical_power.py
 
 
-def eagle3_undraftable_token_check(decoding_name, draws, seed, setting="T1.0"):
-    """Chi-square of the EAGLE-3 head's samples, and the token outside its draft vocabulary: never in a draft tree,
-    produced first as often as its exact probability says (within 4.5 binomial sigmas)."""
+@pytest.mark.statistical
+def test_eagenerate_sampling_matches_the_exact_law_4k_draws():
+    assert_same_law(chi_square_run(eagle_generate("dynamic"), *SETTINGS["T1.0"], max_rounds=1.9),
+                    draws=DYNAMIC_DRAWS, seed=0, what="eagenerate dynamic T1.0")
+
+
+def eagle3_undraftable_run(decoding_name, setting="T1.0", max_rounds=None, generate=None):
+    """`run(draws, seed)`: chi-square of the EAGLE-3 head's samples, and the token outside its draft vocabulary
+    (never in a draft tree) produced first as often as its exact probability says (exact binomial test); the two
+    p-values of the same draws combined by Bonferroni."""
     target, prompt, head = sampling_setup("eagle3")
-    found = []
-    pvalue, bins, rounds = run_chi_square(eagle_generate(decoding_name, "eagle3"), *SETTINGS[setting], draws=draws,
-                                          seed=seed, kind="eagle3", counts_out=found)
-    counts, law = found[0]
-    x = head.outside
-    p_first = float(law.sum((1, 2))[x])
-    seen = int(counts.sum((1, 2))[x])
+    generate = generate or eagle_generate(decoding_name, "eagle3")
+
+    def run(draws, seed):
+        found = []
+        _, _, rounds = run_chi_square(generate, *SETTINGS[setting], draws=draws, seed=seed, kind="eagle3",
+                                      counts_out=found)
+        if max_rounds is not None:
+            assert rounds < max_rounds, f"{rounds:.2f} verification rounds per 3 tokens: EAGLE-3 drafts are hardly ever accepted"
+        return eagle3_pvalue(*found[0], head.outside)
+    return run
+
+
+def eagle3_pvalue(counts: torch.Tensor, law: torch.Tensor, outside: int) -> tuple[float, str]:
+    """Bonferroni of the chi-square against the exact law and the exact binomial test of how often the undraftable
+    token comes first."""
+    pvalue, bins = chi_square_against(counts, law)
+    draws = int(counts.sum())
+    p_first = float(law.sum((1, 2))[outside])
+    seen = int(counts.sum((1, 2))[outside])
     assert p_first > 0.05, f"the undraftable token has p={p_first:.3f}: the test would not test anything"
-    sigma = (draws * p_first * (1 - p_first)) ** 0.5
-    assert abs(seen - draws * p_first) < 4.5 * sigma, f"token {x}: {seen} of {draws} first tokens, expected {draws * p_first:.0f}"
-    assert pvalue > ALPHA, f"eagle3 {decoding_name} {setting}: chi-square p={pvalue:.2e} over {bins} bins"
-    return rounds
+    p_outside = binomial_pvalue(seen, draws, p_first)
+    return bonferroni(pvalue, p_outside), (f"chi-square p={pvalue:.2e} over {bins} bins; token {outside} first "
+                                           f"{seen} times, expected {draws * p_first:.0f}: binomial p={p_outside:.2e}")
 
 
+@pytest.mark.statistical
 def test_eagle3_sampling_is_exact_with_an_undraftable_token_1k_draws():
     target, prompt, head = sampling_setup("eagle3")
-    rounds = eagle3_undraftable_token_check("dynamic", draws=1_000, seed=4)
-    assert rounds < 2.0, f"{rounds:.2f} verification rounds per 3 tokens: the EAGLE-3 drafts are hardly ever accepted"
+    assert_same_law(eagle3_undraftable_run("dynamic", max_rounds=2.0), draws=1_000, seed=4,
+                    what="eagle3 dynamic T1.0 with an undraftable token")
     model = EaModel(target, head, DECODINGS["dynamic"])
     with torch.inference_mode():  # a full draft tree never holds the token
         model.drafter.reset(64)
@@ -204,33 +232,37 @@ def test_eagle3_sampling_is_exact_with_an_undraftable_token_1k_draws():
 
 
 @pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("decoding_name", ["dynamic", "static", "chain"])
 @pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
 def test_eagle3_sampling_is_exact_with_an_undraftable_token_20k_draws(decoding_name, setting):
-    eagle3_undraftable_token_check(decoding_name, draws=20_000, seed=5, setting=setting)
+    assert_same_law(eagle3_undraftable_run(decoding_name, setting), draws=20_000, seed=5,
+                    what=f"eagle3 {decoding_name} {setting} with an undraftable token")
 
 
 @pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_eagenerate_sampling_is_exact_20k_draws(setting):
-    pvalue, bins, rounds = run_chi_square(eagle_generate("dynamic"), *SETTINGS[setting], draws=20_000, seed=1)
-    assert rounds < 1.9
-    assert pvalue > ALPHA, f"{setting}: chi-square p={pvalue:.2e} over {bins} bins"
+    assert_same_law(chi_square_run(eagle_generate("dynamic"), *SETTINGS[setting], max_rounds=1.9), draws=20_000,
+                    seed=1, what=f"eagenerate dynamic {setting}")
 
 
 @pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("decoding_name", ["static", "chain"])
 def test_eagle1_and_chain_sampling_is_exact_20k_draws(decoding_name):
-    pvalue, bins, _ = run_chi_square(eagle_generate(decoding_name), 0.7, 0.0, 0, draws=20_000, seed=2)
-    assert pvalue > ALPHA, f"{decoding_name}: chi-square p={pvalue:.2e} over {bins} bins"
+    assert_same_law(chi_square_run(eagle_generate(decoding_name), 0.7, 0.0, 0), draws=20_000, seed=2,
+                    what=f"eagenerate {decoding_name} T0.7")
 
 
 @pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
 def test_naivegenerate_sampling_is_exact_20k_draws(setting):
     target, _, head = sampling_setup()
-    pvalue, bins, _ = run_chi_square(EaModel(target, head).naivegenerate, *SETTINGS[setting], draws=20_000, seed=3)
-    assert pvalue > ALPHA, f"{setting}: chi-square p={pvalue:.2e} over {bins} bins"
+    assert_same_law(chi_square_run(EaModel(target, head).naivegenerate, *SETTINGS[setting]), draws=20_000, seed=3,
+                    what=f"naivegenerate {setting}")
 
 
 def test_sampling_with_a_generator_is_reproducible():

@@ -7,7 +7,8 @@
 3. The tree: ranked by the calibrated scores (EAGLE-2's rule with the map applied), siblings kept in rank order,
    the raw draft probabilities untouched; a map that favours depth makes deeper trees.
 4. Losslessness with a calibrated tree, both head kinds: greedy equals transformers' greedy `generate` token for
-   token; sampling matches the exact law of the first three tokens (chi-square, as tests/test_sampling.py).
+   token; sampling matches the exact law of the first three tokens (chi-square, as tests/test_sampling.py, through
+   the sequential rule of tests/statistical_rule.py).
 5. The driver fits a map on a tiny model's held-out prompts, at T = 0 and T > 0, and installs it; its first pass
    decodes the coverage tree, so every (depth, rank) cell of the largest tree gets nodes by construction.
 6. Coverage: the map records its (depth, rank) cells and node counts; `covered()` is the largest tree shape it
@@ -32,7 +33,8 @@ from eagle.tree import StaticTreeSpec, rerank_tree
 from evaluation.autotune import fit_tree_calibration
 from evaluation.calibration import calibrate, coverage_warning, fit_score_calibration, isotonic_knots
 from evaluation.runner import GenerationArgs
-from test_sampling import ALPHA, SETTINGS, run_chi_square, sampling_setup
+from statistical_rule import assert_same_law
+from test_sampling import SETTINGS, chi_square_run, sampling_setup
 from tiny_models import family_setup, first_divergence_report, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -256,6 +258,7 @@ def calibrated_generate(kind: str, temperature: float, top_p: float, top_k: int)
     return model
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind,setting,draws", [("eagle2", "T1.0", 2000), ("eagle2", "T0.7-top_p0.9-top_k8", 2000),
                                                 ("eagle3", "T1.0", 1000)])
 def test_sampling_with_a_calibrated_tree_matches_the_exact_law(kind, setting, draws):
@@ -265,18 +268,18 @@ def test_sampling_with_a_calibrated_tree_matches_the_exact_law(kind, setting, dr
                                 top_k=SETTINGS[setting][2], max_new_tokens=3, return_stats=True,
                                 generator=torch.Generator().manual_seed(0))
     assert stats.rounds[0].node_score is not None, "the map must be in use for this setting"
-    pvalue, bins, rounds = run_chi_square(model.eagenerate, *SETTINGS[setting], draws=draws, seed=11, kind=kind)
-    assert rounds < 2.0, f"{rounds:.2f} rounds per 3 tokens: drafts are hardly ever accepted"
-    assert pvalue > ALPHA, f"{kind} {setting} calibrated: chi-square p={pvalue:.2e} over {bins} bins"
+    assert_same_law(chi_square_run(model.eagenerate, *SETTINGS[setting], kind=kind, max_rounds=2.0), draws=draws,
+                    seed=11, what=f"{kind} {setting} calibrated")
 
 
 @pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 @pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
 def test_sampling_with_a_calibrated_tree_is_exact_20k_draws(kind, setting):
     model = calibrated_generate(kind, *SETTINGS[setting])
-    pvalue, bins, _ = run_chi_square(model.eagenerate, *SETTINGS[setting], draws=20_000, seed=12, kind=kind)
-    assert pvalue > ALPHA, f"{kind} {setting} calibrated: chi-square p={pvalue:.2e} over {bins} bins"
+    assert_same_law(chi_square_run(model.eagenerate, *SETTINGS[setting], kind=kind), draws=20_000, seed=12,
+                    what=f"{kind} {setting} calibrated")
 
 
 # ----------------------------------------------------------------------------- 5. the driver

@@ -3,7 +3,8 @@
 `verify_sampling` is where losslessness under sampling lives: for a fixed tree and fixed target
 distributions at its nodes, the committed tokens (accepted path + the token sampled after it) must
 be distributed exactly as autoregressive sampling from those distributions. The exact law of the
-output is enumerated and compared by a chi-square test (alpha = 0.01) over >= 20k draws.
+output is enumerated and compared by a chi-square test over >= 20k draws, through the sequential rule of
+tests/statistical_rule.py (alpha 0.01, then a rerun at 4x the draws with another seed).
 """
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ from scipy.stats import chisquare
 from eagle.tree import DraftTree
 from eagle.verify import verify_greedy, verify_sampling
 from float_tolerance import assert_same_function
+from statistical_rule import assert_same_law
 
 pytestmark = pytest.mark.numeric  # float comparisons: tests/float_variants.py runs them under every variant
-
-ALPHA = 0.01
 
 
 def make_tree(tokens, parents) -> DraftTree:
@@ -125,44 +125,67 @@ def distributions(seed: int, zero_child_token: bool):
     return probs / probs.sum(-1, keepdim=True)
 
 
+def outcome_law_run(probs, zero_child_token: bool = False, verify=verify_sampling):
+    """`run(draws, seed)` for tests/statistical_rule.py: chi-square p-value of `draws` outcomes of `verify` on TREE
+    against their exact law."""
+    law = exact_outcome_law(TREE, probs)
+    toks = TREE.tokens
+
+    def run(n, seed):
+        gen = torch.Generator().manual_seed(seed)
+        counts: dict[tuple[int, ...], int] = {}
+        for _ in range(n):
+            path, new = verify(TREE, probs, gen)
+            assert path[0] == 0 and all(int(TREE.parents[b]) == int(a) for a, b in zip(path[:-1], path[1:]))
+            assert new[:-1].tolist() == toks[path[1:]].tolist()
+            outcome = tuple(new.tolist())
+            counts[outcome] = counts.get(outcome, 0) + 1
+        if zero_child_token:
+            assert not any(o[0] == 5 for o in counts), "a draft token with target probability 0 was accepted"
+        pvalue, bins = chi_square_pvalue(counts, law, n)
+        assert bins >= 20
+        return pvalue, f"{bins} bins"
+    return run
+
+
+def first_token_run(probs, verify=verify_sampling):
+    """`run(draws, seed)`: chi-square p-value of the first committed token of `draws` verifications against p_root."""
+    def run(n, seed):
+        gen = torch.Generator().manual_seed(seed)
+        counts = torch.zeros(V)
+        for _ in range(n):
+            path, new = verify(TREE, probs, gen)
+            counts[int(new[0])] += 1
+        return first_token_pvalue(counts, probs[0])
+    return run
+
+
+def first_token_pvalue(counts: torch.Tensor, p_root: torch.Tensor) -> tuple[float, str]:
+    """Chi-square of first-token counts [V] against p_root over the tokens expected >= 5 times."""
+    n = float(counts.sum())
+    keep = (p_root * n >= 5).tolist()
+    obs = [float(c) for c, k in zip(counts.tolist(), keep) if k]
+    exp = [float(p) for p, k in zip(p_root.double().tolist(), keep) if k]
+    pvalue = float(chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue)
+    return pvalue, f"{counts.tolist()} vs {(p_root * n).tolist()}"
+
+
+@pytest.mark.statistical
 @pytest.mark.parametrize("seed,zero_child_token", [(0, False), (1, True)])
 def test_verify_sampling_is_exact_chi_square(seed, zero_child_token):
     probs = distributions(seed, zero_child_token)
     law = exact_outcome_law(TREE, probs)
     # float32 probabilities (each normalised: relative u), products along <= 4 depths, summed over the outcomes
     assert_same_function(sum(law.values()), 1.0, terms=len(law) * V, chained=4, magnitude=1.0, dtype=torch.float32)
-    n = 20_000
-    gen = torch.Generator().manual_seed(1234 + seed)
-    counts: dict[tuple[int, ...], int] = {}
-    toks = TREE.tokens
-    for _ in range(n):
-        path, new = verify_sampling(TREE, probs, gen)
-        assert path[0] == 0 and all(int(TREE.parents[b]) == int(a) for a, b in zip(path[:-1], path[1:]))
-        assert new[:-1].tolist() == toks[path[1:]].tolist()
-        outcome = tuple(new.tolist())
-        counts[outcome] = counts.get(outcome, 0) + 1
-    if zero_child_token:
-        assert not any(o[0] == 5 for o in counts), "a draft token with target probability 0 was accepted"
-    pvalue, bins = chi_square_pvalue(counts, law, n)
-    assert bins >= 20
-    assert pvalue > ALPHA, f"chi-square p={pvalue:.2e} over {bins} bins: verify_sampling is not exact"
+    assert_same_law(outcome_law_run(probs, zero_child_token), draws=20_000, seed=1234 + seed,
+                    what="verify_sampling's outcomes")
 
 
+@pytest.mark.statistical
 def test_verify_sampling_first_token_marginal_matches_the_root_distribution():
     """Cheaper, sharper view of the same property: the first committed token ~ p_root."""
-    probs = distributions(2, False)
-    n = 20_000
-    gen = torch.Generator().manual_seed(99)
-    counts = torch.zeros(V)
-    for _ in range(n):
-        path, new = verify_sampling(TREE, probs, gen)
-        first = int(new[0])
-        counts[first] += 1
-    keep = (probs[0] * n >= 5).tolist()
-    obs = [float(c) for c, k in zip(counts.tolist(), keep) if k]
-    exp = [float(p) for p, k in zip(probs[0].double().tolist(), keep) if k]
-    pvalue = chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue
-    assert pvalue > ALPHA, f"first-token marginal p={pvalue:.2e}: {counts.tolist()} vs {(probs[0] * n).tolist()}"
+    assert_same_law(first_token_run(distributions(2, False)), draws=20_000, seed=99,
+                    what="verify_sampling's first-token marginal")
 
 
 def test_verify_sampling_detects_a_biased_sampler():
