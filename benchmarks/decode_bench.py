@@ -35,14 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder  # noqa: E402
-from eagle.attention import sdpa_attention  # noqa: E402
+from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder
+from eagle.attention import sdpa_attention
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_ROUND_MS = 6.6

@@ -16,12 +16,9 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/export_checks.py`
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
-from eagle.head import EagleHead, HeadConfig  # noqa: E402
-from eagle.head_checks import check_head_weights, is_finite  # noqa: E402
-from export.engine_formats import write_engine_folder  # noqa: E402
+from eagle.head import EagleHead, HeadConfig
+from eagle.head_checks import check_head_weights, is_finite
+from export.engine_formats import write_engine_folder
 
 
 def best_ms(fn, repeats: int) -> float:

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes import load_config  # noqa: E402
-from train.plan import GB, Hardware, build_plan  # noqa: E402
+from recipes import load_config
+from train.plan import GB, Hardware, build_plan
 
 RECIPES = [("llama3-8b", []), ("llama2-chat-7b", []), ("vicuna-7b", []), ("qwen2-7b", []), ("mixtral-8x7b", []),
            ("mixtral-8x7b", ["train.mode=online"]), ("llama3-8b", ["train.loss_chunk=0"]),

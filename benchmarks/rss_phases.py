@@ -18,11 +18,9 @@ import runpy
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):
-    sys.path.insert(0, str(REPO))
+from train import head_kinds
 
-from train import head_kinds  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _kb(fields: dict, key: str) -> int:

@@ -17,10 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 
 from decode_bench import STOP_IDS, corpus_context, load_stories, story_prompts

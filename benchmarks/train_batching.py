@@ -18,15 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from recipes import load_config  # noqa: E402
-from recipes.layout import cache_dir  # noqa: E402
-from train.distributed import init_distributed, shutdown_distributed  # noqa: E402
-from train.main import train  # noqa: E402
+from recipes import load_config
+from recipes.layout import cache_dir
+from train.distributed import init_distributed, shutdown_distributed
+from train.main import train
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,12 @@ the report states ``kept + rejected = input``.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from eagle.atomic_file import atomic_output
 
 FORMATS = ("auto", "sharegpt", "openai", "alpaca")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -235,16 +236,11 @@ def load_conversations(
 
 
 def write_jsonl(path: Path, records) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")  # several ranks may write the same file
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not leave a partial file behind
-        raise
+    """One JSON record per line, written whole or not at all (eagle/atomic_file.py: a full disk leaves no partial
+    file, and several ranks may write the same file)."""
+    with atomic_output(path) as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -38,11 +38,12 @@ from data_prep.feature_layers import feature_layers  # noqa: E402
 from data_prep.loss_mask import render_masked, tokenize_records  # noqa: E402
 from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,  # noqa: E402
                                   read_parts, regenerate_shard)
-from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer, pick_device,  # noqa: E402
+from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer,  # noqa: E402
                               resolve_target_path, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from data_prep.vllm_server import recipe_server  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
+from eagle.device import pick_device  # noqa: E402
 from eagle.head_kinds import text_config  # noqa: E402
 from eagle.hub_ids import check_local_exists  # noqa: E402
 from eagle.run_lock import run_lock  # noqa: E402

@@ -40,7 +40,7 @@ class GenerationSettings:
 
 
 @dataclass
-class TurnResult:
+class Reply:
     text: str
     num_tokens: int  # generated tokens, stop token included (server-reported for the openai backend)
     hit_length_limit: bool  # generation stopped at max_new_tokens, not at a stop token
@@ -75,13 +75,13 @@ class HFBackend:
         return prompt_ids(self.tokenizer, history)
 
     @torch.inference_mode()
-    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
+    def generate_turn(self, histories: list[list[dict]]) -> list[Reply | Rejected]:
         """One reply per history (which ends with a user turn); Rejected = prompt not shorter than max_prompt_tokens."""
         # lazy: transformers costs over a second at import; only the hf backend's generation needs it
         from transformers import GenerationConfig
 
         prompts = [self.prompt_ids(h) for h in histories]
-        results: list[TurnResult | Rejected] = [
+        results: list[Reply | Rejected] = [
             Rejected(too_long(len(p), self.max_prompt_tokens)) for p in prompts]
         todo = [i for i, p in enumerate(prompts) if len(p) < self.max_prompt_tokens]
         if not todo:
@@ -111,7 +111,7 @@ class HFBackend:
             generated = toks if end is None else toks[: end + 1]  # what the target produced, its stop token included
             toks = toks if end is None else toks[:end]
             text = self.tokenizer.decode(toks, skip_special_tokens=True).strip()
-            results[i] = TurnResult(text, len(generated), hit, generated)
+            results[i] = Reply(text, len(generated), hit, generated)
         return results
 
 
@@ -248,7 +248,7 @@ class OpenAIBackend:
                 time.sleep(min(2.0**attempt, 30.0))
         raise ServerError(f"{self.url} failed after {self.retries + 1} attempts: {last_error}")
 
-    def _request(self, history: list[dict]) -> TurnResult | Rejected:
+    def _request(self, history: list[dict]) -> Reply | Rejected:
         """One reply. An answer of the wrong shape (HTTP 200, but a number where text belongs, a string where an
         object belongs, no choices...) is retried like a 5xx, `retries` times; then the run stops with one line
         naming the server, the field and what came back (records already appended stay; a rerun resumes)."""
@@ -282,9 +282,9 @@ class OpenAIBackend:
             # incomplete UTF-8 character, and the next turn's prompt is rendered from this text
             reply_ids = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
             text = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
-        return TurnResult(text.strip(), num, choice.get("finish_reason") == "length", generated)
+        return Reply(text.strip(), num, choice.get("finish_reason") == "length", generated)
 
-    def generate_turn(self, histories: list[list[dict]]) -> list[TurnResult | Rejected]:
+    def generate_turn(self, histories: list[list[dict]]) -> list[Reply | Rejected]:
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(self._request, histories))
 

@@ -1,10 +1,12 @@
-"""Load the recipe's target (tokenizer with a chat template, frozen model) for data preparation."""
+"""The recipe's target, for every stage that loads one: where it is (`resolve_target_path`: a folder, a hub id, or
+the embedded default target, built on first use), its config and the hash that identifies it (a feature cache
+records it), its tokenizer with the chat template, and the frozen model (`load_target_model`, data prep and the
+trainer's online mode)."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-import os
 
 import torch
 
@@ -69,14 +71,6 @@ def load_target_tokenizer(target_cfg, path: str | None = None, need_template: bo
     if need_template or target_cfg.chat_template:
         setup_chat_template(tokenizer, target_cfg.chat_template, where=f"tokenizer of {path}")
     return tokenizer
-
-
-def pick_device(device: str) -> torch.device:
-    if device != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def load_target_model(target_cfg, device: torch.device, path: str | None = None):

@@ -6,10 +6,10 @@ stage and by the trainer's online mode (which runs the target itself instead of 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from eagle.atomic_file import atomic_output
 from recipes.layout import TOKENIZED_FILE
 
 
@@ -43,17 +43,9 @@ def load_tokenized(path: str | Path) -> Iterator[dict]:
 
 def write_tokenized(path: str | Path, records: Iterable[dict]) -> int:
     """Write records atomically (tmp file + rename); returns how many were written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     n = 0
-    try:
-        with open(tmp, "w") as f:
-            for rec in records:
-                f.write(json.dumps({"id": rec["id"], "input_ids": list(rec["input_ids"]), "loss_mask": list(rec["loss_mask"])}) + "\n")
-                n += 1
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not leave a partial file behind
-        raise
+    with atomic_output(path) as f:  # eagle/atomic_file.py: a full disk leaves no partial file behind
+        for rec in records:
+            f.write(json.dumps({"id": rec["id"], "input_ids": list(rec["input_ids"]), "loss_mask": list(rec["loss_mask"])}) + "\n")
+            n += 1
     return n

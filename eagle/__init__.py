@@ -1,4 +1,7 @@
-"""EAGLE-2 speculative decoding: draft head, target adapter, draft trees, lossless verification."""
+"""The library, the bottom layer (docs/design.md): EAGLE-2 / EAGLE-3 head kinds and heads (`EagleHead`,
+`Eagle3Head`, `load_head`), the target adapter with its preallocated KV cache, draft trees, lossless verification and
+`EaModel`, the decoding API. The pipeline stages import it: recipes <- data_prep <- export <- train <- evaluation <-
+quickstart, and the `eagle-train` command (eagle_train/) over them all."""
 from eagle.decoding_config import DecodingConfig
 from eagle.eagle2 import EagleHead
 from eagle.eagle3 import Eagle3Head

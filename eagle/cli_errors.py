@@ -15,6 +15,7 @@ translated where the file is opened, with `file_error(path, exc)`; this module o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import functools
 import math
@@ -73,7 +74,7 @@ def one_line(exc: BaseException) -> str:
 
 
 _REPO = Path(__file__).resolve().parent.parent
-_OWN_PACKAGES = {"eagle", "train", "data_prep", "export", "evaluation", "quickstart", "recipes", "benchmarks", "tests"}
+_OWN_PACKAGES = {"eagle", "eagle_train", "train", "data_prep", "export", "evaluation", "quickstart", "recipes", "benchmarks", "tests"}
 
 
 def library_origin(exc: BaseException) -> str | None:
@@ -151,11 +152,30 @@ def one_line_errors(main):
     return wrapper
 
 
+_command_names: list[tuple[str, str]] = []  # (documented name, name it runs under), innermost last
+
+
+@contextlib.contextmanager
+def command_name(documented: str, current: str):
+    """Within the block, a parser whose prog starts with `documented` (e.g. "python -m train.export") shows `current`
+    instead (e.g. "eagle-train export"): a command started through the `eagle-train` dispatcher names itself as
+    typed, in its usage line and its one-line usage errors. Its options and its output do not change."""
+    _command_names.append((documented, current))
+    try:
+        yield
+    finally:
+        _command_names.pop()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line usage errors (exit 2) and the `--debug` flag documented in --help."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        for documented, current in reversed(_command_names):
+            if self.prog.startswith(documented):
+                self.prog = current + self.prog[len(documented):]
+                break
         self.add_argument(DEBUG_FLAG, action="store_true",
                           help=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")
 

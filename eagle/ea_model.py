@@ -1,11 +1,13 @@
 """`EaModel`: the EAGLE-style API over a target LLM and a draft head.
 
-The decode loop (`_rounds`) reads top to bottom: commit -> draft_tree -> verify -> accept -> keep.
+The decode loop (`_rounds`): the prefill, then one round per iteration by a function per decoding mode (vanilla,
+chain, static tree, dynamic tree), each reading top to bottom: commit -> draft -> verify -> accept -> keep, the
+drafting modes sharing one verify step (`_verify`), as gpt-fast's speculative loop.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from eagle.state_files import StateFile, read_json_state, register, write_json_s
 from eagle.static_trees import static_choices
 from eagle.stats import GenerationStats, RoundStats
 from eagle.target import Target
-from eagle.tree import StaticTreeSpec, chain_choices
+from eagle.tree import DraftTree, StaticTreeSpec, chain_choices
 from eagle.verify import verify_chain_sampling, verify_greedy, verify_sampling
 
 TREE_CONFIG_NAME = "tree_config.json"  # auto-tuned DecodingConfig saved next to a head by evaluation
@@ -55,6 +57,46 @@ DEFAULT_MAX_LENGTH = 2048  # prompt + new tokens when max_length is None (capped
 class StopRule:
     eos_ids: tuple[int, ...]
     budget: int  # new tokens allowed: min(max_new_tokens, max_length - prompt_len)
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """What every round of one generate call uses."""
+    decoding: DecodingConfig
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    spec: StaticTreeSpec | None  # chain / static modes: the tree the draft fills
+    aux_layers: tuple[int, ...] | None  # the target layers the draft reads (None: the last hidden state, or vanilla)
+    calibration: ScoreCalibration | None  # dynamic mode: the tree-score map (None: raw draft probabilities)
+    sampled_chain: bool  # the chain is drawn from the draft's distribution (draft_sampling probabilistic, T > 0)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What one round hands the next: the newest token and what the draft has not committed yet."""
+    root: torch.Tensor  # [1] the newest committed token: the next tree's root
+    feats: torch.Tensor | None  # [1, n, H'] the target's features of the accepted positions (None: vanilla)
+    next_ids: torch.Tensor  # [1, n] the token after each of those positions
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    tree: DraftTree | None  # None: vanilla
+    path: torch.Tensor | None  # [a + 1] accepted node indices, the root included
+    new: torch.Tensor  # [a + 1] the round's new tokens (before the stops cut them)
+    feats: torch.Tensor | None  # [1, a + 1, H'] the target's features along the path
+    drafted_at: float  # perf_counter when drafting ended (vanilla: when the target's forward ended)
+
+
+def cut_at_stops(new: torch.Tensor, eos: torch.Tensor, left: int) -> tuple[torch.Tensor, bool]:
+    """A round's new tokens [n] up to the first EOS (inclusive) and at most the `left` tokens of the budget; True
+    when the generation ends with them."""
+    cut = new.numel()
+    hit = torch.isin(new, eos).nonzero()
+    if hit.numel():
+        cut = int(hit[0]) + 1
+    cut = min(cut, left)
+    return new[:cut], cut < new.numel() or hit.numel() > 0 or cut >= left
 
 
 class EaModel(nn.Module):
@@ -249,14 +291,13 @@ class EaModel(nn.Module):
     def _rounds(self, input_ids: torch.Tensor, decoding: DecodingConfig, sampling: SamplingParams, stop: StopRule,
                 generator: torch.Generator | None, collect: bool, stats: GenerationStats | None = None
                 ) -> Iterator[tuple[torch.Tensor, RoundStats | None]]:
-        """Prefill, then one (commit, draft, verify, accept, keep) round per iteration.
+        """Prefill, then one round of the decoding mode per iteration (`_round_of`: vanilla, chain, static tree,
+        dynamic tree; each reads top to bottom, the drafting ones sharing `_verify`), cut at the stops.
 
         Yields (new tokens [n], RoundStats or None). The first yield is the prefill's token.
         """
         decoding.validate(vocab_size=self.draft_vocab_size)
         spec = self._tree_spec(decoding)
-        sampled_chain = decoding.draft_sampling == "probabilistic" and not sampling.greedy
-        calibration = self.calibration_for(decoding, sampling)
         tree_nodes, draft_slots = self._max_tree_nodes(decoding, spec)
         prompt_len = input_ids.shape[1]
         self.target.reset(capacity=prompt_len + stop.budget + tree_nodes + 1)
@@ -264,13 +305,12 @@ class EaModel(nn.Module):
         if stop.budget <= 0:
             return
         eos = torch.tensor(stop.eos_ids, dtype=torch.long, device=input_ids.device)
+        run = RoundSettings(decoding, sampling, generator, spec, None if decoding.mode == "vanilla" else self.aux_layers,
+                            self.calibration_for(decoding, sampling),
+                            sampled_chain=decoding.draft_sampling == "probabilistic" and not sampling.greedy)
 
         t = time.perf_counter()
-        vanilla = decoding.mode == "vanilla"
-        aux_layers = None if vanilla else self.aux_layers
-        hidden = feats_all = self.target.forward(input_ids, aux_layers=aux_layers)  # prefill: [1, T, H]
-        if aux_layers is not None:
-            hidden, feats_all = hidden  # EAGLE-3: the drafter reads the aux states [1, T, 3H]
+        hidden, feats = self._target_forward(input_ids, run.aux_layers)  # prefill: [1, T, H]
         root = self._choose(self.target.logits(hidden[0, -1:]), sampling, generator)  # [1]
         if stats is not None:
             stats.prefill_s = time.perf_counter() - t
@@ -278,57 +318,81 @@ class EaModel(nn.Module):
         yield root, None
         if produced >= stop.budget or bool(torch.isin(root, eos).any()):
             return
-        feats, next_ids = feats_all, torch.cat([input_ids[:, 1:], root[None]], dim=1)  # what the draft must commit
+        one_round = self._round_of(decoding.mode)
+        last = Committed(root, feats, torch.cat([input_ids[:, 1:], root[None]], dim=1))  # what the draft must commit
         while True:
             t0 = time.perf_counter()
-            prefix = self.target.length
-            if vanilla:
-                hidden = self.target.forward(root[None])  # [1, 1, H]
-                t1 = time.perf_counter()
-                token = self._choose(self.target.logits(hidden[0]), sampling, generator)
-                path, new, tree = None, token, None
-            else:
-                draft_feat = self.drafter.extend(feats, next_ids)  # commit: [1, H]
-                if sampled_chain:
-                    tree = self.drafter.draft_chain_sampled(root, draft_feat, decoding.chain_length,
-                                                            sampling.temperature, generator)
-                elif spec is None:
-                    tree = self.drafter.draft_dynamic(root, draft_feat, decoding.total_token, decoding.depth,
-                                                      decoding.top_k, calibration)
-                else:
-                    tree = self.drafter.draft_static(root, draft_feat, spec)
-                t1 = time.perf_counter()
-                hidden = feats_all = self.target.forward(tree.tokens[None], tree.position_ids(prefix),
-                                                         tree.attention_mask(), aux_layers=aux_layers)
-                if aux_layers is not None:
-                    hidden, feats_all = hidden
-                logits = self.target.logits(hidden[0])  # verify: [N, V]
-                if sampling.greedy:  # accept: path [a + 1] incl. the root, new tokens [a + 1]
-                    path, new = verify_greedy(tree, logits)
-                elif sampled_chain:
-                    path, new = verify_chain_sampling(tree, target_probs(logits, sampling), generator)
-                else:
-                    path, new = verify_sampling(tree, target_probs(logits, sampling), generator)
-                self.target.keep(prefix, path)  # KV of the accepted path only
+            out = one_round(run, last)
             t2 = time.perf_counter()
-            # stops: first EOS (inclusive), token budget
-            cut = new.numel()
-            hit = torch.isin(new, eos).nonzero()
-            if hit.numel():
-                cut = int(hit[0]) + 1
-            cut = min(cut, stop.budget - produced)
-            done = cut < new.numel() or hit.numel() > 0 or produced + cut >= stop.budget
-            new = new[:cut]
-            produced += cut
+            new, done = cut_at_stops(out.new, eos, stop.budget - produced)
+            produced += new.numel()
             rs = None
             if collect:
-                rs = self._round_stats(tree, path, cut, t1 - t0, t2 - t1, time.perf_counter() - t2)
+                rs = self._round_stats(out.tree, out.path, new.numel(), out.drafted_at - t0, t2 - out.drafted_at,
+                                       time.perf_counter() - t2)
             yield new, rs
             if done:
                 return
-            if not vanilla:
-                feats, next_ids = feats_all[:, path], new[None]  # the draft commits the accepted positions next round
-            root = new[-1:]
+            last = Committed(new[-1:], out.feats, new[None])  # the draft commits the accepted positions next round
+
+    def _round_of(self, mode: str) -> Callable[[RoundSettings, Committed], RoundOutcome]:
+        """The round function of a decoding mode."""
+        return {"vanilla": self._vanilla_round, "chain": self._chain_round, "static": self._static_tree_round,
+                "dynamic": self._dynamic_tree_round}[mode]
+
+    # ---- one function per decoding mode: commit -> draft -> verify -> accept -> keep
+    def _vanilla_round(self, run: RoundSettings, last: Committed) -> RoundOutcome:
+        """One target forward on the newest token; the next token chosen from its logits (no draft)."""
+        hidden = self.target.forward(last.root[None])  # [1, 1, H]
+        forwarded = time.perf_counter()
+        token = self._choose(self.target.logits(hidden[0]), run.sampling, run.generator)  # [1]
+        return RoundOutcome(None, None, token, None, forwarded)
+
+    def _chain_round(self, run: RoundSettings, last: Committed) -> RoundOutcome:
+        """k draft tokens in a row: the draft's argmax chain (a one-branch static tree), or with draft_sampling
+        "probabilistic" at T > 0 each token drawn from the draft's distribution (verified by the chain rule)."""
+        feature = self.drafter.extend(last.feats, last.next_ids)  # commit: [1, H]
+        if run.sampled_chain:
+            tree = self.drafter.draft_chain_sampled(last.root, feature, run.decoding.chain_length,
+                                                    run.sampling.temperature, run.generator)
+        else:
+            tree = self.drafter.draft_static(last.root, feature, run.spec)
+        return self._verify(run, tree)
+
+    def _static_tree_round(self, run: RoundSettings, last: Committed) -> RoundOutcome:
+        """EAGLE-1: the draft fills a fixed choice tree."""
+        feature = self.drafter.extend(last.feats, last.next_ids)  # commit: [1, H]
+        return self._verify(run, self.drafter.draft_static(last.root, feature, run.spec))
+
+    def _dynamic_tree_round(self, run: RoundSettings, last: Committed) -> RoundOutcome:
+        """EAGLE-2: the tree grown by the draft's (calibrated) path scores, depth x top_k, reranked to total_token."""
+        feature = self.drafter.extend(last.feats, last.next_ids)  # commit: [1, H]
+        d = run.decoding
+        tree = self.drafter.draft_dynamic(last.root, feature, d.total_token, d.depth, d.top_k, run.calibration)
+        return self._verify(run, tree)
+
+    def _verify(self, run: RoundSettings, tree: DraftTree) -> RoundOutcome:
+        """The step every drafting mode shares: one target forward over the tree, acceptance (greedy: the longest
+        path the target's argmax agrees with; T > 0: the lossless rule for the way the draft was drawn), and the
+        target's KV cache kept for the accepted path only."""
+        drafted = time.perf_counter()
+        prefix = self.target.length
+        hidden, feats = self._target_forward(tree.tokens[None], run.aux_layers, tree.position_ids(prefix),
+                                             tree.attention_mask())
+        logits = self.target.logits(hidden[0])  # verify: [N, V]
+        if run.sampling.greedy:  # accept: path [a + 1] incl. the root, new tokens [a + 1]
+            path, new = verify_greedy(tree, logits)
+        elif run.sampled_chain:
+            path, new = verify_chain_sampling(tree, target_probs(logits, run.sampling), run.generator)
+        else:
+            path, new = verify_sampling(tree, target_probs(logits, run.sampling), run.generator)
+        self.target.keep(prefix, path)  # KV of the accepted path only
+        return RoundOutcome(tree, path, new, feats[:, path], drafted)
+
+    def _target_forward(self, ids: torch.Tensor, aux_layers, position_ids=None, tree_mask=None):
+        """(hidden [1, n, H], the features the draft reads: the hidden states, or EAGLE-3's aux states [1, n, 3H])."""
+        out = self.target.forward(ids, position_ids, tree_mask, aux_layers=aux_layers)
+        return out if aux_layers is not None else (out, out)
 
     def calibration_for(self, decoding: DecodingConfig, sampling: SamplingParams) -> ScoreCalibration | None:
         """The tree-score map a dynamic tree uses at this sampling setting (None: raw draft probabilities)."""

@@ -18,7 +18,7 @@ from torch import nn
 from eagle.head_checks import layout_problems
 from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_decoder import HeadDecoder
-from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
+from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE2, HeadConfigError
 from eagle.head_module import HeadModule
 from eagle.layers import DecoderLayer, Rotary, init_head_weights
@@ -134,10 +134,10 @@ class EagleHead(HeadModule, kind=EAGLE2):
     def from_pretrained(cls, path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
                         device: str | torch.device | None = None) -> "EagleHead":
         """Load a head folder (ours or a released `yuhuili/EAGLE-*`) from a local dir or the Hub, strictly."""
-        config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+        config_file, weights_file = resolve_head_files(str(path_or_hub_id), revision)
         config = read_head_config(config_file)
         cls.check_kind(config, config_file)
-        sd = _load_weights(weights_file)
+        sd = load_weights(weights_file)
         problems = layout_problems(config, {k: tuple(v.shape) for k, v in sd.items()})  # eagle/head_checks.py
         if problems:
             raise HeadConfigError(f"head checkpoint {weights_file} does not match its config: {'; '.join(problems)}")

@@ -19,7 +19,7 @@ from torch import nn
 from eagle.head_checks import layout_problems
 from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_decoder import Eagle3HeadDecoder
-from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
+from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError, draft_vocab_problems
 from eagle.head_module import HeadModule
 from eagle.layers import MLP, Attention, RMSNorm, Rotary, init_head_weights
@@ -152,10 +152,10 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         """Load an EAGLE-3 head folder (ours, or the released / SpecForge layout). `embed_tokens` is loaded when the
         checkpoint has it, else stays empty until `bind_target`; `t2d` is derived from `d2t` when absent, and both may
         be absent only for a full draft vocabulary."""
-        config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+        config_file, weights_file = resolve_head_files(str(path_or_hub_id), revision)
         config = read_head_config(config_file)
         cls.check_kind(config, config_file)
-        return cls.from_state_dict(config, _load_weights(weights_file), str(weights_file), dtype=dtype, device=device)
+        return cls.from_state_dict(config, load_weights(weights_file), str(weights_file), dtype=dtype, device=device)
 
     @classmethod
     def from_state_dict(cls, config: HeadConfig, sd: dict[str, torch.Tensor], source: str = "state dict",

@@ -5,7 +5,7 @@ names on, so `from eagle.head import ...` keeps working; code inside the project
 from eagle.eagle2 import EagleHead
 from eagle.eagle3 import Eagle3Head, Eagle3Layer
 from eagle.head_config import HeadConfig, check_head_fits_target, head_config_from_target, read_head_config
-from eagle.head_files import (CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAME, _load_weights, _resolve_head_files,
+from eagle.head_files import (CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAME, load_weights, resolve_head_files,
                               check_head_files, head_class, load_head)
 from eagle.head_kinds import (HEAD_KINDS, N_AUX_LAYERS, HeadConfigError, check_aux_layers, default_aux_layers,
                               text_config)
@@ -22,5 +22,5 @@ __all__ = [
     "check_head_fits_target", "read_head_config", "check_head_files", "HeadModule", "Eagle3Layer", "UNROLL_ROW_CHUNKS",
     "MLP", "Attention", "DecoderLayer", "RMSNorm", "Rotary", "init_head_weights", "linear_t", "positions_end",
     "rms_norm", "rotate_half", "rotate_rolled", "rows_at", "signed_sin", "EMBED_KEYS", "LM_HEAD_KEYS",
-    "_load_weights", "_resolve_head_files", "prefix_diag_attention", "unroll_self_fed",
+    "load_weights", "resolve_head_files", "prefix_diag_attention", "unroll_self_fed",
 ]

@@ -15,12 +15,34 @@ from safetensors.torch import load_file
 from eagle.cli_errors import FileFormatError, UserError, file_error
 from eagle.head_checks import expected_shapes
 from eagle.head_config import HeadConfig, read_head_config
-from eagle.head_kinds import EAGLE3
+from eagle.head_kinds import HeadConfigError, kind_of_config
 from eagle.hub_ids import check_local_exists
+from eagle.state_files import StateFile, register
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
+# The trainer's export (train/export.py) also writes these two into the head folder; the Hub push and the model card
+# (export/, a layer below train/) read them, so they are declared here with the folder's other files.
+RECIPE_FILE = "recipe.yaml"  # the recipe that trained the head
+STORED_RECIPE = register(StateFile(
+    RECIPE_FILE, "HEAD_DIR", writer="train/export.py", format="yaml",
+    schema={"name": str, "target": dict, "data": dict, "head": {"kind": str, "*": object}, "train": dict, "*": object},
+    rebuild="export the head again (rerun `python train/main.py --recipe RECIPE`: a finished run only exports), or "
+            "delete it and pass the recipe the head was trained with (--recipe)",
+    when_missing="a head exported by another tool: the command's --recipe describes it",
+    example={"name": "tiny", "target": {"path": "models/t"}, "data": {"source": ""}, "head": {"kind": "eagle2"},
+             "train": {"max_steps": 4}}))
+SUMMARY_FILE = "train_summary.json"  # the training run's summary
+TRAIN_SUMMARY = register(StateFile(
+    SUMMARY_FILE, "HEAD_DIR", writer="train/export.py (from train/main.py)",
+    schema={"steps?": int, "total_steps?": int, "epochs?": float, "train_records?": int, "eval_records?": int,
+            "train_tokens_per_s?": float, "eval?": (dict, type(None)), "*": object},
+    rebuild="delete it (the model card then has no training section) or export the head again by rerunning "
+            "`python train/main.py --recipe RECIPE` (a finished run only exports)",
+    when_missing="a head exported by another tool: the model card has no training section",
+    example={"steps": 10, "total_steps": 10, "epochs": 1.0, "train_records": 8, "eval_records": 2,
+             "train_tokens_per_s": 100.0}))
 
 
 def head_class(config: HeadConfig) -> type:
@@ -38,7 +60,7 @@ def load_head(path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revi
 
 def head_config_of(path_or_hub_id: str | Path, revision: str | None = None) -> HeadConfig:
     """The HeadConfig of a head folder or hub id (its config.json only; one-line errors naming the file)."""
-    config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+    config_file, weights_file = resolve_head_files(str(path_or_hub_id), revision)
     refuse_engine_export(config_file, weights_file)
     return read_head_config(config_file)
 
@@ -65,8 +87,11 @@ def engine_export(config_file: str, weights_file: str) -> str | None:
         return "vLLM"
     engine = next((ENGINE_ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in ENGINE_ARCHITECTURES), None)
     fc = shapes.get("fc.weight", ())
-    eagle3 = EAGLE3.recognises(cfg)  # an EAGLE-3 checkpoint may leave the embedding out
-    if engine is None and not eagle3 and len(fc) == 2 and fc[1] == 2 * fc[0] and "embed_tokens.weight" not in shapes:
+    try:
+        saves_embedding = kind_of_config(cfg).saves_embedding  # a kind that does not (EAGLE-3) may leave it out
+    except HeadConfigError:
+        return engine  # an unknown kind: the loader's own check names it
+    if engine is None and saves_embedding and len(fc) == 2 and fc[1] == 2 * fc[0] and "embed_tokens.weight" not in shapes:
         engine = "vLLM"  # an EAGLE-1/2 fc [H, 2H] without the embedding it reads
     return engine
 
@@ -81,7 +106,7 @@ def refuse_engine_export(config_file: str, weights_file: str) -> None:
                         f"from ({{output_dir}}/head of the training run), and give {folder} to {engine} itself")
 
 
-def _resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str, str]:
+def resolve_head_files(path_or_hub_id: str, revision: str | None) -> tuple[str, str]:
     p = Path(path_or_hub_id)
     if p.is_dir():
         cfg = p / CONFIG_NAME
@@ -109,7 +134,7 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
     """Cheap pre-flight check of a head folder before a target is loaded: config.json parses, the weights file
     opens (safetensors header / weights-only unpickling) and holds the tensors its config implies (EAGLE-1/2 or
     EAGLE-3 layout, by the config's kind)."""
-    config_file, weights_file = _resolve_head_files(str(path_or_hub_id), revision)
+    config_file, weights_file = resolve_head_files(str(path_or_hub_id), revision)
     refuse_engine_export(config_file, weights_file)
     config = read_head_config(config_file)
     if weights_file.endswith(".safetensors"):
@@ -119,7 +144,7 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
         except SafetensorError as e:
             raise file_error(weights_file, e, "head weights") from None
     else:
-        shapes = {k: tuple(v.shape) for k, v in _load_weights(weights_file).items()}
+        shapes = {k: tuple(v.shape) for k, v in load_weights(weights_file).items()}
     expect = expected_shapes(config, set(shapes))  # eagle/head_checks.py: the kind's module on the meta device
     if shapes != expect:
         missing, unexpected = sorted(set(expect) - set(shapes)), sorted(set(shapes) - set(expect))
@@ -132,7 +157,7 @@ def check_head_files(path_or_hub_id: str | Path, revision: str | None = None) ->
     return config
 
 
-def _load_weights(weights_file: str) -> dict[str, torch.Tensor]:
+def load_weights(weights_file: str) -> dict[str, torch.Tensor]:
     """The head's tensors: safetensors, or a legacy .bin through the weights-only unpickler (never runs code)."""
     if weights_file.endswith(".safetensors"):
         try:

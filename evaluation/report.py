@@ -13,7 +13,7 @@ from evaluation.autotune import TuneResult
 from evaluation.bootstrap import Estimate
 from evaluation.calibration import Calibration
 from evaluation.headline import headline_text
-from evaluation.headline import number_text as _num
+from evaluation.headline import number_text
 from evaluation.losslessness import DistributionTest, GreedyCheck
 from evaluation.metrics import OVERALL, Comparison, MethodSummary, committed_in_rounds, rounds_of
 from evaluation.runner import BenchmarkRun
@@ -49,8 +49,8 @@ def _ci(e: Estimate | None, digits: int = 2) -> str:
     if e is None:
         return "–"
     if e.low is None:
-        return _num(e.value, digits)
-    return f"{_num(e.value, digits)} [{_num(e.low, digits)}, {_num(e.high, digits)}]"
+        return number_text(e.value, digits)
+    return f"{number_text(e.value, digits)} [{number_text(e.low, digits)}, {number_text(e.high, digits)}]"
 
 
 def headline(summaries: list[MethodSummary], greedy: GreedyCheck | None, methods: dict) -> dict | None:
@@ -94,7 +94,7 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
     modes = {k: v.get("mode") for k, v in m.get("methods", {}).items()}
     for s in sorted(overall, key=lambda s: (modes.get(s.method) != "vanilla",  # vanilla, then the fastest first
                                             -(s.speedup.value if s.speedup is not None else 0.0))):
-        alphas = [_num(a.rate) for a in s.depth_acceptance] + ["–"] * (max_depth - len(s.depth_acceptance))
+        alphas = [number_text(a.rate) for a in s.depth_acceptance] + ["–"] * (max_depth - len(s.depth_acceptance))
         lines.append(f"| {s.method} | {_ci(s.tau)} | {_ci(s.tokens_per_s, 1)} | {_ci(s.speedup)} | " + " | ".join(alphas) + " |")
     lines += ["", "Methods: " + "; ".join(f"`{k}` = {v['describe']}" for k, v in m.get("methods", {}).items()), ""]
     for title, attr in (("tau per category", "tau"), ("Speedup per category", "speedup")):
@@ -148,8 +148,9 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
         for meth, cals in report.calibration.items():
             for q, c in cals.items():
                 note = f" ({c.note})" if c.note else ""
-                lines.append(f"| {meth} | {q}{note} | {c.nodes} | {_num(c.ece, 3)} | {_num(c.ece_bins, 3)} | "
-                             f"{_num(c.pearson_r)} | {_num(c.binned_pearson_r)} |")
+                lines.append(f"| {meth} | {q}{note} | {c.nodes} | {number_text(c.ece, 3)} | "
+                             f"{number_text(c.ece_bins, 3)} | {number_text(c.pearson_r)} | "
+                             f"{number_text(c.binned_pearson_r)} |")
         lines.append("")
         maps = {k: v["calibration"] for k, v in m.get("methods", {}).items() if v.get("calibration")}
         if maps:
@@ -159,8 +160,9 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
               "|---|---|---|---|---|---|"]
     for s in overall:
         p = s.phase_seconds
-        lines.append(f"| {s.method} | {_num(s.seconds)} | {_num(p.get('prefill_s'))} | {_num(p.get('draft_s'))} | "
-                     f"{_num(p.get('verify_s'))} | {_num(p.get('commit_s'))} |")
+        lines.append(f"| {s.method} | {number_text(s.seconds)} | {number_text(p.get('prefill_s'))} | "
+                     f"{number_text(p.get('draft_s'))} | {number_text(p.get('verify_s'))} | "
+                     f"{number_text(p.get('commit_s'))} |")
     lines.append("")
     if report.run.skipped:
         lines += [f"## Skipped turns ({len(report.run.skipped)})", ""]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from data_prep.target import load_target_config
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
-from export.engine_formats import FORMATS, convert_eagle3_folder
-from export.head_kinds import write_engine_head
+from export.engine_formats import FORMATS
+from export.head_kinds import check_convert_flag, write_engine_head
 from recipes import add_print_config, command_config, layout
-from train.export import EXPORT_DTYPES
+from recipes.train import EXPORT_DTYPES
 
 
 @one_line_errors
@@ -56,17 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     if not source:
         p.error("give --head, --eagle3 or --recipe")
     out = Path(args.out or f"{str(source).rstrip('/')}-{args.format}")
-    target_config = None
-    if base:
-        target_config = load_target_config(base)
-    if args.eagle3:
-        archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
-        convert_eagle3_folder(args.eagle3, out, args.format, verifier=base, verifier_architectures=archs,
-                              num_speculative_tokens=args.num_speculative_tokens, target_config=target_config,
-                              overwrite=args.overwrite)
-    else:
-        write_engine_head(head, out, args.format, target_config, dtype=args.dtype, verifier=base,
-                          num_speculative_tokens=args.num_speculative_tokens, overwrite=args.overwrite)
+    target_config = load_target_config(base) if base else None
+    if args.eagle3:  # the flag names a kind (its `convert_flag`): a folder of another kind is refused
+        check_convert_flag(args.eagle3, "--eagle3")
+    write_engine_head(source, out, args.format, target_config, dtype=args.dtype, verifier=base,
+                      num_speculative_tokens=args.num_speculative_tokens, overwrite=args.overwrite)
     print(f"wrote {out} ({args.format})")
     return 0
 

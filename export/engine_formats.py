@@ -41,7 +41,7 @@ from eagle.atomic_folder import write_folder
 from eagle.eagle2 import EagleHead
 from eagle.head_checks import check_head_weights
 from eagle.head_config import HeadConfig, read_head_json
-from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, _load_weights
+from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, load_weights
 from eagle.head_kinds import text_config
 from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
 
@@ -138,7 +138,7 @@ def write_eagle2_engine_head(config: HeadConfig, weights_file: str, head_dir: Pa
     """An exported EAGLE-1/2 head (its config and weights file) written in `fmt`, drift-checked against its target
     and checked as every export is (eagle/head_checks.py) before anything is written. dtype: weights dtype of the
     output (default: the head's). Raises DriftError / HeadConfigError on an inconsistent head."""
-    sd = _load_weights(weights_file)
+    sd = load_weights(weights_file)
     own = set(EagleHead(config).state_dict())
     # fc.bias against the `bias` flag is left to the drift check (its message is precise)
     unexpected = sorted(set(sd) - own - {"fc.bias"})
@@ -193,7 +193,7 @@ def read_eagle3_folder(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor
     if not weights.exists():
         raise FileNotFoundError(f"{folder} has neither {SAFE_WEIGHTS_NAME} nor pytorch_model.bin")
     sd = {(("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k): v
-          for k, v in _load_weights(str(weights)).items()}
+          for k, v in load_weights(str(weights)).items()}
     missing = [k for k in EAGLE3_REQUIRED if k not in sd] + [f"midlayer.{k}" for k in EAGLE3_LAYER
                                                             if f"midlayer.{k}" not in sd]
     if missing:

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 
 from eagle.head_config import HeadConfig
 from eagle.head_checks import check_head_weights
-from eagle.head_files import _load_weights, _resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, kind_of_config
+from eagle.head_files import load_weights, resolve_head_files, read_head_config
+from eagle.head_kinds import EAGLE2, EAGLE3, HeadConfigError, HeadKind, kind_of_config
 from export.engine_formats import (EngineFormatError, convert_eagle3_folder, read_eagle3_folder,
                                    write_eagle2_engine_head)
 from recipes.head import align_weights
@@ -57,7 +57,7 @@ class Eagle2Export(ExportKind):
         return write_eagle2_engine_head(config, weights_file, head_dir, out_dir, fmt, target_config, dtype, overwrite)
 
     def source_weights(self, config, weights_file, head_dir):
-        return _load_weights(weights_file), {"embed_tokens.weight"}  # released EAGLE-1/2 heads may leave it out
+        return load_weights(weights_file), {"embed_tokens.weight"}  # released EAGLE-1/2 heads may leave it out
 
     def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
         return [
@@ -159,11 +159,21 @@ def check_vllm_method(method: str, config: dict, folder: str) -> None:
 def check_head_folder(head_dir: str | Path, target_config=None) -> HeadConfig:
     """The checks every export applies (eagle/head_checks.py), on a head folder shipped as it is (Hub staging of the
     official format); HeadConfigError naming the folder."""
-    config_file, weights_file = _resolve_head_files(str(head_dir), None)
+    config_file, weights_file = resolve_head_files(str(head_dir), None)
     config = read_head_config(config_file)
     sd, optional = export_kind(config.head_kind).source_weights(config, weights_file, Path(config_file).parent)
     check_head_weights(config, sd, f"not exporting head {head_dir}", target_config, optional=optional)
     return config
+
+
+def check_convert_flag(head_dir: str | Path, flag: str) -> None:
+    """`python -m train.export FLAG DIR` with a kind's own flag (`--eagle3`): the folder must hold a head of that kind
+    (`--head` takes every kind); a HeadConfigError naming the folder's kind and its flag otherwise."""
+    config_file, _ = resolve_head_files(str(head_dir), None)
+    found = export_kind(read_head_config(config_file).head_kind)
+    if flag != "--head" and found.convert_flag != flag:
+        raise HeadConfigError(f"{flag} {head_dir}: the folder holds an {found.kind.title} head; pass it with "
+                              f"{found.convert_flag}")
 
 
 def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, target_config=None,
@@ -174,7 +184,7 @@ def write_engine_head(head_dir: str | Path, out_dir: str | Path, fmt: str, targe
     layout) converted with `verifier` (the target's path or hub id, named in vLLM's speculators config). Every kind and
     format gets the same checks before anything is written (eagle/head_checks.py) and the same atomic writer
     (overwrite: replace a different head at `out_dir`). Raises DriftError / HeadConfigError on an inconsistent head."""
-    config_file, weights_file = _resolve_head_files(str(head_dir), None)
+    config_file, weights_file = resolve_head_files(str(head_dir), None)
     config = read_head_config(config_file)
     return export_kind(config.head_kind).write_engine_folder(
         config, weights_file, Path(config_file).parent, Path(out_dir), fmt, target_config, dtype=dtype,

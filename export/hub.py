@@ -19,18 +19,18 @@ from pathlib import Path
 from huggingface_hub import HfApi
 from omegaconf import OmegaConf
 
+from data_prep.feature_cache import CACHE_MANIFEST
 from data_prep.target import load_target_config
 from eagle.atomic_folder import write_folder
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
 from eagle.head_config import read_head_json
+from eagle.head_files import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY
 from eagle.head_kinds import kind_of_config
 from eagle.state_files import read_json_state, read_yaml_state, write_yaml_state
 from export.head_kinds import check_head_folder, write_engine_head
 from export.eval_outputs import EVAL_REPORT, SWEEP
 from export.model_card import model_card
 from recipes import add_print_config, command_config, layout
-from data_prep.feature_cache import CACHE_MANIFEST
-from train.export import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY
 
 HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE, "tree_config.json")
 STAGING_DIR = "hub_upload"  # in output_dir; engine formats: hub_upload-{fmt} (`staging_dir`)
@@ -151,6 +151,17 @@ def push_to_hub(cfg, head_dir: str | Path | None = None, dry_run: bool = False, 
     return result
 
 
+def print_push(result: dict, dry_run: bool) -> None:
+    """What `push_to_hub` uploaded (or would): the repo, every file with its size, the commit's URL."""
+    staging = Path(result["staging"])
+    verb = "would upload" if dry_run else "uploaded"
+    print(f"{verb} to {result['repo_id']} ({'private' if result['private'] else 'public'}) from {staging}:")
+    for f in result["files"]:
+        print(f"  {f}  ({(staging / f).stat().st_size:,} bytes)")
+    if result["url"]:
+        print(result["url"])
+
+
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m train.hub", description=__doc__,
@@ -164,14 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     add_print_config(p)
     args = p.parse_args(argv)
     cfg = command_config(args)
-    result = push_to_hub(cfg, args.head, dry_run=args.dry_run, fmt=args.format)
-    staging = Path(result["staging"])
-    verb = "would upload" if args.dry_run else "uploaded"
-    print(f"{verb} to {result['repo_id']} ({'private' if result['private'] else 'public'}) from {staging}:")
-    for f in result["files"]:
-        print(f"  {f}  ({(staging / f).stat().st_size:,} bytes)")
-    if result["url"]:
-        print(result["url"])
+    print_push(push_to_hub(cfg, args.head, dry_run=args.dry_run, fmt=args.format), args.dry_run)
     return 0
 
 

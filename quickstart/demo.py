@@ -58,7 +58,7 @@ from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES,
 from data_prep.docstring_corpus import default_conversations, default_questions
 from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import DEBUG_ENV, ArgumentParser, debug_enabled, one_line_errors
-from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind
+from eagle.head_kinds import EAGLE2, EAGLE3, HEAD_KINDS, HeadKind
 from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
 from evaluation.headline import headline_text
 from export.eval_outputs import EVAL_REPORT
@@ -103,7 +103,30 @@ EAGLE3_STAGES = (  # the aux layers decide the feature cache: the head section i
 EVAL_STAGE = Stage("eval", "evaluation.main", ("decoding", "eval"), (layout.EVAL_DIR,),
                    "evaluation: vanilla / EAGLE-1 / EAGLE-2 (60/5/10 and tuned), calibration, losslessness")
 STAGES = (*EAGLE2_STAGES, *EAGLE3_STAGES, EVAL_STAGE)  # every stage any --head-kind runs (--fresh removes them all)
-HEAD_KIND_CHOICES = ("both", EAGLE2.name, EAGLE3.name)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The demo's part of a head kind: its stages, the options naming its recipe and its own overrides, its folder."""
+    stages: tuple[Stage, ...]
+    recipe_option: str
+    subdir: str  # under {out} ("" = {out} itself)
+    override_dest: str | None = None  # the argparse dest of overrides for this chain only
+    eval_title: str = EVAL_STAGE.title  # the evaluation's title when this chain runs alone
+    fit_hint: str = ""  # what to pass when the recipe's head does not fit the target
+
+    @property
+    def recipe_dest(self) -> str:
+        """The argparse dest of `recipe_option` (--recipe-eagle3 -> recipe_eagle3)."""
+        return self.recipe_option.removeprefix("--").replace("-", "_")
+
+
+CHAINS = {EAGLE2: Chain(EAGLE2_STAGES, "--recipe", ""),
+          EAGLE3: Chain(EAGLE3_STAGES, "--recipe-eagle3", E3, "eagle3_override",
+                        "evaluation: vanilla / EAGLE-1 / EAGLE-3 (60/5/10 and tuned), calibration, losslessness",
+                        "pass the EAGLE-3 head's layers for this target with --eagle3-override "
+                        "head.aux_layers=[i,j,k], or --head-kind eagle2")}
+HEAD_KIND_CHOICES = ("both", *(kind.name for kind in CHAINS))
 # what head B (EAGLE-3) adds to the evaluation's methods with --head-kind both: its 60/5/10 tree (calibrated by its
 # own tune stage) and its tuned tree, each paired with head A's method of the same name
 HEAD_B_METHODS = ("eagle2@B", "tuned@B")
@@ -111,12 +134,10 @@ HEAD_B_METHODS = ("eagle2@B", "tuned@B")
 
 def plan(head_kind: str) -> list[Stage]:
     """The stages one --head-kind runs, in order."""
-    if head_kind == EAGLE2.name:
-        return [*EAGLE2_STAGES, replace(EVAL_STAGE, after=("tune",))]
-    if head_kind == EAGLE3.name:
-        return [*EAGLE3_STAGES, replace(EVAL_STAGE, head=EAGLE3, after=("eagle3-tune",),
-                                        title="evaluation: vanilla / EAGLE-1 / EAGLE-3 (60/5/10 and tuned), "
-                                              "calibration, losslessness")]
+    if head_kind != "both":
+        kind = HEAD_KINDS[head_kind]
+        chain = CHAINS[kind]
+        return [*chain.stages, replace(EVAL_STAGE, head=kind, after=(chain.stages[-1].name,), title=chain.eval_title)]
     return [*EAGLE2_STAGES, replace(EAGLE3_STAGES[0], after=("data",),  # it copies data's regenerated answers
                                     title="EAGLE-3 data prep: the aux-layer hidden-state cache, on the EAGLE-2 run's "
                                           "regenerated answers"),
@@ -409,22 +430,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def heads_of(head_kind: str) -> list[HeadKind]:
-    return {"both": [EAGLE2, EAGLE3], EAGLE2.name: [EAGLE2], EAGLE3.name: [EAGLE3]}[head_kind]
+    return list(CHAINS) if head_kind == "both" else [HEAD_KINDS[head_kind]]
 
 
 def head_recipe(args, kind: HeadKind, overrides: list[str]) -> tuple[str, list[str], str]:
     """(recipe, its overrides, the option naming it) of one head's chain: --recipe, or --recipe-eagle3 with the
     --eagle3-override keys after the shared ones."""
-    if kind is EAGLE3:
-        return args.recipe_eagle3, [*overrides, *args.eagle3_override], "--recipe-eagle3"
-    return args.recipe, list(overrides), "--recipe"
+    chain = CHAINS[kind]
+    own = getattr(args, chain.override_dest) if chain.override_dest else []
+    return getattr(args, chain.recipe_dest), [*overrides, *own], chain.recipe_option
 
 
 def check_head_kind(kind: HeadKind, recipe: str, overrides: list[str], option: str):
     """The chain's recipe, loaded (unknown keys fail here); it must train the kind of head its chain names."""
     cfg = load_config(recipe, overrides)
-    if cfg.head.kind != kind.name:
-        other = "--recipe" if option == "--recipe-eagle3" else "--recipe-eagle3"
+    if HEAD_KINDS.get(cfg.head.kind) is not kind:
+        other = CHAINS[HEAD_KINDS[cfg.head.kind]].recipe_option  # load_config accepts only the kinds of HEAD_KINDS
         raise RecipeError(f"{option} {recipe} trains a head.kind={cfg.head.kind} head, but the {kind.title} head's "
                           f"recipe must have head.kind={kind.name}; pass it as {other} (and --head-kind "
                           f"{cfg.head.kind} to train it alone)")
@@ -448,16 +469,13 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
     chains = {}  # head kind -> (recipe, overrides, cfg) of its chain of stages
     for kind in heads_of(args.head_kind):
         recipe, overrides, option = head_recipe(args, kind, shared)
-        chain_dir = out_dir / layout.EAGLE3_DIR if kind is EAGLE3 else out_dir
+        chain_dir = out_dir / CHAINS[kind].subdir
         overrides = [f"output_dir={chain_dir}", *overrides]
         cfg = check_head_kind(kind, recipe, overrides, option)
-        if kind is EAGLE3:  # aux layers that do not fit the target fail now, not after the EAGLE-2 stages
-            try:
-                check_head_fits_target(cfg.head, load_target_config(resolve_target_path(cfg.target),
-                                                                    cfg.target.revision))
-            except RecipeError as e:
-                raise RecipeError(f"{e}; pass the EAGLE-3 head's layers for this target with --eagle3-override "
-                                  "head.aux_layers=[i,j,k], or --head-kind eagle2") from None
+        try:  # a head that does not fit the target (EAGLE-3's aux layers) fails now, not after the other chain
+            check_head_fits_target(cfg.head, load_target_config(resolve_target_path(cfg.target), cfg.target.revision))
+        except RecipeError as e:
+            raise RecipeError(f"{e}; {CHAINS[kind].fit_hint}" if CHAINS[kind].fit_hint else str(e)) from None
         chains[kind] = (recipe, overrides, cfg)
 
     state = read_state(out_dir)
@@ -584,11 +602,12 @@ def stage_run(stage: Stage, chains: dict, out_dir: Path) -> tuple[str, list[str]
     recipe, overrides, cfg = chains[stage.head]
     if stage.name != EVAL_STAGE.name:
         return recipe, overrides, cfg
-    extra = [f"eval.output_dir={out_dir / layout.EVAL_DIR}"] if stage.head is EAGLE3 else []
-    if stage.head is EAGLE2 and EAGLE3 in chains:
+    extra = [f"eval.output_dir={out_dir / layout.EVAL_DIR}"] if CHAINS[stage.head].subdir else []
+    head_b = next((kind for kind in chains if kind is not stage.head), None)  # --head-kind both: the other chain's
+    if head_b is not None:
         methods = list(cfg.eval.methods)
         methods += [m for m in HEAD_B_METHODS if m not in methods]
-        extra = [f"eval.compare_head={layout.head_dir(chains[EAGLE3][2])}", f"eval.methods={json.dumps(methods)}"]
+        extra = [f"eval.compare_head={layout.head_dir(chains[head_b][2])}", f"eval.methods={json.dumps(methods)}"]
     overrides = [*overrides, *extra]
     return recipe, overrides, load_config(recipe, overrides)
 

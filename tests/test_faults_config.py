@@ -13,7 +13,7 @@ CLIS = {  # name -> (module, extra argv every call needs)
     "data_prep": ("data_prep.main", []),
     "evaluation": ("evaluation.main", []),
     "hub": ("export.hub", ["--dry-run"]),
-    "corpus_cache": ("train.corpus_cache", ["--text", "unused.txt"]),
+    "corpus_cache": ("data_prep.corpus_cache", ["--text", "unused.txt"]),
     "eval_head": ("train.eval_head", ["--head", "unused"]),
     "quickstart": ("quickstart.demo", []),
 }
@@ -172,11 +172,11 @@ def test_quickstart_stage_failure_is_one_line(tmp_path, monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- issue 28 items 11-12: the CLIs' edges
 NUMERIC_FLAGS = [  # (cli module, argv, needles): every numeric flag is range-checked before any work
-    ("train.corpus_cache", ["--text", "t.txt", "--first", "-3"], ["--first: -3: expected an integer >= 0"]),
-    ("train.corpus_cache", ["--text", "t.txt", "--continue-with-target", "-4"], ["--continue-with-target: -4"]),
-    ("train.corpus_cache", ["--text", "t.txt", "--batch-size", "0"], ["--batch-size: 0: expected an integer >= 1"]),
-    ("train.corpus_cache", ["--text", "t.txt", "--temperature", "-1"], ["--temperature: -1: expected a finite number >= 0"]),
-    ("train.corpus_cache", ["--text", "t.txt", "--first", "ten"], ["--first: 'ten': expected an integer"]),
+    ("data_prep.corpus_cache", ["--text", "t.txt", "--first", "-3"], ["--first: -3: expected an integer >= 0"]),
+    ("data_prep.corpus_cache", ["--text", "t.txt", "--continue-with-target", "-4"], ["--continue-with-target: -4"]),
+    ("data_prep.corpus_cache", ["--text", "t.txt", "--batch-size", "0"], ["--batch-size: 0: expected an integer >= 1"]),
+    ("data_prep.corpus_cache", ["--text", "t.txt", "--temperature", "-1"], ["--temperature: -1: expected a finite number >= 0"]),
+    ("data_prep.corpus_cache", ["--text", "t.txt", "--first", "ten"], ["--first: 'ten': expected an integer"]),
     ("data_prep.main", ["--inspect", "-1"], ["--inspect: -1"]),
     ("export.cli", ["--format", "vllm", "--head", "h", "--num-speculative-tokens", "0"], ["--num-speculative-tokens: 0"]),
     ("evaluation.main", ["serve-check", "--num-speculative-tokens", "0"], ["--num-speculative-tokens: 0"]),

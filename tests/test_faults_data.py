@@ -167,7 +167,7 @@ def test_prompt_longer_than_the_context_is_rejected_with_its_reason(good, tmp_pa
 
 def test_corpus_cache_skips_undecodable_paragraphs(good, tmp_path, capsys):
     from data_prep.feature_cache import FeatureCacheReader
-    from train.corpus_cache import main as corpus_main
+    from data_prep.corpus_cache import main as corpus_main
 
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"Hello there, how are you today?\n\nTell me a story \xff about a cat.\n\nTwo plus two is four.\n")

@@ -13,7 +13,7 @@ from export.head_kinds import EXPORT
 from train.head_kinds import TRAINING
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("eagle", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks")
+STAGES = ("eagle", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks", "eagle_train")
 
 
 @pytest.mark.parametrize("name", sorted(HEAD_KINDS))
@@ -31,21 +31,33 @@ def test_a_config_names_its_kind():
         kind_of_config({"kind": "eagle9"})
 
 
-def kind_decisions(path: Path) -> list[str]:
-    """`x == "eagle3"`-style comparisons with a kind name, and isinstance / `is` checks against a head class."""
-    tree = ast.parse(path.read_text())
+KIND_OBJECTS = {name.upper() for name in HEAD_KINDS}  # eagle/head_kinds.py's EAGLE2, EAGLE3
+
+
+def names_a_kind(node: ast.AST, heads: set[str]) -> bool:
+    """A kind's name ("eagle3"), its object (EAGLE3), the object's name (EAGLE3.name) or a head class (Eagle3Head)."""
+    if isinstance(node, ast.Constant):
+        return node.value in HEAD_KINDS
+    if isinstance(node, ast.Name):
+        return node.id in heads or node.id in KIND_OBJECTS
+    if isinstance(node, ast.Attribute):
+        return node.attr == "name" and isinstance(node.value, ast.Name) and node.value.id in KIND_OBJECTS
+    return False
+
+
+def kind_decisions(source: str, where: str) -> list[str]:
+    """Comparisons with a kind (`x == "eagle3"`, `kind is EAGLE3`, `name == EAGLE2.name`, `x is not Eagle3Head`),
+    and isinstance / issubclass checks against a head class, as `where:line`."""
     heads = {cls.__name__ for cls in (k.module for k in HEAD_KINDS.values())}
     found = []
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
-            operands = [node.left, *node.comparators]
-            if any(isinstance(o, ast.Constant) and o.value in HEAD_KINDS for o in operands) or \
-                    any(isinstance(o, ast.Name) and o.id in heads for o in operands):
-                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            if any(names_a_kind(o, heads) for o in [node.left, *node.comparators]):
+                found.append(f"{where}:{node.lineno}")
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass"):
             classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
             if any(isinstance(c, ast.Name) and c.id in heads for c in classes):
-                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+                found.append(f"{where}:{node.lineno}")
     return found
 
 
@@ -53,5 +65,11 @@ def test_no_module_decides_by_kind_name_or_head_class():
     """Outside the registry itself."""
     registry = REPO / "eagle" / "head_kinds.py"
     found = [hit for stage in STAGES for path in sorted((REPO / stage).rglob("*.py")) if path != registry
-             for hit in kind_decisions(path)]
+             for hit in kind_decisions(path.read_text(), str(path.relative_to(REPO)))]
     assert not found, f"ask the kind object (eagle/head_kinds.py) instead: {found}"
+
+
+@pytest.mark.parametrize("code", ["kind is EAGLE3", "kind is not EAGLE2", "name == EAGLE2.name", "k == 'eagle3'",
+                                  "'eagle2' != k", "isinstance(h, Eagle3Head)", "type(h) is EagleHead"])
+def test_the_check_catches_every_form_of_a_kind_decision(code):
+    assert kind_decisions(f"x = 1\nif {code}:\n    pass\n", "m.py") == ["m.py:2"]

@@ -503,7 +503,7 @@ def test_chain_rollout_matches_step_by_step_drafting():
     """The KV-cached rollout (all chains of a record at once) drafts exactly what feeding each chain to the
     head one step at a time with a growing prefix drafts."""
     from eagle.head import EagleHead, HeadConfig
-    from train.metrics import chain_rollout
+    from train.held_out import chain_rollout
 
     torch.manual_seed(0)
     cfg = HeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=11)
@@ -534,7 +534,7 @@ def test_chain_rollout_matches_step_by_step_drafting():
 def test_all_fed_rollout_matches_the_shared_test_helper():
     """The every-position self-fed accuracy equals tests/tiny_models.self_fed_accuracy on the same data."""
     from tiny_models import _greedy_batch, fit_good_head, random_prompts, self_fed_accuracy, tiny_llama
-    from train.metrics import all_fed_rollout
+    from train.held_out import all_fed_rollout
 
     target = tiny_llama()
     prompts = random_prompts(3)
@@ -637,7 +637,7 @@ def test_push_after_training_runs_the_hub_command_and_reports_its_error(toy, tmp
 @pytest.mark.shared
 def test_stories260k_recipe_on_a_corpus_cache(shared_dir, tmp_path, dist_ctx):
     """train.corpus_cache + the stories260k recipe on a few TinyStories paragraphs with the real stories260K."""
-    from train.corpus_cache import build_corpus_cache
+    from data_prep.corpus_cache import build_corpus_cache
     from recipes import load_config
     from train.main import train
 
@@ -658,7 +658,7 @@ def test_on_policy_corpus_cache_holds_the_targets_greedy_continuations(shared_di
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data_prep.feature_cache import FeatureCacheReader
-    from train.corpus_cache import build_corpus_cache, opening_sentence, read_paragraphs
+    from data_prep.corpus_cache import build_corpus_cache, opening_sentence, read_paragraphs
     from recipes import load_config
 
     target = shared_dir / "models" / "stories260K"

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from eagle.cli_errors import UserError
+from eagle.device import pick_device
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCHER_POLL_S = 1.0  # how often a worker of DeepSpeed's per-node launcher checks that the `deepspeed` runner lives
@@ -48,14 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def pick_device(device: str, local_rank: int) -> torch.device:
-    if device != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def _parent_of(pid: int) -> int | None:

@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from data_prep.target import load_target_config, pick_device, resolve_target_path
+from data_prep.target import load_target_config, resolve_target_path
+from eagle.device import pick_device
 from eagle.cli_errors import ArgumentParser, one_line_errors
 from eagle.head_files import check_head_files, load_head
 from recipes import add_print_config, command_config, layout
@@ -22,7 +23,7 @@ from train.data import Subset, open_feature_cache, split_train_eval
 from train.ds_config import COMPUTE_DTYPES
 from train.frozen_target import check_cache_matches_target, load_frozen_target
 from train.head_kinds import training_kind
-from train.metrics import evaluate
+from train.held_out import evaluate
 
 
 def evaluate_head(cfg, head_path: str) -> dict:

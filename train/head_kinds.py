@@ -4,7 +4,7 @@ one class per kind, keyed by the library's kind objects (eagle/head_kinds.py). E
     part = training_kind(cfg, target_config)        # Eagle2Training | Eagle3Training
     head = part.new_head(target_config, source, train_set.indices, frozen.lm_head)
     out = part.loss(engine, features, batch, frozen.lm_head, micro)   # LossOutput (train/loss.py: draft_loss)
-    batch = part.eval_batch(head, features, batch, lm_head)           # train/metrics.py: evaluate
+    batch = part.eval_batch(head, features, batch, lm_head)           # train/held_out.py: evaluate
 
 EAGLE-2: fc over the final hidden state, ONE step with the feature loss, both token distributions through the target's
 lm_head (chunked: train.loss_chunk); eval chains rolled out through the head's decoder, plus all-fed steps.
@@ -31,7 +31,7 @@ from recipes import RecipeError
 from recipes.head import align_weights, check_head_fits_target, ttt_weights
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedSoftCE, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
-from train.metrics import all_fed_rollout, chain_rollout
+from train.held_out import all_fed_rollout, chain_rollout
 
 
 @dataclass

@@ -32,7 +32,7 @@ from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa:
 from eagle.run_lock import run_lock  # noqa: E402
 from recipes import add_print_config, command_config, layout, list_recipes  # noqa: E402
 from recipes.schema import describe_recipe_keys  # noqa: E402
-from train import metrics  # noqa: E402
+from train import held_out  # noqa: E402
 from train.batching import MicroBatchPlan  # noqa: E402
 from train.checkpoint import (CheckpointError, check_checkpoint_head, check_complete,  # noqa: E402
                               commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint, make_universal,
@@ -488,10 +488,10 @@ class Trainer:
         return bool(due)
 
     def evaluate(self, announce: bool) -> dict:
-        """The held-out metrics of the head as it is now (train/metrics.py; + live tau on rank 0), logged."""
+        """The held-out metrics of the head as it is now (train/held_out.py; + live tau on rank 0), logged."""
         t, ctx = self.t, self.ctx
         eval_head = standalone_head(self.engine.module, t.zero_stage, ctx.device, self.dtype)
-        m = metrics.evaluate(eval_head, self.eval_set, self.frozen, self.part, ctx.device, self.dtype, self.cfg.seed,
+        m = held_out.evaluate(eval_head, self.eval_set, self.frozen, self.part, ctx.device, self.dtype, self.cfg.seed,
                              ctx.rank, ctx.world_size)
         if self.live is not None:  # rank 0 only; the other ranks wait for it at the next collective
             m.update(self.live.measure(eval_head))
@@ -553,7 +553,7 @@ class Trainer:
             self.say("summary: " + json.dumps({k: v for k, v in summary.items() if k != "eval"})
                      + ("\n[train] eval: " + json.dumps(summary.get("eval", {})) if summary.get("eval") else ""))
             if cfg.export.push_to_hub and not self.stopped_early:
-                push_exported_head(layout.head_dir(cfg))
+                push_exported_head(cfg, layout.head_dir(cfg))
         return summary
 
     def cleanup(self) -> None:

@@ -47,23 +47,20 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
-from data_prep.default_target import built_default_target, default_target_config  # noqa: E402
-from data_prep.docstring_corpus import default_conversations  # noqa: E402
-from data_prep.feature_cache import bytes_per_token, merge_manifests  # noqa: E402
-from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
-from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
-from eagle.eagle2 import EagleHead  # noqa: E402
-from eagle.unroll import UNROLL_ROW_CHUNKS  # noqa: E402
-from eagle.head_config import head_config_from_target  # noqa: E402
-from eagle.head_kinds import text_config  # noqa: E402
-from recipes import add_print_config, command_config, layout  # noqa: E402
-from recipes.head import check_head_fits_target  # noqa: E402
-from train.distributed import import_deepspeed  # noqa: E402
-from train.ds_config import deepspeed_config  # noqa: E402
-from train.head_kinds import training_class  # noqa: E402
+from data_prep.default_target import built_default_target, default_target_config
+from data_prep.docstring_corpus import default_conversations
+from data_prep.feature_cache import bytes_per_token, merge_manifests
+from data_prep.target import load_target_config, resolve_target_path
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
+from eagle.eagle2 import EagleHead
+from eagle.unroll import UNROLL_ROW_CHUNKS
+from eagle.head_config import head_config_from_target
+from eagle.head_kinds import text_config
+from recipes import add_print_config, command_config, layout
+from recipes.head import check_head_fits_target
+from train.distributed import import_deepspeed
+from train.ds_config import deepspeed_config
+from train.head_kinds import training_class
 
 GB = 1e9
 
@@ -507,8 +504,6 @@ def traffic_items(cfg, hw: Hardware, P: int) -> list[Item]:
     return items
 
 
-
-
 @dataclass
 class DataSize:
     """How much data the plan counts with, and which data-prep stages are still to run."""
@@ -593,8 +588,6 @@ def suggest(cfg, hw: Hardware, shape: Shape, budget: float) -> list[str]:
             if len(out) == 3:
                 break
     return out
-
-
 
 
 # ----------------------------------------------------------------------------- output
