@@ -23,7 +23,7 @@ CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 LEGACY_WEIGHTS_NAME = "pytorch_model.bin"
 # The trainer's export (train/export.py) also writes these two into the head folder; the Hub push and the model card
-# (export/, a layer below train/) read them, so they are declared here with the folder's other files.
+# (export/, a layer above train/) read them, so they are declared here with the folder's other files.
 RECIPE_FILE = "recipe.yaml"  # the recipe that trained the head
 STORED_RECIPE = register(StateFile(
     RECIPE_FILE, "HEAD_DIR", writer="train/export.py", format="yaml",

@@ -34,6 +34,7 @@ INVOCATIONS = {
     "python -m train.plan": ([sys.executable, "-m", "train.plan"], "python -m train.plan"),
     "python -m train.export": ([sys.executable, "-m", "train.export"], "python -m train.export"),
     "python -m train.hub": ([sys.executable, "-m", "train.hub"], "python -m train.hub"),
+    "python -m export.hub": ([sys.executable, "-m", "export.hub"], "python -m train.hub"),  # the trainer's Hub push
     "python -m train.corpus_cache": ([sys.executable, "-m", "train.corpus_cache"], "python -m train.corpus_cache"),
     "python -m train.eval_head": ([sys.executable, "-m", "train.eval_head"], "python -m train.eval_head"),
     "python -m quickstart": ([sys.executable, "-m", "quickstart"], "python -m quickstart"),

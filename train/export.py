@@ -1,8 +1,8 @@
 """The trainer's export: the trained head in the official EAGLE format, config.json + model.safetensors (+
 pytorch_model.bin), loadable by `eagle.head.load_head`, `EaModel.from_pretrained(ea_model_path=...)` and the reference
 code. (What is made from such a folder, engine formats, drift checks, the model card and the Hub push, is the export
-stage, export/, which the trainer imports: it pushes the head with `export.hub.push_to_hub`, and `python -m
-train.export` runs the export stage's command, export/cli.py, under the name it was published with.)
+stage, export/, one layer above the trainer: with `export.push_to_hub` the trainer runs its Hub push as the next
+command, and `python -m train.export` runs its command, export/cli.py, under the name it was published with.)
 EAGLE-1/2 heads: the released yuhuili/EAGLE-* layout (byte-identical to earlier exports: tests/test_export_pin.py).
 EAGLE-3 heads: the released yuhuili/EAGLE3-* / SpecForge layout (`Eagle3Head.save_pretrained`: config.json with
 architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids; weights
@@ -11,6 +11,8 @@ reference code, vLLM (method "eagle3") and SGLang (EAGLE3) load.
 The folder also carries `recipe.yaml` and `train_summary.json` (read by the model card)."""
 from __future__ import annotations
 
+import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,13 +20,11 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle.atomic_folder import write_folder
-from eagle.cli_errors import UserError, is_expected, one_line
+from eagle.cli_errors import UserError
 from eagle.head_checks import check_head_weights
 from eagle.head_files import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY, head_class
 from eagle.head_module import HeadModule
 from eagle.state_files import write_json_state, write_yaml_state
-from export.cli import main
-from export.hub import print_push, push_to_hub
 from train.distributed import import_deepspeed
 from train.divergence import DivergenceError
 
@@ -95,18 +95,21 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
     return write_folder(out_dir, fill, overwrite=True)  # the run's own head folder: a rerun replaces it
 
 
-def push_exported_head(cfg, head_dir: Path) -> None:
-    """export.push_to_hub: push the head just exported (rank 0) as `python -m train.hub --recipe {head}/recipe.yaml
-    --head {head}` would (export/hub.py), printing what it prints; its one-line error (no token, no network...)
-    becomes this run's, naming the exported head, which stays."""
-    try:
-        result = push_to_hub(cfg, head_dir)
-    except Exception as e:  # the expected ones (no token, no network, a full disk while staging) name the head
-        if not is_expected(e):
-            raise
-        raise UserError(f"the head is exported to {head_dir} but the Hub push failed: {one_line(e)}") from e
-    print_push(result, dry_run=False)
+def push_exported_head(head_dir: Path) -> None:
+    """export.push_to_hub: push the head just exported (rank 0) with the export stage's own command, `python -m
+    export.hub --recipe {head}/recipe.yaml --head {head}`, in a process of its own: the export stage sits above the
+    trainer (docs/design.md, "Layout and ownership"), so the trainer runs it as the pipeline's next command rather
+    than importing it. Its output passes through; its one-line error (no token, no network...) becomes this run's,
+    naming the exported head, which stays."""
+    cmd = [sys.executable, "-m", "export.hub", "--recipe", str(Path(head_dir) / RECIPE_FILE), "--head", str(head_dir)]
+    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    lines = proc.stderr.splitlines(keepends=True)
+    sys.stderr.write("".join(lines if proc.returncode == 0 else lines[:-1]))
+    if proc.returncode != 0:
+        last = lines[-1].strip() if lines else f"exit code {proc.returncode}"
+        raise UserError(f"the head is exported to {head_dir} but the Hub push failed: {last.removeprefix('error: ')}")
 
 
-if __name__ == "__main__":  # `python -m train.export`: the export stage's command, under its documented name
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m train.export`: the export stage's command (export/cli.py), under its published
+    # name; run, not imported: export/ sits above train/
+    runpy.run_module("export.cli", run_name="__main__", alter_sys=True)

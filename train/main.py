@@ -553,7 +553,7 @@ class Trainer:
             self.say("summary: " + json.dumps({k: v for k, v in summary.items() if k != "eval"})
                      + ("\n[train] eval: " + json.dumps(summary.get("eval", {})) if summary.get("eval") else ""))
             if cfg.export.push_to_hub and not self.stopped_early:
-                push_exported_head(cfg, layout.head_dir(cfg))
+                push_exported_head(layout.head_dir(cfg))
         return summary
 
     def cleanup(self) -> None:
