@@ -34,7 +34,7 @@ COMMANDS = {
     "train.main": ([[]], "refused"),
     "train.plan": ([[]], "refused"),
     "train.eval_head": ([[]], "refused"),
-    "train.corpus_cache": ([[]], "refused"),
+    "data_prep.corpus_cache": ([[]], "refused"),
     "export.cli": ([[]], "refused"),
     "export.hub": ([[]], "refused"),
     "evaluation.main": ([[], *[[c] for c in _evaluation_commands()]], "defaults"),
