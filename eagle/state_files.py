@@ -179,16 +179,24 @@ def check_state(path: str | Path, value, spec: StateFile):
     return value
 
 
-def read_json_state(path: str | Path, spec: StateFile):
-    """The JSON state file at `path`, checked against `spec`; None when absent and `spec.when_missing` says that is
-    normal; StateFileError (one line naming the file and what to do) for anything else wrong with it."""
-    path = Path(path)
+def _read_text(path: Path, spec: StateFile) -> str | None:
+    """The file's text (None when absent and that is normal); one line for unreadable, non-UTF-8 or empty files."""
     data = _read_bytes(path, spec)
     if data is None:
         return None
     text = _decode(path, spec, data)
     if not text.strip():
         raise _fail(path, spec, "empty (a write was interrupted)")
+    return text
+
+
+def read_json_state(path: str | Path, spec: StateFile):
+    """The JSON state file at `path`, checked against `spec`; None when absent and `spec.when_missing` says that is
+    normal; StateFileError (one line naming the file and what to do) for anything else wrong with it."""
+    path = Path(path)
+    text = _read_text(path, spec)
+    if text is None:
+        return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -200,12 +208,9 @@ def read_json_state(path: str | Path, spec: StateFile):
 def read_yaml_state(path: str | Path, spec: StateFile):
     """The YAML state file at `path` (a recipe stored beside a head), checked against `spec` like a JSON one."""
     path = Path(path)
-    data = _read_bytes(path, spec)
-    if data is None:
+    text = _read_text(path, spec)
+    if text is None:
         return None
-    text = _decode(path, spec, data)
-    if not text.strip():
-        raise _fail(path, spec, "empty (a write was interrupted)")
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
