@@ -9,18 +9,20 @@ have different noise:
   T = 0 it is exact on the tuning prompts (every pass of a point gives the same value); at T > 0 it is the mean over
   every pass of the point.
 - the seconds of one decoding round are modelled from ALL timings of the sweep pooled: round_s = a + b * nodes +
-  c * depth (nodes = the tree's verify width per round, measured; depth = the draft steps), the same function of
-  the tree for every grid point on one machine, fitted by robust least squares (soft-L1 loss, so a slow spell
-  during one call moves the fit little) on one observation per (grid point, prompt) call: (call seconds - prefill)
-  / rounds, weighted by its rounds. Each point's round time is then predicted from ~all calls of the sweep
-  instead of measured from its own ~4.
+  c * depth + e * depth * top_k (nodes = the tree's verify width per round, measured; depth = the draft steps,
+  each drafting top_k tokens), the same function of the tree for every grid point on one machine, fitted by robust
+  least squares (soft-L1 loss, so a slow spell during one call moves the fit little) on one observation per (grid
+  point, prompt) call: its seconds after the prefill / rounds, weighted by its rounds. Each point's round time is
+  then predicted from ~all calls of the sweep instead of measured from its own ~4. The seconds are the process's
+  CPU seconds (time.process_time; one intra-op thread), not wall seconds: on a shared machine the wall clock also
+  counts the time other jobs held the core, which is the noise, while the CPU time is the tree's cost.
 
 Predicted tokens/s = tau / predicted round_s ranks the grid. Three stages: a screening pass times every point once
 on the tuning prompts (shuffled order, vanilla re-timed every few points; this gives every tau and the model's
 data); the `finalists` best predicted points are re-timed `repeats` times back to back with vanilla and EAGLE-1's
 static tree on each prompt (a slow spell hits all of them alike), and the model is refitted on every call. The pick
-is the finalist with the highest predicted tokens/s, unless the direct re-timing contradicts it beyond noise: a
-finalist that was faster than it in EVERY repeat (a sign test: 2^-repeats when both are equally fast, 1/8 at 3
+is the finalist with the highest predicted tokens/s, unless the direct re-timing (tokens per CPU second, per repeat)
+contradicts it beyond noise: a finalist that was faster than it in EVERY repeat (a sign test: 2^-repeats when both are equally fast, 1/8 at 3
 repeats) AND by a median paired ratio above 1 + OVERRIDE_MARGIN (beyond the ~+-10% spread of paired repeats on a
 shared box) replaces it. Finalists' speeds against vanilla and EAGLE-1 (median paired ratios) are reported.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +48,9 @@ from evaluation.runner import GenerationArgs, generate
 
 
 OVERRIDE_MARGIN = 0.10  # a finalist's median paired speed over the predicted best must exceed 1 + this to replace it
-ROUND_FEATURES = ("intercept", "per_node", "per_depth")  # round_s = a + b * nodes + c * depth
+# round_s = a + b * nodes + c * depth + e * depth * top_k: the verify width, the draft steps and the tokens they draft
+ROUND_FEATURES = ("intercept", "per_node", "per_depth", "per_draft_token")
+cpu_clock = time.process_time  # the clock the model is fitted on (module-level so tests can drive it)
 
 
 @dataclass
@@ -67,15 +72,17 @@ class TunePoint:
 
 @dataclass
 class TimeModel:
-    """Seconds of one decoding round as a function of the tree: intercept + per_node * nodes + per_depth * depth."""
+    """CPU seconds of one decoding round as a function of the tree: intercept + per_node * nodes + per_depth * depth
+    + per_draft_token * depth * top_k."""
     intercept: float
     per_node: float
     per_depth: float
+    per_draft_token: float
     residual_s: float  # robust scale (1.4826 x MAD) of the per-call residuals of the mean round seconds
     calls: int  # observations the fit used
 
-    def round_s(self, nodes: float, depth: int) -> float:
-        return self.intercept + self.per_node * nodes + self.per_depth * depth
+    def round_s(self, nodes: float, depth: int, top_k: int) -> float:
+        return self.intercept + self.per_node * nodes + self.per_depth * depth + self.per_draft_token * depth * top_k
 
 
 @dataclass
@@ -97,23 +104,24 @@ class TuneResult:
 
 @dataclass(frozen=True)
 class RoundTiming:
-    """One timed call of a dynamic tree: its decoding rounds, the nodes they verified, its draft depth, and the
-    seconds of the call after the prefill."""
+    """One timed call of a dynamic tree: its decoding rounds, the nodes they verified, its draft depth and top_k, and
+    the CPU seconds of the call after the prefill."""
     rounds: int
     nodes: int
     depth: int
+    top_k: int
     seconds: float
 
 
 def fit_time_model(calls: list[RoundTiming]) -> TimeModel:
-    """Robust least squares of each call's mean round seconds on (1, mean nodes per round, depth), weighted by the
-    call's rounds (its mean rests on that many rounds): soft-L1 loss at the scale of the ordinary fit's residuals,
+    """Robust least squares of each call's mean round seconds on (1, mean nodes per round, depth, depth x top_k),
+    weighted by the call's rounds (its mean rests on that many rounds): soft-L1 loss at the scale of the ordinary fit's residuals,
     so calls caught in a slow spell pull on the coefficients like a linear, not a quadratic, penalty."""
     calls = [c for c in calls if c.rounds > 0]
     if len(calls) < len(ROUND_FEATURES):
         raise ValueError(f"autotune: {len(calls)} timed calls with decoding rounds; the round-time model needs at "
                          f"least {len(ROUND_FEATURES)} (more tuning prompts or tune_max_new_tokens)")
-    x = np.array([[1.0, c.nodes / c.rounds, float(c.depth)] for c in calls])  # [C, 3]
+    x = np.array([[1.0, c.nodes / c.rounds, float(c.depth), float(c.depth * c.top_k)] for c in calls])  # [C, 4]
     y = np.array([c.seconds / c.rounds for c in calls])  # [C]
     w = np.sqrt(np.array([float(c.rounds) for c in calls]))  # [C]
     ols = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0]
@@ -134,7 +142,8 @@ def point_label(p: TunePoint) -> str:
 
 def choose(points: list[TunePoint], final_tps: dict[str, list[float]], margin: float = OVERRIDE_MARGIN
            ) -> tuple[TunePoint, dict]:
-    """The pick among the re-timed finalists `points` (all of them in `final_tps`: label -> tokens/s per repeat):
+    """The pick among the re-timed finalists `points` (all of them in `final_tps`: label -> tokens per CPU second,
+    one per repeat):
     the highest predicted tokens/s, unless another finalist was faster than it in every repeat and by a median
     paired ratio above 1 + margin (then the one with the highest such ratio). Without repeats: the highest
     predicted tokens/s. Returns (pick, the record of why)."""
@@ -207,25 +216,31 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
     tau: dict[str, tuple[int, int, int]] = {}  # label -> (committed tokens in rounds, rounds, nodes verified)
     calls: dict[str, list[RoundTiming]] = {m.label: [] for m in methods}  # the time model's observations
 
-    def timed(m: Method, prompt: list[int]) -> tuple[int, float]:
+    def timed(m: Method, prompt: list[int]) -> tuple[int, float, float]:
+        """(new tokens, wall seconds, CPU seconds) of one call."""
+        cpu0 = cpu_clock()
         out, stats, wall = generate(model, m, prompt, gen)
+        cpu = cpu_clock() - cpu0
         c0, r0, n0 = tau.get(m.label, (0, 0, 0))
         nodes = sum(int(r.node_depth.numel()) for r in stats.rounds)
         tau[m.label] = (c0 + sum(int(r.new_tokens) for r in stats.rounds), r0 + len(stats.rounds), n0 + nodes)
         if m.label in calls:
-            calls[m.label].append(RoundTiming(len(stats.rounds), nodes, m.decoding.depth, wall - stats.prefill_s))
-        return len(out), wall
+            # the prefill's CPU share: its wall share of the call (its own CPU time is not measured)
+            after_prefill = cpu * (1 - stats.prefill_s / wall) if wall > 0 else cpu
+            calls[m.label].append(RoundTiming(len(stats.rounds), nodes, m.decoding.depth, m.decoding.top_k,
+                                              after_prefill))
+        return len(out), wall, cpu
 
     def one_pass(m: Method) -> float:
         runs = [timed(m, p) for p in prompts]
-        return sum(n for n, _ in runs) / sum(w for _, w in runs)
+        return sum(n for n, _, _ in runs) / sum(w for _, w, _ in runs)
 
     def predict(model_fit: TimeModel) -> dict[str, float]:
         """label -> predicted tokens/s = tau / modelled round seconds at the point's measured verify width."""
         out = {}
         for m in methods:
             committed, rounds, nodes = tau[m.label]
-            round_s = model_fit.round_s(nodes / max(rounds, 1), m.decoding.depth)
+            round_s = model_fit.round_s(nodes / max(rounds, 1), m.decoding.depth, m.decoding.top_k)
             if round_s <= 0:
                 raise ValueError(f"autotune: the round-time model ({model_fit}) predicts {round_s:.3g} s per round "
                                  f"for {m.label}: the timings are too noisy to fit; rerun on a quieter machine or "
@@ -250,18 +265,21 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
     predicted = predict(fit_time_model([c for cs in calls.values() for c in cs]))
     top = sorted(methods, key=lambda m: -predicted[m.label])[:n_final]
     group = [vanilla, eagle1] + top
-    final_tps: dict[str, list[float]] = {m.label: [] for m in group}
+    final_tps: dict[str, list[float]] = {m.label: [] for m in group}  # per repeat, wall clock
+    final_cpu: dict[str, list[float]] = {m.label: [] for m in group}  # per repeat, tokens per CPU second
     for _ in range(repeats):
-        tokens, secs = {m.label: 0 for m in group}, {m.label: 0.0 for m in group}
+        tokens, secs, cpus = {m.label: 0 for m in group}, {m.label: 0.0 for m in group}, {m.label: 0.0 for m in group}
         for p in prompts:
             rng.shuffle(group)
             for m in group:  # back to back on one prompt: a slow spell hits every method alike
-                n, wall = timed(m, p)
+                n, wall, cpu = timed(m, p)
                 tokens[m.label] += n
                 secs[m.label] += wall
+                cpus[m.label] += cpu
             bar.update(1)
         for name in final_tps:
             final_tps[name].append(tokens[name] / secs[name])
+            final_cpu[name].append(tokens[name] / max(cpus[name], 1e-12))
     bar.close()
     fit = fit_time_model([c for cs in calls.values() for c in cs])  # every call: screening and re-timing
     predicted = predict(fit)
@@ -278,13 +296,13 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
             c.total_token, c.depth, c.top_k, screen[m.label], committed / max(rounds, 1), speedup[m.label],
             nodes=nodes / max(rounds, 1),
             round_s=sum(o.seconds for o in own) / max(sum(o.rounds for o in own), 1),
-            predicted_round_s=fit.round_s(nodes / max(rounds, 1), c.depth),
+            predicted_round_s=fit.round_s(nodes / max(rounds, 1), c.depth, c.top_k),
             predicted_tokens_per_s=predicted[m.label],
             final_tokens_per_s=float(np.median(reps)) if reps else None,
             final_speedup=float(np.median([t / v for t, v in zip(reps, v_reps)])) if reps else None,
             final_vs_eagle1=float(np.median([t / e for t, e in zip(reps, e_reps)])) if reps else None))
     candidates = [p for p in result.points if p.final_tokens_per_s is not None] or result.points
-    best, result.pick = choose(candidates, {k: v for k, v in final_tps.items() if k in by_label}, margin)
+    best, result.pick = choose(candidates, {k: v for k, v in final_cpu.items() if k in by_label}, margin)
     result.best = dataclasses.replace(configs[0], mode="dynamic", total_token=best.total_token, depth=best.depth,
                                       top_k=best.top_k)
     return result
