@@ -22,9 +22,11 @@ on the tuning prompts (shuffled order, vanilla re-timed every few points; this g
 data); the `finalists` best predicted points are re-timed `repeats` times back to back with vanilla and EAGLE-1's
 static tree on each prompt (a slow spell hits all of them alike), and the model is refitted on every call. The pick
 is the finalist with the highest predicted tokens/s, unless the direct re-timing (tokens per CPU second, per repeat)
-contradicts it beyond noise: a finalist that was faster than it in EVERY repeat (a sign test: 2^-repeats when both are equally fast, 1/8 at 3
-repeats) AND by a median paired ratio above 1 + OVERRIDE_MARGIN (beyond the ~+-10% spread of paired repeats on a
-shared box) replaces it. Finalists' speeds against vanilla and EAGLE-1 (median paired ratios) are reported.
+contradicts it beyond noise: a finalist that was faster than it in EVERY repeat (a sign test: 2^-repeats when
+both are equally fast, 1/8 at 3 repeats) AND by a median paired ratio above 1 + OVERRIDE_MARGIN (beyond the ~+-10%
+spread of paired repeats on a shared box) replaces it. Finalists' speeds against vanilla and EAGLE-1 (median paired
+ratios, wall clock) are reported. A wrong prediction costs speed, never correctness: every grid point decodes
+losslessly.
 """
 from __future__ import annotations
 
@@ -115,12 +117,15 @@ class RoundTiming:
 
 def fit_time_model(calls: list[RoundTiming]) -> TimeModel:
     """Robust least squares of each call's mean round seconds on (1, mean nodes per round, depth, depth x top_k),
-    weighted by the call's rounds (its mean rests on that many rounds): soft-L1 loss at the scale of the ordinary fit's residuals,
-    so calls caught in a slow spell pull on the coefficients like a linear, not a quadratic, penalty."""
+    weighted by the call's rounds (its mean rests on that many rounds): soft-L1 loss at the scale of the ordinary
+    fit's residuals, so calls caught in a slow spell pull on the coefficients like a linear, not a quadratic,
+    penalty."""
     calls = [c for c in calls if c.rounds > 0]
-    if len(calls) < len(ROUND_FEATURES):
-        raise ValueError(f"autotune: {len(calls)} timed calls with decoding rounds; the round-time model needs at "
-                         f"least {len(ROUND_FEATURES)} (more tuning prompts or tune_max_new_tokens)")
+    if not calls:
+        raise ValueError("autotune: no timed call decoded a round (every tuning prompt stopped at its first token); "
+                         "raise eval.tune_max_new_tokens or use other tuning prompts")
+    # fewer calls than coefficients, or a grid with one depth / top_k: the minimum-norm solution, whose predictions
+    # at the grid's own points are still the least-squares ones (they lie in the span of the calls' features)
     x = np.array([[1.0, c.nodes / c.rounds, float(c.depth), float(c.depth * c.top_k)] for c in calls])  # [C, 4]
     y = np.array([c.seconds / c.rounds for c in calls])  # [C]
     w = np.sqrt(np.array([float(c.rounds) for c in calls]))  # [C]
@@ -143,10 +148,9 @@ def point_label(p: TunePoint) -> str:
 def choose(points: list[TunePoint], final_tps: dict[str, list[float]], margin: float = OVERRIDE_MARGIN
            ) -> tuple[TunePoint, dict]:
     """The pick among the re-timed finalists `points` (all of them in `final_tps`: label -> tokens per CPU second,
-    one per repeat):
-    the highest predicted tokens/s, unless another finalist was faster than it in every repeat and by a median
-    paired ratio above 1 + margin (then the one with the highest such ratio). Without repeats: the highest
-    predicted tokens/s. Returns (pick, the record of why)."""
+    one per repeat): the highest predicted tokens/s, unless another finalist was faster than it in every repeat and
+    by a median paired ratio above 1 + margin (then the one with the highest such ratio). Without repeats: the
+    highest predicted tokens/s. Returns (pick, the record of why)."""
     predicted = max(points, key=lambda p: p.predicted_tokens_per_s)
     rule = (f"highest predicted tokens/s (tau / modelled round seconds) among the finalists, unless a finalist was "
             f"faster in every re-timed repeat and by a median paired ratio > {1 + margin:.2f}")
