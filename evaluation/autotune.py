@@ -13,15 +13,17 @@ have different noise:
   each drafting top_k tokens), the same function of the tree for every grid point on one machine, fitted by robust
   least squares (soft-L1 loss, so a slow spell during one call moves the fit little) on one observation per (grid
   point, prompt) call: its seconds after the prefill / rounds, weighted by its rounds. Each point's round time is
-  then predicted from ~all calls of the sweep instead of measured from its own ~4. The seconds are the process's
-  CPU seconds (time.process_time; one intra-op thread), not wall seconds: on a shared machine the wall clock also
-  counts the time other jobs held the core, which is the noise, while the CPU time is the tree's cost.
+  then predicted from ~all calls of the sweep instead of measured from its own ~4. On a CPU model with one
+  intra-op thread (the demo) the seconds are the process's CPU seconds (time.process_time), not wall seconds: on a
+  shared machine the wall clock also counts the time other jobs held the core, which is the noise, while the CPU
+  time is the tree's cost. Elsewhere (a GPU, whose kernels CPU time does not see; several threads, whose CPU
+  seconds add up) they are wall seconds.
 
 Predicted tokens/s = tau / predicted round_s ranks the grid. Three stages: a screening pass times every point once
 on the tuning prompts (shuffled order, vanilla re-timed every few points; this gives every tau and the model's
 data); the `finalists` best predicted points are re-timed `repeats` times back to back with vanilla and EAGLE-1's
 static tree on each prompt (a slow spell hits all of them alike), and the model is refitted on every call. The pick
-is the finalist with the highest predicted tokens/s, unless the direct re-timing (tokens per CPU second, per repeat)
+is the finalist with the highest predicted tokens/s, unless the direct re-timing (per repeat, on the model's clock)
 contradicts it beyond noise: a finalist that was faster than it in EVERY repeat (a sign test: 2^-repeats when
 both are equally fast, 1/8 at 3 repeats) AND by a median paired ratio above 1 + OVERRIDE_MARGIN (beyond the ~+-10%
 spread of paired repeats on a shared box) replaces it. Finalists' speeds against vanilla and EAGLE-1 (median paired
@@ -82,6 +84,7 @@ class TimeModel:
     per_draft_token: float
     residual_s: float  # robust scale (1.4826 x MAD) of the per-call residuals of the mean round seconds
     calls: int  # observations the fit used
+    clock: str = "cpu"  # "cpu" (process CPU seconds) or "wall" (timing_clock)
 
     def round_s(self, nodes: float, depth: int, top_k: int) -> float:
         return self.intercept + self.per_node * nodes + self.per_depth * depth + self.per_draft_token * depth * top_k
@@ -115,7 +118,7 @@ class RoundTiming:
     seconds: float
 
 
-def fit_time_model(calls: list[RoundTiming]) -> TimeModel:
+def fit_time_model(calls: list[RoundTiming], clock: str = "cpu") -> TimeModel:
     """Robust least squares of each call's mean round seconds on (1, mean nodes per round, depth, depth x top_k),
     weighted by the call's rounds (its mean rests on that many rounds): soft-L1 loss at the scale of the ordinary
     fit's residuals, so calls caught in a slow spell pull on the coefficients like a linear, not a quadratic,
@@ -137,7 +140,15 @@ def fit_time_model(calls: list[RoundTiming]) -> TimeModel:
         coef = least_squares(lambda c: (x @ c - y) * w, ols, loss="soft_l1", f_scale=scale).x
     r = x @ coef - y
     spread = 1.4826 * float(np.median(np.abs(r - np.median(r))))
-    return TimeModel(*(float(v) for v in coef), residual_s=spread, calls=len(calls))
+    return TimeModel(*(float(v) for v in coef), residual_s=spread, calls=len(calls), clock=clock)
+
+
+def timing_clock(model) -> str:
+    """"cpu" when `model` runs on the CPU with one intra-op thread (its process CPU seconds are the tree's cost),
+    else "wall" (CPU time does not see GPU kernels, and sums the threads of a parallel op)."""
+    base = getattr(model, "base_model", None)
+    device = next(iter((base if base is not None else model).parameters())).device
+    return "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
 
 
 def point_label(p: TunePoint) -> str:
@@ -147,8 +158,8 @@ def point_label(p: TunePoint) -> str:
 
 def choose(points: list[TunePoint], final_tps: dict[str, list[float]], margin: float = OVERRIDE_MARGIN
            ) -> tuple[TunePoint, dict]:
-    """The pick among the re-timed finalists `points` (all of them in `final_tps`: label -> tokens per CPU second,
-    one per repeat): the highest predicted tokens/s, unless another finalist was faster than it in every repeat and
+    """The pick among the re-timed finalists `points` (all of them in `final_tps`: label -> tokens per second of the
+    model's clock, one per repeat): the highest predicted tokens/s, unless another finalist was faster than it in every repeat and
     by a median paired ratio above 1 + margin (then the one with the highest such ratio). Without repeats: the
     highest predicted tokens/s. Returns (pick, the record of why)."""
     predicted = max(points, key=lambda p: p.predicted_tokens_per_s)
@@ -201,15 +212,19 @@ def grid(total_tokens: list[int], depths: list[int], top_ks: list[int], base: De
 
 def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig], gen: GenerationArgs, *,
                   finalists: int = 5, repeats: int = 3, vanilla_every: int = 4, seed: int = 0,
-                  margin: float = OVERRIDE_MARGIN, progress: bool = True) -> TuneResult:
+                  margin: float = OVERRIDE_MARGIN, clock: str | None = None, progress: bool = True) -> TuneResult:
     """Screen every config once (its tau and the time model's data), re-time the `finalists` with the highest
     predicted tokens/s `repeats` more times back to back with vanilla and EAGLE-1's static tree per prompt, refit the
     model on every call and pick by `choose` (module docstring).
 
     One screening pass over a setting = all `prompts` (T as in `gen`); vanilla is timed every `vanilla_every`
-    settings, so each point's measured screening speedup uses vanilla timed close to it (reported, not ranked on)."""
+    settings, so each point's measured screening speedup uses vanilla timed close to it (reported, not ranked on).
+    clock: "cpu" or "wall", the seconds the model is fitted on (default: timing_clock(model))."""
     if not configs:
         raise ValueError("autotune: no valid grid point")
+    clock = clock or timing_clock(model)
+    if clock not in ("cpu", "wall"):
+        raise ValueError(f"autotune: clock={clock!r}: expected 'cpu' or 'wall'")
     vanilla = Method("vanilla", dataclasses.replace(configs[0], mode="vanilla"))
     eagle1 = Method("eagle1", dataclasses.replace(configs[0], mode="static"))
     methods = [Method(f"{c.total_token}/{c.depth}/{c.top_k}", c) for c in configs]
@@ -221,10 +236,10 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
     calls: dict[str, list[RoundTiming]] = {m.label: [] for m in methods}  # the time model's observations
 
     def timed(m: Method, prompt: list[int]) -> tuple[int, float, float]:
-        """(new tokens, wall seconds, CPU seconds) of one call."""
+        """(new tokens, wall seconds, the model's seconds: CPU or wall as `clock` says) of one call."""
         cpu0 = cpu_clock()
         out, stats, wall = generate(model, m, prompt, gen)
-        cpu = cpu_clock() - cpu0
+        cpu = cpu_clock() - cpu0 if clock == "cpu" else wall
         c0, r0, n0 = tau.get(m.label, (0, 0, 0))
         nodes = sum(int(r.node_depth.numel()) for r in stats.rounds)
         tau[m.label] = (c0 + sum(int(r.new_tokens) for r in stats.rounds), r0 + len(stats.rounds), n0 + nodes)
@@ -266,11 +281,11 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
         bar.update(1)
     speedup = {m.label: screen[m.label] / min(screen_vanilla, key=lambda iv: abs(iv[0] - i))[1]
                for i, m in enumerate(order)}
-    predicted = predict(fit_time_model([c for cs in calls.values() for c in cs]))
+    predicted = predict(fit_time_model([c for cs in calls.values() for c in cs], clock))
     top = sorted(methods, key=lambda m: -predicted[m.label])[:n_final]
     group = [vanilla, eagle1] + top
     final_tps: dict[str, list[float]] = {m.label: [] for m in group}  # per repeat, wall clock
-    final_cpu: dict[str, list[float]] = {m.label: [] for m in group}  # per repeat, tokens per CPU second
+    final_cpu: dict[str, list[float]] = {m.label: [] for m in group}  # per repeat, on the model's clock
     for _ in range(repeats):
         tokens, secs, cpus = {m.label: 0 for m in group}, {m.label: 0.0 for m in group}, {m.label: 0.0 for m in group}
         for p in prompts:
@@ -285,7 +300,7 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
             final_tps[name].append(tokens[name] / secs[name])
             final_cpu[name].append(tokens[name] / max(cpus[name], 1e-12))
     bar.close()
-    fit = fit_time_model([c for cs in calls.values() for c in cs])  # every call: screening and re-timing
+    fit = fit_time_model([c for cs in calls.values() for c in cs], clock)  # every call: screening and re-timing
     predicted = predict(fit)
     v_reps, e_reps = final_tps["vanilla"], final_tps["eagle1"]
     v_final = float(np.median(v_reps)) if repeats else float(np.median([v for _, v in screen_vanilla]))

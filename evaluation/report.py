@@ -220,7 +220,7 @@ def write_autotune_report(result: TuneResult, meta: dict, out_dir: Path) -> dict
               f"{result.vanilla_tokens_per_s:.1f} tokens/s{e1} (medians of the final repeats).", ""]
     tm = result.time_model
     if tm is not None:
-        lines += [f"Round-time model (robust least squares on {tm.calls} timed calls, CPU seconds): round = "
+        lines += [f"Round-time model (robust least squares on {tm.calls} timed calls, {tm.clock} seconds): round = "
                   f"{tm.intercept * 1e3:.3f} ms + {tm.per_node * 1e3:.4f} ms x nodes + {tm.per_depth * 1e3:.3f} ms x "
                   f"depth + {tm.per_draft_token * 1e3:.4f} ms x depth x top_k; residual spread "
                   f"{tm.residual_s * 1e3:.3f} ms per round.", ""]
@@ -232,7 +232,7 @@ def write_autotune_report(result: TuneResult, meta: dict, out_dir: Path) -> dict
                   f"{p.final_tokens_per_s:.1f} | {p.final_speedup:.2f} | {p.final_vs_eagle1:.2f} |" for p in finals]
         lines.append("")
     lines += ["## Surface (ranked by predicted tokens/s = tau / modelled round seconds; measured: one screening pass)",
-              "", "| total_token | depth | top_k | tau | nodes/round | round CPU ms (model) | round CPU ms (measured) | "
+              "", "| total_token | depth | top_k | tau | nodes/round | round ms (model) | round ms (measured) | "
               "predicted tokens/s | screening tokens/s | screening speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(result.points, key=lambda p: -p.predicted_tokens_per_s):
         lines.append(f"| {p.total_token} | {p.depth} | {p.top_k} | {p.tau:.2f} | {p.nodes:.1f} | "

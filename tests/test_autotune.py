@@ -165,7 +165,7 @@ def test_sweep_picks_the_truly_fastest_tree_where_one_pass_timing_picks_wrong(mo
 
     monkeypatch.setattr(autotune, "generate", fake_generate)
     monkeypatch.setattr(autotune, "cpu_clock", lambda: clock[0])
-    result = autotune.autotune_tree(None, prompts, configs, gen, finalists=3, repeats=3, progress=False)
+    result = autotune.autotune_tree(None, prompts, configs, gen, finalists=3, repeats=3, clock="cpu", progress=False)
     screened = max(result.points, key=lambda p: p.tokens_per_s)
     assert (screened.total_token, screened.depth, screened.top_k) == lucky  # one pass's timing picks wrong
     assert (result.best.total_token, result.best.depth, result.best.top_k) == fastest
@@ -176,3 +176,15 @@ def test_sweep_picks_the_truly_fastest_tree_where_one_pass_timing_picks_wrong(mo
         assert p.tau == tau_of(p.total_token, p.depth, p.top_k)  # the same integer division
         # 5% per-call noise over ~130 calls: the fitted round time's standard error is ~0.5%; 3% is ~6 of them
         assert p.predicted_round_s == pytest.approx(true_round_s(p.nodes, p.depth, p.top_k), rel=0.03)
+
+
+def test_timing_clock_is_cpu_only_for_a_one_thread_cpu_model():
+    model = torch.nn.Linear(2, 2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert autotune.timing_clock(model) == "cpu"
+        torch.set_num_threads(2)
+        assert autotune.timing_clock(model) == "wall"  # CPU seconds of 2 threads add up
+    finally:
+        torch.set_num_threads(threads)
