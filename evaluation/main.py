@@ -412,8 +412,10 @@ def autotune(s: Setup, questions: list) -> int:
     b = result.best
     best = next(p for p in result.points if (p.total_token, p.depth, p.top_k) == (b.total_token, b.depth, b.top_k))
     tps = best.final_tokens_per_s if best.final_tokens_per_s is not None else best.tokens_per_s
+    e1 = f", EAGLE-1 {result.eagle1_tokens_per_s:.1f}" if result.eagle1_tokens_per_s is not None else ""
     print(f"fastest: total_token={b.total_token} depth={b.depth} top_k={b.top_k}: {tps:.1f} tokens/s "
-          f"(vanilla {result.vanilla_tokens_per_s:.1f}), tau {best.tau:.2f}")
+          f"(vanilla {result.vanilla_tokens_per_s:.1f}{e1}), tau {best.tau:.2f}, predicted "
+          f"{best.predicted_tokens_per_s:.1f} tokens/s; picked by the {result.pick['by']}")
     head_dir = local_head_dir(s.head_path)
     if ev.tune_save and head_dir is not None:
         print(f"saved {save_tree_config(head_dir, b, calibration)} (EaModel.from_pretrained uses it when no tree is "

@@ -137,22 +137,23 @@ def plot_calibration(calibrations: dict[str, Calibration], title: str, path: Pat
 
 
 def plot_autotune(result: TuneResult, path: Path) -> Path:
-    """Screening speedup vs the vanilla timed nearby, over (depth, total_token), one panel per top_k; the
-    best point is starred. (Speedup, not raw tokens/s: the machine's speed drifts during a sweep.)"""
+    """Predicted speedup (tau / the pooled round-time model's seconds, over vanilla's final tokens/s) over (depth,
+    total_token), one panel per top_k; the picked point is starred. (Predicted, not one pass's timing: single
+    timings on a shared machine vary by +-20%.)"""
     top_ks = sorted({p.top_k for p in result.points})
     depths = sorted({p.depth for p in result.points})
     totals = sorted({p.total_token for p in result.points})
     plt = pyplot()
     fig, axes = plt.subplots(1, len(top_ks), figsize=(3.6 * len(top_ks) + 1, 3.6), squeeze=False)
-    vmax = max(p.speedup for p in result.points)
-    vmin = min(p.speedup for p in result.points)
+    speedup = {id(p): p.predicted_tokens_per_s / result.vanilla_tokens_per_s for p in result.points}
+    vmax, vmin = max(speedup.values()), min(speedup.values())
     im = None
     for j, k in enumerate(top_ks):
         ax = axes[0, j]
         grid = np.full((len(depths), len(totals)), np.nan)  # [D, T]
         for p in result.points:
             if p.top_k == k:
-                grid[depths.index(p.depth), totals.index(p.total_token)] = p.speedup
+                grid[depths.index(p.depth), totals.index(p.total_token)] = speedup[id(p)]
         im = ax.imshow(grid, origin="lower", aspect="auto", vmin=vmin, vmax=vmax, cmap="viridis")
         ax.set_xticks(range(len(totals)), totals)
         ax.set_yticks(range(len(depths)), depths)
@@ -162,7 +163,7 @@ def plot_autotune(result: TuneResult, path: Path) -> Path:
         b = result.best
         if b is not None and b.top_k == k:
             ax.plot(totals.index(b.total_token), depths.index(b.depth), marker="*", color="red", ms=14)
-    fig.colorbar(im, ax=axes[0, :].tolist(), label="speedup vs vanilla (screening)")
+    fig.colorbar(im, ax=axes[0, :].tolist(), label="predicted speedup vs vanilla")
     fig.suptitle("EAGLE-2 tree auto-tuning surface")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

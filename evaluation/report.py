@@ -214,19 +214,32 @@ def write_autotune_report(result: TuneResult, meta: dict, out_dir: Path) -> dict
     b = result.best
     lines = ["# EAGLE-2 tree auto-tuning", ""]
     lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
-    finals = sorted((p for p in result.points if p.final_speedup is not None), key=lambda p: -p.final_speedup)
-    lines += ["", f"Best: **total_token={b.total_token}, depth={b.depth}, top_k={b.top_k}**; vanilla "
-              f"{result.vanilla_tokens_per_s:.1f} tokens/s (median of the final repeats).", ""]
+    finals = sorted((p for p in result.points if p.final_speedup is not None),
+                    key=lambda p: -p.predicted_tokens_per_s)
+    e1 = f", EAGLE-1 {result.eagle1_tokens_per_s:.1f}" if result.eagle1_tokens_per_s is not None else ""
+    lines += ["", f"Best: **total_token={b.total_token}, depth={b.depth}, top_k={b.top_k}**, picked by the "
+              f"{result.pick.get('by', 'model')} ({result.pick.get('rule', '')}); vanilla "
+              f"{result.vanilla_tokens_per_s:.1f} tokens/s{e1} (medians of the final repeats).", ""]
+    tm = result.time_model
+    if tm is not None:
+        lines += [f"Round-time model (robust least squares on {tm.calls} timed calls, {tm.clock} seconds): round = "
+                  f"{tm.intercept * 1e3:.3f} ms + {tm.per_node * 1e3:.4f} ms x nodes + {tm.per_depth * 1e3:.3f} ms x "
+                  f"depth + {tm.per_draft_token * 1e3:.4f} ms x depth x top_k; residual spread "
+                  f"{tm.residual_s * 1e3:.3f} ms per round.", ""]
     if finals:
-        lines += ["## Finalists (re-timed with vanilla back to back on every prompt; medians over repeats)", "",
-                  "| total_token | depth | top_k | tokens/s | speedup | tau |", "|---|---|---|---|---|---|"]
-        lines += [f"| {p.total_token} | {p.depth} | {p.top_k} | {p.final_tokens_per_s:.1f} | {p.final_speedup:.2f} | "
-                  f"{p.tau:.2f} |" for p in finals]
+        lines += ["## Finalists (re-timed back to back with vanilla and EAGLE-1 on every prompt; medians over repeats)",
+                  "", "| total_token | depth | top_k | tau | predicted tokens/s | tokens/s | speedup | vs EAGLE-1 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {p.total_token} | {p.depth} | {p.top_k} | {p.tau:.2f} | {p.predicted_tokens_per_s:.1f} | "
+                  f"{p.final_tokens_per_s:.1f} | {p.final_speedup:.2f} | {p.final_vs_eagle1:.2f} |" for p in finals]
         lines.append("")
-    lines += ["## Screening surface (one pass each, speedup vs vanilla timed nearby)", "",
-              "| total_token | depth | top_k | tokens/s | speedup | tau |", "|---|---|---|---|---|---|"]
-    for p in sorted(result.points, key=lambda p: -p.speedup):
-        lines.append(f"| {p.total_token} | {p.depth} | {p.top_k} | {p.tokens_per_s:.1f} | {p.speedup:.2f} | {p.tau:.2f} |")
+    lines += ["## Surface (ranked by predicted tokens/s = tau / modelled round seconds; measured: one screening pass)",
+              "", "| total_token | depth | top_k | tau | nodes/round | round ms (model) | round ms (measured) | "
+              "predicted tokens/s | screening tokens/s | screening speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(result.points, key=lambda p: -p.predicted_tokens_per_s):
+        lines.append(f"| {p.total_token} | {p.depth} | {p.top_k} | {p.tau:.2f} | {p.nodes:.1f} | "
+                     f"{p.predicted_round_s * 1e3:.3f} | {p.round_s * 1e3:.3f} | {p.predicted_tokens_per_s:.1f} | "
+                     f"{p.tokens_per_s:.1f} | {p.speedup:.2f} |")
     if result.skipped:
         lines += ["", f"Skipped {len(result.skipped)} grid points the tree builder cannot make (see autotune.json)."]
     lines += ["", "![surface](autotune_surface.png)", ""]

@@ -57,8 +57,9 @@ class EvalSettings:
     tune_top_ks: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8, 10])
     tune_prompts: int = 4  # taken after the first num_questions (disjoint from the bench) when the source has enough
     tune_max_new_tokens: int = 96
-    tune_finalists: int = 5  # the fastest screened settings that are re-timed
-    tune_repeats: int = 5  # re-timed repeats of every finalist (and vanilla); the median speedup decides
+    tune_finalists: int = 5  # the settings with the highest predicted tokens/s (tau / modelled round time), re-timed
+    tune_repeats: int = 5  # re-timed repeats of every finalist beside vanilla and EAGLE-1; they overrule the model
+    # only when a finalist beats its pick in every repeat by > 10% (evaluation/autotune.py)
     tune_save: bool = True  # write tree_config.json next to the head (when it is a local folder)
     # --- calibrated tree scores (`autotune` fits them first; eagle/score_calibration.py) -------------------
     # held-out prompts decoded (after the bench's and the tuning's) to fit the map from draft probability to
