@@ -1,5 +1,6 @@
 """Test-wide settings: CPU only, no network services, ../shared optional."""
 import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -24,6 +25,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "shared" in item.keywords:
             item.add_marker(skip)
+
+
+@functools.cache
+def bf16_flash_attention_error() -> str | None:
+    """Why bfloat16 causal SDPA (the CPU flash kernel) cannot run under this process's arithmetic, or None. PyTorch's
+    CPU flash kernel packs bf16 for AVX512-VNNI from the CPU's own flags; with `ATEN_CPU_CAPABILITY` forced below the
+    CPU (tests/float_variants.py's `aten-default`, a CI variant) it raises "pack_vnni2 is only supported when avx512
+    is supported": a limit of the forced variant, not of a real machine (a CPU without AVX512 takes the plain path).
+    Tests whose subject is bf16 flash attention skip with this reason; every other error propagates. (The kernel
+    packs only from 64 positions on: the probe uses 128.)"""
+    q = torch.zeros(1, 1, 128, 16, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as e:
+        if "pack_vnni" not in str(e):
+            raise
+        return f"bf16 flash attention is not runnable here (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY')}): {e}"
+    return None
 
 
 @pytest.fixture(scope="session")

@@ -204,9 +204,12 @@ def test_activation_bytes_are_what_autograd_keeps(dtype):
     import torch
     from transformers import AutoConfig
 
+    from conftest import bf16_flash_attention_error
     from eagle.head import UNROLL_ROW_CHUNKS, Eagle3Head, EagleHead, head_config_from_target
     from train.plan import COMPUTE_BYTES, Shape, activation_bytes_per_token
 
+    if dtype == "bfloat16" and bf16_flash_attention_error():
+        pytest.skip(bf16_flash_attention_error())
     dt = getattr(torch, dtype)
     cb = COMPUTE_BYTES["bf16" if dtype == "bfloat16" else "fp32"]
     H, I, h, kv, V, B, T = 128, 448, 8, 2, 300, 2, 128
