@@ -65,67 +65,44 @@ RATE_REPEATS = 3000
 
 
 # ----------------------------------------------------------------------------- the wrong samplers
-def verify_sampling_accepting_more(tree, target_probs, generator=None):
-    kids, tokens, node, path = tree.children(), tree.tokens.tolist(), 0, [0]
-    while True:
-        p = target_probs[node]
-        for child in kids[node]:
-            x = tokens[child]
-            if float(torch.rand((), generator=generator)) < FACTOR * float(p[x]):  # WRONG: 1.1 p(x)
-                node = child
-                path.append(child)
-                break
-            p = p.clone()
-            p[x] = 0.0
-            total = p.sum()
-            p = p / total if total > 0 else p
-        else:
-            path_t = torch.tensor(path)
-            return path_t, torch.cat([tree.tokens[path_t[1:]], sample_token(p, generator)])
-
-
-def verify_sampling_unnormalised(tree, target_probs, generator=None):
-    kids, tokens, node, path = tree.children(), tree.tokens.tolist(), 0, [0]
-    while True:
-        p = target_probs[node]
-        for child in kids[node]:
-            x = tokens[child]
-            if float(torch.rand((), generator=generator)) < float(p[x]):
-                node = child
-                path.append(child)
-                break
-            p = p.clone()
-            p[x] = 0.0  # WRONG: not renormalised
-        else:
-            if not bool(p.sum() > 0):  # every child rejected where renormalising would have accepted the last:
-                p = target_probs[node]  # fall back to p (a crash would be caught by any test)
-            path_t = torch.tensor(path)
-            return path_t, torch.cat([tree.tokens[path_t[1:]], sample_token(p, generator)])
-
-
-def verify_sampling_within_draft_vocabulary(t2d: torch.Tensor):
-    """The next token after the accepted drafts drawn from p restricted to the head's draft vocabulary (a t2d
-    mix-up): a token the head cannot draft is then never produced."""
+def defective_tree_verifier(accept_factor: float = 1.0, renormalise: bool = True, t2d: torch.Tensor | None = None):
+    """eagle.verify.verify_sampling with one deliberate defect: a child accepted with min(1, accept_factor p(x));
+    after a rejected sibling p(x) zeroed but p not renormalised; or the next token drawn from p restricted to the
+    draft vocabulary `t2d`. With the defaults it is the exact sampler."""
     def verify(tree, target_probs, generator=None):
         kids, tokens, node, path = tree.children(), tree.tokens.tolist(), 0, [0]
         while True:
             p = target_probs[node]
             for child in kids[node]:
                 x = tokens[child]
-                if float(torch.rand((), generator=generator)) < float(p[x]):
+                if float(torch.rand((), generator=generator)) < accept_factor * float(p[x]):
                     node = child
                     path.append(child)
                     break
                 p = p.clone()
                 p[x] = 0.0
-                total = p.sum()
-                p = p / total if total > 0 else p
+                if renormalise:
+                    total = p.sum()
+                    p = p / total if total > 0 else p
             else:
-                inside = p * t2d  # WRONG: the target's token need not be draftable
-                p = inside if inside.sum() > 0 else p
+                if t2d is not None:
+                    inside = p * t2d
+                    p = inside if inside.sum() > 0 else p
+                if not bool(p.sum() > 0):  # every child rejected where renormalising would have accepted the last:
+                    p = target_probs[node]  # fall back to p (a crash would be caught by any test)
                 path_t = torch.tensor(path)
                 return path_t, torch.cat([tree.tokens[path_t[1:]], sample_token(p, generator)])
     return verify
+
+
+verify_sampling_accepting_more = defective_tree_verifier(accept_factor=FACTOR)  # WRONG: 1.1 p(x)
+verify_sampling_unnormalised = defective_tree_verifier(renormalise=False)  # WRONG: not renormalised
+
+
+def verify_sampling_within_draft_vocabulary(t2d: torch.Tensor):
+    """The next token after the accepted drafts drawn from p restricted to the head's draft vocabulary (a t2d
+    mix-up): a token the head cannot draft is then never produced."""
+    return defective_tree_verifier(t2d=t2d)  # WRONG: the target's token need not be draftable
 
 
 def wrong_chain_verifier(accept_factor: float = 1.0, residual: bool = True):
