@@ -141,16 +141,17 @@ def stage_change_error(ckpt: Path, saved_stage: int, stage: int) -> CheckpointEr
                            "train.resume=false to start over")
 
 
-def expected_files(saved_stage: int, ranks) -> list[str]:
-    """The files of a checkpoint written under ZeRO `saved_stage` that the given `ranks` of it hold: the model (and,
-    stage 0, the whole optimizer) states; ZeRO 1-3: each rank's optimizer partition (bf16_ prefixed under bf16
-    training, `optim_file_names`); stage 3: each rank's model partition instead of one model file."""
-    names = [] if saved_stage == 3 else ["mp_rank_00_model_states.pt"]
+def expected_files(saved_stage: int, ranks) -> list[tuple[str, ...]]:
+    """The files of a checkpoint written under ZeRO `saved_stage` that the given `ranks` of it hold, each as the
+    names it may have (the first is the one named when it is missing): the model (and, stage 0, the whole optimizer)
+    states; ZeRO 1-3: each rank's optimizer partition (plain or bf16_ prefixed, `optim_file_names`); stage 3: each
+    rank's model partition instead of one model file."""
+    names = [] if saved_stage == 3 else [("mp_rank_00_model_states.pt",)]
     for r in ranks:
         if saved_stage == 3:
-            names.append(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+            names.append((f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",))
         if saved_stage >= 1:
-            names.append(optim_file_names(r)[0])
+            names.append(optim_file_names(r))
     return names
 
 
@@ -180,13 +181,8 @@ def check_complete(root: Path, tag: str, saved_stage: int, ranks) -> None:
     the given `ranks` of it must hold (`expected_files`), before DeepSpeed reads it: its own loader would stop
     halfway through, or silently restore only the weights when an optimizer partition is missing."""
     folder = root / tag
-    missing = []
-    for name in expected_files(saved_stage, ranks):
-        alternatives = [name]
-        if name.endswith("_optim_states.pt"):
-            alternatives = list(optim_file_names(int(name.split("zero_pp_rank_")[1].split("_")[0])))
-        if not any((folder / n).is_file() for n in alternatives):
-            missing.append(name)
+    missing = [names[0] for names in expected_files(saved_stage, ranks)
+               if not any((folder / n).is_file() for n in names)]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(f"checkpoint {folder} is incomplete: {shown} missing (written by "
