@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from scipy.optimize import least_squares
+from scipy.stats import median_abs_deviation
 from tqdm.auto import tqdm
 
 from eagle.decoding_config import DecodingConfig
@@ -134,12 +135,12 @@ def fit_time_model(calls: list[RoundTiming], clock: str = "cpu") -> TimeModel:
     w = np.sqrt(np.array([float(c.rounds) for c in calls]))  # [C]
     ols = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0]
     resid = (x @ ols - y) * w
-    scale = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
+    scale = float(median_abs_deviation(resid, scale="normal"))
     coef = ols
     if scale > 0:
         coef = least_squares(lambda c: (x @ c - y) * w, ols, loss="soft_l1", f_scale=scale).x
     r = x @ coef - y
-    spread = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+    spread = float(median_abs_deviation(r, scale="normal"))
     return TimeModel(*(float(v) for v in coef), residual_s=spread, calls=len(calls), clock=clock)
 
 
