@@ -34,9 +34,15 @@ from data_prep.feature_cache import FeatureCacheWriter
 from data_prep.vllm_server import engine_env, resolve_engine_python, servable_target
 from eagle.cli_errors import UserError
 from eagle.head_kinds import text_config
+from eagle.state_files import StateFile, read_json_state, register
 
 ENGINE_CAPTURE = Path(__file__).resolve().parent / "engine_capture.py"
 CAPTURE_DIR = "vllm_capture"  # beside the cache (in the data folder): per-record files, deleted once committed
+CAPTURE_RESULT = register(StateFile(
+    "result.json", "DATA_DIR/vllm_capture-SHARD", writer="data_prep/engine_capture.py (under the engine's interpreter)",
+    schema={"files": {"*": str}, "errors": {"*": str}, "error?": str, "*": object},
+    rebuild="rerun the cache stage: the engine script writes it fresh (engine.log beside it says why it is incomplete)",
+    example={"vllm_version": "0.32.0", "files": {"r00000000": "files/r00000000.safetensors"}, "errors": {}}))
 
 
 class EngineCaptureError(UserError, RuntimeError):
@@ -110,7 +116,7 @@ def engine_capture(engine_python: str, model: str, dtype: str, records: list[dic
     if proc.returncode != 0 or not res.exists():
         tail = " | ".join(ln.strip() for ln in log_path.read_text(errors="replace").splitlines()[-6:] if ln.strip())
         raise EngineCaptureError(f"the vLLM capture exited with {proc.returncode} (log {log_path}): {tail}")
-    result = json.loads(res.read_text())
+    result = read_json_state(res, CAPTURE_RESULT)
     if "error" in result:
         raise EngineCaptureError(f"vLLM at {engine_python} cannot capture hidden states (speculative method "
                                  f"extract_hidden_states + a hidden-states KV connector, vllm >= 0.32): "
@@ -152,6 +158,8 @@ def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer:
         writer.flush()  # what was read is committed, whatever stopped the loop; then the capture files may go
         shutil.rmtree(work / "files", ignore_errors=True)
     stats.seconds = time.perf_counter() - start  # engine start-up included: what a user waits for
+    print(f"[cache] vLLM {result.get('vllm_version')}: engine start {result.get('load_s', 0):.1f} s, capture "
+          f"{result.get('capture_s', 0):.1f} s for {len(result['files'])} records", flush=True)
     errors = result.get("errors") or {}
     if errors:
         name, why = next(iter(errors.items()))

@@ -20,14 +20,20 @@ late. Only k measured at every level compete (a missing point cannot be interpol
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from eagle.cli_errors import UserError
+from eagle.state_files import StateFile, read_json_state, register, write_json_state
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 SPEC_CONFIG_FILE = "speculative_config.json"  # beside serve-sweep's sweep.json; top level of a Hub upload
+SPEC_CONFIG = register(StateFile(
+    SPEC_CONFIG_FILE, "SERVE_SWEEP_DIR", writer="evaluation/serve_sweep.py (and Hub staging, export/hub.py)",
+    schema={"method": str, "model": str, "num_speculative_tokens": int, f"{SCHEDULE_KEY}?": [[int]], "*": object},
+    rebuild="rerun `python evaluation/main.py serve-sweep` (it fits and writes it again), or write vLLM's "
+            "--speculative-config by hand",
+    example={"method": "eagle", "model": "HEAD-vllm", "num_speculative_tokens": 4, SCHEDULE_KEY: [[1, 2, 4], [3, 64, 2]]}))
 
 
 class ScheduleError(UserError, ValueError):
@@ -146,21 +152,14 @@ def check_speculative_config(config, where: str) -> dict:
 def read_speculative_config(path: str | Path) -> dict:
     """A speculative_config.json (serve-sweep's, or hand-written), checked (`check_speculative_config`)."""
     path = Path(path)
-    try:
-        config = json.loads(path.read_text())
-    except OSError as e:
-        raise ScheduleError(f"{path}: cannot read the speculative config: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ScheduleError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    return check_speculative_config(config, str(path))
+    return check_speculative_config(read_json_state(path, SPEC_CONFIG), str(path))
 
 
 def write_speculative_config(path: str | Path, config: dict) -> Path:
     """Write the (checked) config as one JSON object, the form `vllm serve --speculative-config` takes."""
     path = Path(path)
     check_speculative_config(config, str(path))
-    path.write_text(json.dumps(config) + "\n")
-    return path
+    return write_json_state(path, config, SPEC_CONFIG, indent=None)
 
 
 def schedule_text(schedule: list[list[int]]) -> str:

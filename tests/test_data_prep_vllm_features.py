@@ -136,8 +136,8 @@ def test_the_engine_cache_equals_the_transformers_cache(target, tmp_path, monkey
 
 def test_an_engine_without_capture_support_or_that_crashes_is_one_line(tmp_path, monkeypatch):
     script = tmp_path / "engine.py"
-    script.write_text("import json, sys\njson.dump({'error': \"ValueError: Invalid method extract_hidden_states\"}, "
-                      "open(sys.argv[2], 'w'))\n")
+    script.write_text("import json, sys\njson.dump({'files': {}, 'errors': {}, 'error': \"ValueError: Invalid method "
+                      "extract_hidden_states\"}, open(sys.argv[2], 'w'))\n")
     monkeypatch.setattr(vf, "ENGINE_CAPTURE", script)
     args = (sys.executable, "m", "float32", [{"name": "a", "input_ids": [1, 2]}], [2], tmp_path / "w", 0, 8,
             tmp_path / "log")

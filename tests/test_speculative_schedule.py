@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from eagle.cli_errors import is_expected
+from eagle.cli_errors import UserError, is_expected
 from evaluation.serve_sweep import best_k, markdown, plot, schedule_comparison
 from export.hub import push_to_hub
 from export.speculative_schedule import (SCHEDULE_KEY, ScheduleError, check_speculative_config, fit_schedule,
@@ -84,15 +84,16 @@ def test_the_config_file(tmp_path):
     path = write_speculative_config(tmp_path / "speculative_config.json", config)
     assert json.loads(path.read_text()) == config and read_speculative_config(path) == config
     assert schedule_text(schedule) == "batch 1-2: k = 4; batch 3-24: k = 2; batch 25-64: no speculation"
-    for text, why in (("{", "not JSON"), (json.dumps({**config, "num_speculative_tokens": 0}), "integer >= 1"),
+    for text, why in (("{", "not valid JSON"), (json.dumps({**config, "num_speculative_tokens": 0}), "integer >= 1"),
                       (json.dumps({k: v for k, v in config.items() if k != SCHEDULE_KEY}), "one fixed k"),
                       (json.dumps({**config, "method": ""}), "'method' must be a non-empty string")):
         path.write_text(text)
-        with pytest.raises(ScheduleError, match=why) as e:
+        with pytest.raises(UserError, match=why) as e:
             read_speculative_config(path)
         assert is_expected(e.value) and str(path) in str(e.value)
-    with pytest.raises(ScheduleError, match="cannot read"):
+    with pytest.raises(UserError, match="missing.json: .*rerun `python evaluation/main.py serve-sweep`") as e:
         read_speculative_config(tmp_path / "missing.json")
+    assert is_expected(e.value)
     with pytest.raises(ScheduleError, match="JSON object"):
         check_speculative_config([1], "x")
 
