@@ -17,6 +17,13 @@ with the highest interpolated throughput (ties: the shorter chain, which wastes 
 level this is that level's best k; between two levels the switch happens where the two leading k's interpolated
 curves cross, not at an arbitrary midpoint: a k that leads at C_i by 1% hands over early, one that leads by 30%
 late. Only k measured at every level compete (a missing point cannot be interpolated).
+
+k = 0 inside a schedule is not the k = 0 serve-sweep measures (a server without a drafter): on a step whose k is 0
+vLLM still runs the drafter's forward over the step's tokens to keep its KV cache in sync
+(`vllm/v1/spec_decode/llm_base_proposer.py`, `propose`: "No draft tokens requested (e.g. Dynamic SD decided K=0).
+The prefill forward pass above already ran"), and measured here it was slower than fixed k = 2
+(docs/results/serve-sweep.md). So the fit lets "no speculation" win only when it wins at every batch size (then the
+config is None: serve without --speculative-config); otherwise only k >= 1 compete.
 """
 from __future__ import annotations
 
@@ -70,6 +77,15 @@ def fit_schedule(points: list[dict], max_batch: int) -> list[list[int]]:
     levels, curves = _throughputs(points)
     if not curves:
         raise ScheduleError("no draft length was measured at every concurrency level: nothing to fit a schedule from")
+    fitted = _fit(levels, curves, max_batch)
+    drafting = {k: c for k, c in curves.items() if k > 0}
+    if any(k > 0 for _, _, k in fitted) and drafting:  # a drafter is loaded: its k = 0 is not "no speculation"
+        fitted = _fit(levels, drafting, max_batch)
+    return fitted
+
+
+def _fit(levels: list[int], curves: dict[int, list[float]], max_batch: int) -> list[list[int]]:
+    """The fastest of `curves` per batch size 1 .. max_batch, as ranges."""
     schedule: list[list[int]] = []
     for b in range(1, max_batch + 1):
         speed = {k: interpolated_throughput(levels, curve, b) for k, curve in curves.items()}

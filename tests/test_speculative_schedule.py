@@ -25,13 +25,24 @@ def points_of(tps: dict) -> list[dict]:
 
 
 def test_the_fit_switches_where_the_interpolated_curves_cross():
-    # k = 2 leads at batch 1 (150 vs 100), no speculation at 16 (900 vs 700); in log B between 1 and 16 the lines
+    # k = 2 leads at batch 1 (150 vs 100), k = 1 at 16 (900 vs 700); in log B between 1 and 16 the lines
     # 150 + 550 t and 100 + 800 t (t = log B / log 16) cross at t = 0.2, B = 16 ** 0.2 = 1.74: batch 2 already
-    # goes without speculation. (A geometric midpoint would have kept k = 2 up to batch 4.) k = 4 never leads.
-    tps = {(0, 1): 100, (2, 1): 150, (4, 1): 140, (0, 16): 900, (2, 16): 700, (4, 16): 500}
+    # drafts one token. (A geometric midpoint would have kept k = 2 up to batch 4.) k = 4 never leads.
+    tps = {(1, 1): 100, (2, 1): 150, (4, 1): 140, (1, 16): 900, (2, 16): 700, (4, 16): 500}
     assert 16 ** 0.2 == pytest.approx(1.741, abs=1e-3)
-    assert fit_schedule(points_of(tps), 16) == [[1, 1, 2], [2, 16, 0]]
-    assert fit_schedule(points_of(tps), 40) == [[1, 1, 2], [2, 40, 0]]  # beyond the last level: its best k stands
+    assert fit_schedule(points_of(tps), 16) == [[1, 1, 2], [2, 16, 1]]
+    assert fit_schedule(points_of(tps), 40) == [[1, 1, 2], [2, 40, 1]]  # beyond the last level: its best k stands
+
+
+def test_no_speculation_wins_only_everywhere():
+    # no speculation fastest at 16 but not at 1: inside a schedule k = 0 still runs the drafter, so the ks >= 1
+    # compete (k = 2, then k = 1 from the crossing of 150 + 550 t and 120 + 740 t, t = 30 / 190, B = 1.55)
+    tps = {(0, 1): 100, (1, 1): 120, (2, 1): 150, (0, 16): 2000, (1, 16): 860, (2, 16): 700}
+    assert fit_schedule(points_of(tps), 16) == [[1, 1, 2], [2, 16, 1]]
+    # fastest at every batch size: one range of k = 0, and no config (serve without --speculative-config)
+    tps = {(0, 1): 200, (2, 1): 150, (0, 16): 2000, (2, 16): 700}
+    assert fit_schedule(points_of(tps), 16) == [[1, 16, 0]]
+    assert speculative_config("eagle", "H", fit_schedule(points_of(tps), 16)) is None
     t = math.log(2) / math.log(16)
     assert interpolated_throughput([1, 16], [150, 700], 2) == pytest.approx(150 + 550 * t)
     assert interpolated_throughput([4, 16], [150, 700], 2) == 150  # below the first level: the first measurement
@@ -106,6 +117,7 @@ def test_the_schedule_point_is_compared_per_level_and_summed(tmp_path):
     tps = {(0, 1): 100, (2, 1): 150, (0, 16): 900, (2, 16): 700}
     points = sweep_points(tmp_path, tps)
     sched = [dict(p, schedule=True) for p in sweep_points(tmp_path, {(2, 1): 140, (2, 16): 950})]
+    assert fit_schedule(points, 16) == [[1, 16, 2]]  # no speculation wins at 16 only: k = 2 throughout
     cmp = schedule_comparison(points, sched)
     assert [(x["concurrency"], x["best_k"], round(x["ratio"], 3)) for x in cmp["per_level"]] == [
         (1, 2, round(140 / 150, 3)), (16, 0, round(950 / 900, 3))]
@@ -122,8 +134,8 @@ def test_the_schedule_point_is_compared_per_level_and_summed(tmp_path):
                            "speculative_config": speculative_config("eagle", "H-vllm", schedule)}}
     md = markdown(report)
     assert "| schedule | 140 (0.20 / 0.30; 2.00) | 950 (0.22 / 0.32; 2.00) |" in md
-    assert "Draft length per batch size (fitted by R): batch 1: k = 2; batch 2-16: no speculation." in md
-    assert f'"{SCHEDULE_KEY}": [[1, 1, 2], [2, 16, 0]]' in md
+    assert "Draft length per batch size (fitted by R): batch 1-16: k = 2." in md
+    assert f'"{SCHEDULE_KEY}": [[1, 16, 2]]' in md
     assert "Summed over the levels: schedule 1090 tokens/s; fixed k: 0: 1000, 2: 850 (best fixed: k = 0)" in md
     assert plot(points + sched, tmp_path / "p.png", "t").stat().st_size > 1000
 
