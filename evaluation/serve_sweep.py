@@ -246,10 +246,12 @@ def markdown(report: dict) -> str:
             f"{sched[c]['output_tokens_per_s']:.0f} ({sched[c]['latency_median_ms'] / 1000:.2f} / "
             f"{sched[c]['latency_p90_ms'] / 1000:.2f}; {sched[c].get('acceptance_length') or 0:.2f})"
             if c in sched and sched[c]["output_tokens_per_s"] else "–" for c in cs) + " |")
-    loads = {k: [by[k, c].get("load_1min") for c in cs if (k, c) in by] for k in ks}
+    loads = {f"k = {k}": [by[k, c].get("load_1min") for c in cs if (k, c) in by] for k in ks}
+    if sched:
+        loads["schedule"] = [sched[c].get("load_1min") for c in cs if c in sched]
     if any(x is not None for v in loads.values() for x in v):  # other jobs on the machine move every number
         lines += ["", "1-minute load average at the end of each point (by concurrency): " + "; ".join(
-            f"k = {k}: " + "/".join("–" if x is None else f"{x:.1f}" for x in v) for k, v in loads.items()) + "."]
+            f"{k}: " + "/".join("–" if x is None else f"{x:.1f}" for x in v) for k, v in loads.items()) + "."]
     lines += ["", "Best draft length per concurrency level (highest output tokens/s):", ""]
     lines += [f"- {x}" for x in recommendation_lines(report["best"])]
     lines += schedule_lines(report.get("schedule"))

@@ -21,8 +21,8 @@ late. Only k measured at every level compete (a missing point cannot be interpol
 k = 0 inside a schedule is not the k = 0 serve-sweep measures (a server without a drafter): on a step whose k is 0
 vLLM still runs the drafter's forward over the step's tokens to keep its KV cache in sync
 (`vllm/v1/spec_decode/llm_base_proposer.py`, `propose`: "No draft tokens requested (e.g. Dynamic SD decided K=0).
-The prefill forward pass above already ran"), and measured here it was slower than fixed k = 2
-(docs/results/serve-sweep.md). So the fit lets "no speculation" win only when it wins at every batch size (then the
+The prefill forward pass above already ran"; how much that costs was inside this box's noise:
+docs/results/serve-sweep.md). So the fit lets "no speculation" win only when it wins at every batch size (then the
 config is None: serve without --speculative-config); otherwise only k >= 1 compete.
 """
 from __future__ import annotations
