@@ -59,6 +59,8 @@ def test_the_vllm_cache_equals_the_transformers_cache(target, tmp_path, vllm_pyt
     assert b.manifest["feature_layers" if kind == "eagle3" else "hidden_size"] == a.manifest[
         "feature_layers" if kind == "eagle3" else "hidden_size"]
     assert sorted(a.ids) == sorted(b.ids) and len(a) == 12
+    for key in ("target", "config_hash", "hidden_size", "vocab_size", "tokenized_sha256", "dtype"):
+        assert a.manifest[key] == b.manifest[key], key  # the trainer's target check cannot tell them apart
     rows = {r["id"]: r for r in b}
     for r in a:
         got = rows[r["id"]]
