@@ -41,6 +41,7 @@ from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, 
 from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer,  # noqa: E402
                               resolve_target_path, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
+from data_prep.vllm_features import cache_shard_vllm, staging_bytes_per_token  # noqa: E402
 from data_prep.vllm_server import recipe_server  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.device import pick_device  # noqa: E402
@@ -244,8 +245,8 @@ def stage_cache(run: Run) -> None:
     d = run.cfg.data
     tok_path = run.data_dir / layout.TOKENIZED_FILE
     records = list(load_tokenized(tok_path))
-    model = run.model()
-    config = model.config
+    engine = d.feature_source == "vllm"  # the states computed by vLLM (data_prep/vllm_features.py), not transformers
+    config = load_target_config(run.cfg.target.path) if engine else run.model().config
     text = text_config(config)  # multimodal wrappers: the language model's config
     meta = {"target": resolve_target_path(run.cfg.target), "config_hash": target_config_hash(config),
             "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
@@ -257,10 +258,16 @@ def stage_cache(run: Run) -> None:
     writer = FeatureCacheWriter(out, meta, dtype=d.cache_dtype, part=f"shard{run.shard:05d}-of-{run.num_shards:05d}",
                                 max_shard_bytes=d.cache_shard_mb * 2**20)
     remaining = sum(len(r["input_ids"]) for r in records if r["id"] not in writer)
-    check_disk(out, remaining, meta["hidden_size"], d.cache_dtype, d.disk_headroom_gb, layers)
-    stats = cache_shard(model, records, writer, run.shard, run.num_shards, progress=run.progress, layers=layers)
+    staging = remaining * staging_bytes_per_token(meta["hidden_size"], layers) / 1024**3 if engine else 0.0
+    check_disk(out, remaining, meta["hidden_size"], d.cache_dtype, d.disk_headroom_gb + staging, layers)
+    if engine:
+        stats = cache_shard_vllm(run.cfg, meta["target"], config, records, writer, run.shard, run.num_shards, layers,
+                                 run.data_dir)
+    else:
+        stats = cache_shard(run.model(), records, writer, run.shard, run.num_shards, progress=run.progress,
+                            layers=layers)
     writer.close()
-    s = stats.as_dict()
+    s = {**stats.as_dict(), "feature_source": d.feature_source}
     run.update_report(f"cache_shard{run.shard}of{run.num_shards}", s)
     run.log(f"cache: {s['records_cached']} samples cached, {s['records_skipped_done']} already cached; "
             f"{s['records_per_s']:.2f} records/s, {s['tokens_per_s']:.1f} tokens/s")

@@ -7,7 +7,8 @@ only the standard library and vllm (never this project), so the project's venv n
 REQUEST: {"model", "dtype", "max_model_len", "prompts": [[ids]], "max_tokens", "stop_token_ids", "seed",
           "temperature" (0 = greedy; > 0: request i samples with seed + i), "top_p", "top_k",
           "patch_cpu_expand": false (true: install `fixed_expand`, see below),
-          "runs": [{"name", "speculative_config": {...} | null}]}   (one LLM per run, in this order)
+          "runs": [{"name", "speculative_config": {...} | null, "engine_args": {...}}]}   (one LLM per run, in this
+          order; engine_args: more LLM(...) arguments, e.g. {"max_num_seqs": 1})
 RESULT:  {"vllm_version", "runs": {name: {"outputs": [[ids]], "finish_reasons", "metrics": {"num_drafts",
           "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}, "per_request": [{"num_drafts",
           "accepted_per_pos"}] (vLLM's per-request acceptance histograms), "load_s", "generate_s"}
@@ -109,6 +110,7 @@ def main(request_path: str, result_path: str) -> int:
         start = time.perf_counter()
         kwargs = dict(model=req["model"], dtype=req.get("dtype", "float32"), max_model_len=int(req["max_model_len"]),
                       seed=seed, disable_log_stats=False, enforce_eager=True, distributed_executor_backend="uni")
+        kwargs.update(run.get("engine_args") or {})
         if run.get("speculative_config"):
             kwargs["speculative_config"] = run["speculative_config"]
             kwargs["per_request_spec_decode_metrics"] = "summary"

@@ -7,6 +7,7 @@
     python evaluation/main.py serve-check --engine vllm --base TARGET --head HEAD \
         --engine-python /work/venvs/vllm/bin/python      # the head IN vLLM vs this decoder (evaluation/serve_check.py)
     python evaluation/main.py serve-sweep --base TARGET --head HEAD --engine-python ...   # best k per concurrency
+    python evaluation/main.py serve-check ... --speculative-config EVAL/serve_sweep/speculative_config.json  # k by batch
 
 bench: every method of `eval.methods` (vanilla, chain, eagle1, eagle2, tuned; any override like
 "eagle2:total_token=30,depth=4,top_k=8") runs on every prompt, interleaved, after a warm-up; the
@@ -56,6 +57,7 @@ from evaluation.runner import GenerationArgs, run_benchmark
 from evaluation.serve_check import serve_check
 from evaluation.serve_sweep import parse_int_list, serve_sweep
 from export.head_kinds import EXPORT
+from export.speculative_schedule import read_speculative_config
 from recipes import add_print_config, command_config, layout
 from recipes.chat_templates import read_template
 
@@ -136,6 +138,9 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
                              "trap)")
         sc.add_argument("--num-speculative-tokens", type=bounded(int, at_least=1), default=4,
                         help="chain length k in engine and project (>= 1)")
+        sc.add_argument("--speculative-config", default=None, metavar="FILE",
+                        help="check a k-per-batch-size schedule instead of one k: a speculative_config.json with "
+                             "num_speculative_tokens_per_batch_size (serve-sweep writes one); T = 0 only")
         sc.add_argument("--tolerance", type=bounded(float, at_least=0), default=0.05,
                         help="T = 0: largest relative difference of acceptance (mean and per position), engine vs "
                              "project")
@@ -460,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve-sweep":  # bad lists fail before anything loads
         args.concurrency = parse_int_list(args.concurrency, "--concurrency", minimum=1)
         args.ks = parse_int_list(args.ks, "--ks") if args.ks else None
+    schedule = None
+    if command == "serve-check" and args.speculative_config:  # a bad schedule fails before anything loads
+        schedule = read_speculative_config(args.speculative_config)
     cfg = config_from_args(args)
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
@@ -469,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
                            k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
                            engine_format=args.engine_format, engine_method=args.engine_method,
-                           temperature=setup.gen.temperature, alpha=args.alpha, patch_engine=args.patch_engine)
+                           temperature=setup.gen.temperature, alpha=args.alpha, patch_engine=args.patch_engine,
+                           schedule_config=schedule)
     if command == "serve-sweep":
         return serve_sweep(setup, questions, args.engine_python, args.concurrency, args.ks,
                            engine_format=args.engine_format, min_prompts=args.min_prompts)

@@ -19,6 +19,14 @@ mean acceptance length (1 + accepted / drafts) and per-position acceptance (acce
 next to ours, and their ratio. Fails (exit 1) when any engine output changes with speculation or the mean
 acceptance length or any position's acceptance differs by more than `--tolerance` (relative). Greedy decoding is
 deterministic on both sides, so the tolerance only absorbs floating-point near-ties.
+
+A draft-length schedule (`--speculative-config FILE`: serve-sweep's speculative_config.json, vLLM's
+`num_speculative_tokens_per_batch_size`, export/speculative_schedule.py) is checked as one k is, at T = 0: the engine
+serves every prompt at once with the schedule (the batch shrinks as requests finish, so k switches), whose outputs
+must equal plain decoding's and whose mean drafted tokens per draft must lie within the schedule's k for those batch
+sizes; and once more with one request at a time (`max_num_seqs` 1), where the schedule's k at batch size 1 is one
+fixed chain, compared with this project's chain of that k exactly as above (a schedule with k = 0 at batch size 1
+must then draft nothing). The file's `model` is not served: the check converts `--head` itself.
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ from evaluation import serve_check_sampling
 from evaluation.engine_process import ENGINES, ServeCheckError, engine_runs
 from evaluation.head_health import acceptance_warning, warn
 from export.head_kinds import check_vllm_method, export_kind, served_kind, write_engine_head
+from export.speculative_schedule import SCHEDULE_KEY, ScheduleError, k_at
 
 log = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = 0.05  # relative difference of mean acceptance lengths (T = 0)
@@ -132,9 +141,16 @@ def evaluation_prompts(s, questions: list, num_prompts: int | None) -> list[list
 def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str | None = None, k: int = 4,
                 tolerance: float = DEFAULT_TOLERANCE, num_prompts: int | None = None,
                 engine_format: str | None = None, engine_method: str | None = None, temperature: float = 0.0,
-                alpha: float | None = None, patch_engine: bool = False) -> int:
+                alpha: float | None = None, patch_engine: bool = False, schedule_config: dict | None = None) -> int:
     """Run the check (module docstring; temperature > 0: evaluation/serve_check_sampling.py, `alpha` its error
-    rate); writes serve_check/report.{json,md} under the eval output folder. Exit code 0 = pass, 1 = fail."""
+    rate; `schedule_config`: a checked speculative config with a k-per-batch-size schedule, replacing `k`);
+    writes serve_check/report.{json,md} under the eval output folder. Exit code 0 = pass, 1 = fail."""
+    if schedule_config is not None:
+        if temperature > 0:
+            raise ScheduleError("--speculative-config (a k-per-batch-size schedule) is checked at T = 0 only; drop "
+                                "eval.temperature or check one k at T > 0 with --num-speculative-tokens")
+        k = int(schedule_config["num_speculative_tokens"])
+        engine_method = engine_method or schedule_config["method"]
     if engine not in ENGINES:
         raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
                               "its export format is checked by tests/test_engine_formats.py)")
@@ -157,7 +173,11 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
                    "stop_token_ids": list(s.gen.eos_token_id or []), "seed": int(s.cfg.seed),
                    "patch_cpu_expand": bool(patch_engine)}
         spec_config = {"method": method, "model": draft, "num_speculative_tokens": k}
-        if temperature > 0:
+        if schedule_config is not None:
+            spec_config[SCHEDULE_KEY] = schedule_config[SCHEDULE_KEY]
+            report = schedule_check(s, prompts, engine, engine_python, work, request, spec_config, target, padded,
+                                    tolerance)
+        elif temperature > 0:
             report = serve_check_sampling.check(s, prompts, k, temperature, engine, engine_python, work, request,
                                                 spec_config, alpha or serve_check_sampling.DEFAULT_ALPHA)
         else:
@@ -170,15 +190,49 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
               **report}
     report["seconds"]["total"] = time.perf_counter() - t0
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = serve_check_sampling.markdown(report) if temperature > 0 else markdown(report)
+    md = (serve_check_sampling.markdown(report) if temperature > 0 else
+          schedule_markdown(report) if schedule_config is not None else markdown(report))
     (out_dir / "report.md").write_text(md)
     print(md)
     print(f"report: {out_dir / 'report.md'}")
     return 0 if report["passed"] else 1
 
 
-def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_config, target, padded, tolerance) -> dict:
-    """T = 0: engine plain vs speculative outputs, engine vs project acceptance (mean and per position)."""
+def schedule_check(s, prompts, engine, engine_python, work, request, spec_config, target, padded,
+                   tolerance) -> dict:
+    """T = 0 with a k-per-batch-size schedule (module docstring): the greedy check at batch size 1 (the schedule's k
+    there), plus the whole batch served with the schedule: outputs equal plain decoding's, and its mean drafted
+    tokens per draft within the schedule's k over the batch sizes it passed through."""
+    schedule, n = spec_config[SCHEDULE_KEY], spec_config["num_speculative_tokens"]
+    k1 = k_at(schedule, 1, n)
+    batched = {"name": "schedule_batched", "speculative_config": spec_config}
+    single = {"name": "schedule_batch1", "speculative_config": spec_config, "engine_args": {"max_num_seqs": 1}}
+    report = greedy_check(s, prompts, max(k1, 1), engine, engine_python, work, request, spec_config, target, padded,
+                          tolerance, runs=[single, batched], speculative_name="schedule_batch1")
+    eos = list(s.gen.eos_token_id or [])
+    plain, whole = report.pop("engine_runs")
+    same = sum(strip_stop(a, eos) == strip_stop(b, eos) for a, b in zip(plain["outputs"], whole["outputs"]))
+    ks = sorted({k_at(schedule, b, n) for b in range(1, len(prompts) + 1)} - {0})
+    m = whole["metrics"]
+    mean_k = m["num_draft_tokens"] / m["num_drafts"] if m["num_drafts"] else 0.0
+    obeys = (m["num_drafts"] == 0) if not ks else ks[0] <= mean_k <= ks[-1]
+    if k1 == 0:  # no speculation at batch size 1: the single-request run must draft nothing
+        e = report["engine_acceptance"]
+        report["passed"] = report["identical_outputs"] == len(prompts) and e["num_drafts"] == 0
+        report["ratio"], report["position_ratios"] = None, []
+    report.update(schedule=schedule, k_at_batch1=k1, batched_identical_outputs=same,
+                  batched_k_range=[ks[0], ks[-1]] if ks else [0, 0], batched_mean_drafted_per_draft=mean_k,
+                  batched_metrics=m, batched_obeys_schedule=obeys,
+                  passed=report["passed"] and same == len(prompts) and obeys)
+    report["seconds"]["engine_generate_batched"] = whole["generate_s"]
+    return report
+
+
+def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_config, target, padded, tolerance,
+                 runs: list[dict] | None = None, speculative_name: str = "speculative") -> dict:
+    """T = 0: engine plain vs speculative outputs, engine vs project acceptance (mean and per position). `runs`:
+    other engine runs beside "plain" (default: `spec_config` as "speculative"); `speculative_name` is the one
+    compared; with `runs` given the report keeps the engine's plain and last runs under "engine_runs"."""
     gen = s.gen
     eos = list(gen.eos_token_id or [])
     ours = project_run(s.models["A"], prompts, k, gen.max_new_tokens, gen.max_length, eos)
@@ -188,10 +242,10 @@ def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_confi
         equivalence = padded_equivalence(ours, s.models["A"].base_model.dtype, target, str(work / "head_padded"),
                                          prompts, k, gen)
         log.info("padded copies vs originals in our decoder: %s", equivalence)
+    extra = runs or [{"name": "speculative", "speculative_config": spec_config}]
     result = engine_runs(engine, engine_python, {**request, "runs": [
-        {"name": "plain", "speculative_config": None}, {"name": "speculative", "speculative_config": spec_config}]},
-        work)
-    plain, spec = result["runs"]["plain"], result["runs"]["speculative"]
+        {"name": "plain", "speculative_config": None}, *extra]}, work)
+    plain, spec = result["runs"]["plain"], result["runs"][speculative_name]
     m = spec["metrics"]
     engine_acc = Acceptance(m["num_drafts"], m["num_accepted_tokens"], list(m["accepted_per_pos"]))
     per_prompt = []
@@ -221,6 +275,7 @@ def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_confi
         "seconds": {"project_decode": ours_s, "engine_load_plain": plain["load_s"],
                     "engine_generate_plain": plain["generate_s"], "engine_load_speculative": spec["load_s"],
                     "engine_generate_speculative": spec["generate_s"]},
+        **({"engine_runs": (plain, result["runs"][extra[-1]["name"]])} if runs else {}),
     }
 
 
@@ -255,3 +310,21 @@ def markdown(r: dict) -> str:
     if bad:
         lines += [f"Prompts whose engine output changed with speculation: {bad}", ""]
     return "\n".join(lines)
+
+
+def schedule_markdown(r: dict) -> str:
+    """The report of a schedule check: the batch-size-1 chain as `markdown`, then the batched run."""
+    k1 = r["k_at_batch1"]
+    head = markdown({**r, "num_speculative_tokens": max(k1, 1)}) if k1 else (
+        f"# serve-check: {r['engine']} {r['engine_version']} ({'PASS' if r['passed'] else 'FAIL'})\n\n"
+        f"The schedule serves no speculation at batch size 1: that run drafted {r['engine_acceptance']['num_drafts']} "
+        f"times (0 expected); outputs identical to plain decoding: {r['identical_outputs']}/{r['prompts']}.\n")
+    lo, hi = r["batched_k_range"]
+    return head + "\n".join([
+        "", f"Schedule `{r['schedule']}` (num_speculative_tokens {r['num_speculative_tokens']}); the table above is "
+        f"one request at a time (max_num_seqs 1: k = {k1}).",
+        f"All {r['prompts']} prompts at once (k switching as the batch shrinks): outputs identical to plain decoding "
+        f"{r['batched_identical_outputs']}/{r['prompts']}; drafted tokens per draft {r['batched_mean_drafted_per_draft']:.2f}"
+        f" (the schedule's k over batch sizes 1-{r['prompts']}: {lo}-{hi}; obeyed: {r['batched_obeys_schedule']}); "
+        f"engine mean acceptance length {1 + r['batched_metrics']['num_accepted_tokens'] / max(r['batched_metrics']['num_drafts'], 1):.3f}.",
+        ""])

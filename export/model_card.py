@@ -11,6 +11,7 @@ from eagle.decoding_config import DecodingConfig
 from eagle.head_kinds import EAGLE2
 from export.engine_formats import ENGINE_VERSIONS
 from export.head_kinds import EXPORT, ExportKind, export_kind, served_kind
+from export.speculative_schedule import SCHEDULE_KEY, SPEC_CONFIG_FILE, schedule_text
 from recipes.layout import SERVE_SWEEP_DIR
 
 
@@ -73,7 +74,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "folder is what the code above loads.",
         "",
         *serving_section(cfg, target, repo_id, fmt, kind),
-        *sweep_section(sweep),
+        *sweep_section(sweep, target, vllm_folder(repo_id, fmt)),
         "## Training",
         "",
         "| setting | value |",
@@ -136,8 +137,20 @@ def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: ExportKind) 
     return lines
 
 
-def sweep_section(sweep: dict | None) -> list[str]:
-    """Markdown lines: serve-sweep's best num_speculative_tokens per concurrency level, with its plot."""
+def vllm_folder(draft: str, fmt: str) -> str:
+    """The draft folder the card's vLLM commands serve: `draft` itself in vLLM's format, else the converted copy."""
+    return str(draft) if fmt == "vllm" else f"{Path(str(draft)).name}-vllm"
+
+
+def card_speculative_config(sweep: dict | None, draft: str) -> dict | None:
+    """serve-sweep's fitted speculative config (k per batch size) with `model` = the folder the card serves."""
+    config = ((sweep or {}).get("schedule") or {}).get("speculative_config")
+    return {**config, "model": str(draft)} if config else None
+
+
+def sweep_section(sweep: dict | None, base: str = "BASE", draft: str = "HEAD-vllm") -> list[str]:
+    """Markdown lines: serve-sweep's best num_speculative_tokens per concurrency level, with its plot, and the
+    fitted per-batch-size schedule as a `vllm serve` command (`draft`: the vLLM-format folder)."""
     if not sweep or not sweep.get("best"):
         return []
     lines = ["### Draft length by load", "",
@@ -154,7 +167,19 @@ def sweep_section(sweep: dict | None) -> list[str]:
         speed = b.get("speedup_vs_no_speculation")
         lines.append(f"| {b['concurrency']} | {b['best_k']}{' (no speculation)' if b['best_k'] == 0 else ''} | "
                      f"{b['output_tokens_per_s']:.0f} | {f'{speed:.2f}x' if speed else '–'} | {runner} |")
-    return lines + ["", f"![throughput vs concurrency](eval/{SERVE_SWEEP_DIR}/throughput.png)", ""]
+    lines += ["", f"![throughput vs concurrency](eval/{SERVE_SWEEP_DIR}/throughput.png)", ""]
+    config = card_speculative_config(sweep, draft)
+    if config:
+        cmp = sweep["schedule"].get("comparison") or {}
+        per = cmp.get("per_level") or []
+        lines += ["vLLM switches the draft length by batch size itself (`" + SCHEDULE_KEY + "`, fitted from the "
+                  f"table above: {schedule_text(config[SCHEDULE_KEY])}; `{SPEC_CONFIG_FILE}` in this repo):", "",
+                  "```bash", f"vllm serve {base} --speculative-config '{json.dumps(config)}'", "```", ""]
+        if per:
+            lines += ["Served in the same sweep, the schedule reached "
+                      + ", ".join(f"{x['ratio']:.2f}x" for x in per) + " the best fixed k's tokens/s at concurrency "
+                      + ", ".join(str(x["concurrency"]) for x in per) + ".", ""]
+    return lines
 def serving_commands(base: str, draft: str, fmt: str, kind: ExportKind = EXPORT[EAGLE2],
                      decoding: DecodingConfig | None = None, num_speculative_tokens: int | None = None) -> dict[str, str]:
     """Copy-paste commands serving `draft` (a folder or Hub id in format `fmt`) on `base`, per engine: SGLang's tree

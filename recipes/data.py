@@ -12,6 +12,7 @@ API_ENDPOINTS = ("chat", "completions")
 LENGTH_LIMIT_POLICIES = ("keep", "drop")
 OVERLONG_POLICIES = ("truncate", "drop")
 CACHE_DTYPES = ("bfloat16", "float16", "float32", "int8")
+FEATURE_SOURCES = ("transformers", "vllm")
 
 
 @dataclass
@@ -52,6 +53,7 @@ class DataSettings:
     # --- cache features
     cache_features: bool = True  # False = stop after tokenize (trainer's online mode runs the target itself)
     cache_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | int8 (per-row scales; error reported)
+    feature_source: str = "transformers"  # transformers | vllm (the states computed in vLLM, data.engine_python: data_prep/vllm_features.py)
     cache_shard_mb: int = 512
     disk_headroom_gb: float = 1.0  # refuse to start unless estimate + headroom fits on the disk
     device: str = "auto"  # auto = cuda:LOCAL_RANK when available, else cpu
@@ -67,6 +69,8 @@ def validate_data_section(d) -> None:
           f"expected one of {LENGTH_LIMIT_POLICIES}")
     check(d.overlong in OVERLONG_POLICIES, "data.overlong", d.overlong, f"expected one of {OVERLONG_POLICIES}")
     check(d.cache_dtype in CACHE_DTYPES, "data.cache_dtype", d.cache_dtype, f"expected one of {CACHE_DTYPES}")
+    check(d.feature_source in FEATURE_SOURCES, "data.feature_source", d.feature_source,
+          f"expected one of {FEATURE_SOURCES}")
     check(d.max_records is None or d.max_records >= 1, "data.max_records", d.max_records, "expected >= 1 (or null = all)")
     for key in ("gen_batch_size", "max_new_tokens", "cache_shard_mb"):
         check(d[key] >= 1, f"data.{key}", d[key], "expected >= 1")

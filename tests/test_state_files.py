@@ -65,9 +65,14 @@ NOT_STATE = {
     "train/tracking.py": (1, "metrics.jsonl, a log appended to"),
     "export/engine_formats.py": (1, "writes an engine folder's config.json inside write_folder (atomic folder); read "
                                     "back via HEAD_CONFIG"),
-    "export/model_card.py": (1, "a command line in the card"),
+    "export/model_card.py": (2, "command lines in the card (one with the fitted speculative config)"),
+    "data_prep/engine_capture.py": (3, "runs under the engine's interpreter (no project imports): reads the request "
+                                       "written just before, writes CAPTURE_RESULT (read back through the loader)"),
+    "data_prep/vllm_features.py": (3, "the target's safetensors index (an input); writes the engine script's "
+                                      "request, read by it at once"),
     "evaluation/serve_check.py": (1, "serve-check's report.json, for people, never read back"),
-    "evaluation/serve_sweep.py": (2, "the ShareGPT prompt file vllm bench reads; a command-line argument"),
+    "evaluation/serve_sweep.py": (3, "the ShareGPT prompt file vllm bench reads; command-line arguments; the "
+                                     "speculative config shown in sweep.md"),
     "evaluation/report.py": (5, "a JSON round trip before write_json_state; answers.jsonl, autotune.json and "
                                 "chi2 report.json: reports for people, never read back"),
     "evaluation/engine_vllm.py": (2, "runs under the engine's interpreter (no project imports): reads the request "
@@ -199,6 +204,11 @@ def _stored_recipe(d: Path):
     return trained_recipe(load_config("tiny"), d, {"hidden_size": 8})
 
 
+def _speculative_config(d: Path):
+    from export.speculative_schedule import read_speculative_config
+    return read_speculative_config(d / "speculative_config.json")
+
+
 # key -> the project's own reader of that file, called with the folder holding it. Readers that are
 # read_json_state itself (the model card's inputs in export/hub.py, data_prep's report merge) use the loader.
 READERS = {
@@ -218,6 +228,8 @@ READERS = {
     "SERVE_SWEEP_DIR/sweep.json": _spec_loader("SERVE_SWEEP_DIR/sweep.json"),
     "SERVE_SWEEP_DIR/bench/k{K}_c{C}.json": _bench,
     "SERVE_CHECK_WORK_DIR/ENGINE_result.json": _spec_loader("SERVE_CHECK_WORK_DIR/ENGINE_result.json"),
+    "DATA_DIR/vllm_capture-SHARD/result.json": _spec_loader("DATA_DIR/vllm_capture-SHARD/result.json"),
+    "SERVE_SWEEP_DIR/speculative_config.json": _speculative_config,
     "QUICKSTART_OUT/quickstart_state.json": _quickstart,
 }
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from export.speculative_schedule import SCHEDULE_KEY, read_speculative_config
 from tiny_models import fit_good_head, single_thread  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared, pytest.mark.usefixtures("single_thread")]
@@ -136,3 +137,33 @@ def test_serve_sweep_measures_every_point(heads, tmp_path, vllm_python):
     assert [b["concurrency"] for b in r["best"]] == [1, 4] and r["engine_version"] == "0.32.0"
     assert (out / "serve_sweep" / "throughput.png").stat().st_size > 1000
     assert "Best draft length per concurrency level" in (out / "serve_sweep" / "sweep.md").read_text()
+    # the fitted k per batch size, written as vLLM's config and served as one more point at every level
+    sched = r["schedule"]
+    assert sched["fitted"][0][0] == 1 and sched["fitted"][-1][1] == 4
+    if sched["speculative_config"]:
+        config = read_speculative_config(out / "serve_sweep" / "speculative_config.json")
+        assert config[SCHEDULE_KEY] == sched["fitted"] and config["model"] == f"{heads['eagle2']}-vllm"
+        assert sorted(p["concurrency"] for p in sched["points"]) == [1, 4]
+        assert all(p["failed"] == 0 and p["output_tokens_per_s"] > 0 for p in sched["points"])
+        assert [x["concurrency"] for x in sched["comparison"]["per_level"]] == [1, 4]
+
+
+def test_serve_check_of_a_schedule(heads, tmp_path, vllm_python):
+    """A k-per-batch-size schedule checked as one k: one request at a time it is the chain of its batch-1 k, equal
+    to this project's; all prompts at once (k switching as the batch shrinks) outputs equal plain decoding's and the
+    engine drafts within the schedule's k. A bad schedule is one line before anything loads."""
+    path = tmp_path / "speculative_config.json"
+    path.write_text(json.dumps({"method": "eagle", "model": "ignored", "num_speculative_tokens": 3,
+                                SCHEDULE_KEY: [[1, 1, 3], [2, 4, 1], [5, 64, 2]]}))
+    args = ["serve-check", "--recipe", "stories260k", "--base", str(heads["base"]), "--head", str(heads["eagle2"]),
+            "--engine-python", vllm_python, "--num-prompts", "6", "eval.max_new_tokens=48"]
+    code, log, out = evaluate(args + ["--speculative-config", str(path)], tmp_path, "schedule")
+    r = json.loads((out / "serve_check" / "report.json").read_text())
+    assert code == 0 and r["passed"], log[-3000:]
+    assert r["k_at_batch1"] == 3 and len(r["engine_acceptance"]["per_position"]) == 3
+    assert r["batched_identical_outputs"] == 6 and r["batched_k_range"] == [1, 3] and r["batched_obeys_schedule"]
+    assert r["identical_outputs"] == 6 and abs(r["ratio"] - 1) <= 0.05
+    path.write_text(json.dumps({"method": "eagle", "model": "m", "num_speculative_tokens": 2,
+                                SCHEDULE_KEY: [[1, 4, 3]]}))
+    code, log, _ = evaluate(args + ["--speculative-config", str(path)], tmp_path, "bad")
+    assert code == 2 and "k = 3 is above num_speculative_tokens = 2" in log and "Traceback" not in log

@@ -1,0 +1,158 @@
+"""The feature cache from vLLM (`data.feature_source=vllm`, data_prep/vllm_features.py) without an engine: vLLM's
+hidden-state ids against the cache's (its id L is before the final norm), the capture files checked and turned into
+the same cache the transformers path writes, a capture that fails part-way (a full disk) keeps what it captured and
+resumes, and an engine without the capture support is one line. Against real vLLM: tests/test_vllm_features.py."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import data_prep.vllm_features as vf
+from data_prep.cache_features import cache_shard
+from data_prep.feature_cache import FeatureCacheReader, FeatureCacheWriter
+from data_prep.vllm_features import EngineCaptureError, FinalNorm, capture_layer_ids, features_of
+from eagle.cli_errors import is_expected
+from float_tolerance import LAYER_REDUCTIONS, assert_same_function
+from recipes import RecipeError, load_config
+from test_data_prep_helpers import build_model
+
+LAYERS = 2  # build_model: a 2-layer Llama, hidden 32
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    model = build_model(64, seed=3)
+    path = tmp_path_factory.mktemp("target") / "t"
+    model.save_pretrained(path)
+    return model, path
+
+
+def engine_states(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """What vLLM's aux-state capture holds for `ids`: [T, n, H], id j = the residual stream after j layers, id L
+    BEFORE the final norm (read here off the norm's input)."""
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda m, args, out: seen.setdefault("pre", args[0]))
+    with torch.no_grad():
+        out = model.model(torch.tensor([ids]), output_hidden_states=True)
+    hook.remove()
+    states = [seen["pre"][0] if j == LAYERS else out.hidden_states[j][0] for j in layer_ids]
+    return torch.stack(states, dim=1)
+
+
+def test_layer_ids_and_the_final_norm(target):
+    model, path = target
+    assert capture_layer_ids(None, 5) == [5] and capture_layer_ids([1, 2, 4, 5], 5) == [1, 2, 4, 5]
+    norm = FinalNorm(str(path), model.config)
+    x = torch.randn(7, 32) * 3
+    with torch.no_grad():
+        assert_same_function(norm(x), model.model.norm(x), terms=32, chained=2)
+    ids = [1, 5, 9, 12, 40, 3]
+    with torch.no_grad():
+        out = model.model(torch.tensor([ids]), output_hidden_states=True)
+    for layer_ids, want in (([LAYERS], out.last_hidden_state[0]),
+                            ([1, 1, 0, LAYERS], torch.cat([out.hidden_states[1][0], out.hidden_states[1][0],
+                                                           out.hidden_states[0][0], out.last_hidden_state[0]], -1))):
+        data = {"hidden_states": engine_states(model, ids, layer_ids), "token_ids": torch.tensor(ids)}
+        got = features_of(data, ids, layer_ids, LAYERS, norm, "f")
+        assert_same_function(got, want, terms=32, chained=2)
+    with pytest.raises(EngineCaptureError, match=r"f: the engine captured other token ids .*position 2, 6 vs 6") as e:
+        features_of({**data, "token_ids": torch.tensor([1, 5, 8, 12, 40, 3])}, ids, [1, 1, 0, LAYERS], LAYERS, norm, "f")
+    assert is_expected(e.value)
+    with pytest.raises(EngineCaptureError, match=r"hidden_states of shape \(6, 4, 32\), expected \(6, 2, H\)"):
+        features_of(data, ids, [1, LAYERS], LAYERS, norm, "f")
+    with pytest.raises(EngineCaptureError, match="no tensor 'model.norm.weight'"):
+        FinalNorm(str(path.parent), model.config)
+
+
+def records(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        T = 4 + i % 5
+        out.append({"id": f"rec/{i}", "input_ids": torch.randint(3, 64, (T,), generator=g).tolist(),
+                    "loss_mask": [0] * 2 + [1] * (T - 2)})
+    return out
+
+
+def fake_engine(model, fail: set[str] = frozenset()):
+    """engine_capture writing what vLLM's capture writes (`engine_states`); names in `fail` get a write error."""
+    def capture(engine_python, served, dtype, recs, layer_ids, work, seed, max_model_len, log_path):
+        files, errors = {}, {}
+        (work / "files").mkdir(parents=True, exist_ok=True)
+        for r in recs:
+            if r["name"] in fail:
+                errors[r["name"]] = "OSError: [Errno 28] No space left on device"
+                continue
+            p = work / "files" / f"{r['name']}.safetensors"
+            save_file({"hidden_states": engine_states(model, r["input_ids"], layer_ids).contiguous(),
+                       "token_ids": torch.tensor(r["input_ids"])}, str(p))
+            files[r["name"]] = str(p)
+        return {"vllm_version": "fake", "files": files, "errors": errors, "load_s": 0.0, "capture_s": 0.0}
+    return capture
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_the_engine_cache_equals_the_transformers_cache(target, tmp_path, monkeypatch, kind):
+    model, path = target
+    layers = None if kind == "eagle2" else [1, 0, 1, LAYERS]
+    cfg = load_config("tiny", [f"target.path={path}", "data.cache_dtype=float32", "data.engine_python=python"])
+    monkeypatch.setattr(vf, "resolve_engine_python", lambda value: "python")
+    monkeypatch.setattr(vf, "servable_target", lambda p, work: (p, None))
+    meta = {"target": str(path), "config_hash": "h", "hidden_size": 32}
+    if layers:
+        meta["feature_layers"] = layers
+    recs = records(9)
+    hf = FeatureCacheWriter(tmp_path / "hf", meta, dtype="float32")
+    cache_shard(model, recs, hf, 0, 1, progress=False, layers=layers)
+    hf.close()
+    # the engine path, failing for two records on the first run (a full disk): the rest is committed, one line
+    monkeypatch.setattr(vf, "engine_capture", fake_engine(model, fail={"r00000002", "r00000005"}))
+    writer = FeatureCacheWriter(tmp_path / "vllm", meta, dtype="float32")
+    with pytest.raises(EngineCaptureError, match=r"could not write 2 of 9 records .*record rec/2: OSError: \[Errno 28\] "
+                                                 r"No space left on device\); the 7 captured are committed") as e:
+        vf.cache_shard_vllm(cfg, str(path), model.config, recs, writer, 0, 1, layers, tmp_path / "data")
+    assert is_expected(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "data" / f"{vf.CAPTURE_DIR}-00000" / "files").exists()  # capture files gone once committed
+    monkeypatch.setattr(vf, "engine_capture", fake_engine(model))
+    writer = FeatureCacheWriter(tmp_path / "vllm", meta, dtype="float32")  # the rerun: only the two missing
+    stats = vf.cache_shard_vllm(cfg, str(path), model.config, recs, writer, 0, 1, layers, tmp_path / "data")
+    writer.close()
+    assert (stats.records_skipped_done, stats.records_cached) == (7, 2)
+    a, b = FeatureCacheReader(tmp_path / "hf"), FeatureCacheReader(tmp_path / "vllm")
+    assert sorted(a.ids) == sorted(b.ids) == sorted(r["id"] for r in recs)
+    assert b.feature_layers == layers
+    rows = {r["id"]: r for r in b}
+    for r in a:
+        got = rows[r["id"]]
+        assert torch.equal(got["input_ids"], r["input_ids"]) and torch.equal(got["loss_mask"], r["loss_mask"])
+        # two float32 computations of the 2-layer target (+ the final norm): the rounding bound of that depth
+        assert_same_function(got["hidden_states"], r["hidden_states"], terms=64,
+                             chained=LAYER_REDUCTIONS * LAYERS + 1)
+
+
+def test_an_engine_without_capture_support_or_that_crashes_is_one_line(tmp_path, monkeypatch):
+    script = tmp_path / "engine.py"
+    script.write_text("import json, sys\njson.dump({'files': {}, 'errors': {}, 'error': \"ValueError: Invalid method "
+                      "extract_hidden_states\"}, open(sys.argv[2], 'w'))\n")
+    monkeypatch.setattr(vf, "ENGINE_CAPTURE", script)
+    args = (sys.executable, "m", "float32", [{"name": "a", "input_ids": [1, 2]}], [2], tmp_path / "w", 0, 8,
+            tmp_path / "log")
+    with pytest.raises(EngineCaptureError, match=r"cannot capture hidden states .*ValueError: Invalid method "
+                                                 r"extract_hidden_states; use data.feature_source=transformers") as e:
+        vf.engine_capture(*args)
+    assert is_expected(e.value) and "\n" not in str(e.value)
+    script.write_text("import sys\nprint('engine died: out of memory')\nsys.exit(3)\n")
+    with pytest.raises(EngineCaptureError, match=r"exited with 3 \(log .*\): engine died: out of memory"):
+        vf.engine_capture(*args)
+    request = json.loads((tmp_path / "w" / "request.json").read_text())
+    assert request["layer_ids"] == [2] and request["records"] == [{"name": "a", "input_ids": [1, 2]}]
+
+
+def test_the_recipe_key():
+    assert load_config("tiny", []).data.feature_source == "transformers"
+    with pytest.raises(RecipeError, match="data.feature_source"):
+        load_config("tiny", ["data.feature_source=sglang"])
