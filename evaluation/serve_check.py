@@ -132,7 +132,7 @@ def evaluation_prompts(s, questions: list, num_prompts: int | None) -> list[list
 def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str | None = None, k: int = 4,
                 tolerance: float = DEFAULT_TOLERANCE, num_prompts: int | None = None,
                 engine_format: str | None = None, engine_method: str | None = None, temperature: float = 0.0,
-                alpha: float | None = None, patch_engine: bool = False) -> int:
+                alpha: float | None = None, patch_engine: bool = False, parallel_drafting: bool | None = None) -> int:
     """Run the check (module docstring; temperature > 0: evaluation/serve_check_sampling.py, `alpha` its error
     rate); writes serve_check/report.{json,md} under the eval output folder. Exit code 0 = pass, 1 = fail."""
     if engine not in ENGINES:
@@ -150,13 +150,16 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
         work = Path(tmp)
         target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
         draft_config = read_head_json(draft)
-        method = engine_method or export_kind(served_kind(draft_config)).vllm_method
-        check_vllm_method(method, draft_config, s.head_path)  # the trap, named before any engine time is spent
+        kind = export_kind(served_kind(draft_config))
+        method = engine_method or kind.vllm_method
+        parallel = kind.parallel_drafting if parallel_drafting is None else parallel_drafting
+        check_vllm_method(method, draft_config, s.head_path, parallel)  # the traps, named before any engine time is spent
         request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(s.gen.max_length),
                    "prompts": prompts, "max_tokens": int(s.gen.max_new_tokens),
                    "stop_token_ids": list(s.gen.eos_token_id or []), "seed": int(s.cfg.seed),
                    "patch_cpu_expand": bool(patch_engine)}
-        spec_config = {"method": method, "model": draft, "num_speculative_tokens": k}
+        spec_config = {"method": method, **({"parallel_drafting": True} if parallel else {}), "model": draft,
+                       "num_speculative_tokens": k}
         if temperature > 0:
             report = serve_check_sampling.check(s, prompts, k, temperature, engine, engine_python, work, request,
                                                 spec_config, alpha or serve_check_sampling.DEFAULT_ALPHA)

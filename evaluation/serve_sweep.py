@@ -237,14 +237,15 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     work = out / "models"
     target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format or "vllm", work,
                                                   max(ks) or 1)
-    method = export_kind(served_kind(read_head_json(draft))).vllm_method
+    spec = export_kind(served_kind(read_head_json(draft))).vllm_spec()  # method (+ parallel_drafting)
+    method = spec["method"]
     base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
                            work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
     version = None
     for k in ks:
         args = list(base_args)
         if k > 0:
-            args += ["--speculative-config", json.dumps({"method": method, "model": draft, "num_speculative_tokens": k})]
+            args += ["--speculative-config", json.dumps({**spec, "model": draft, "num_speculative_tokens": k})]
         log.info("serve-sweep: k = %d, starting vLLM (log %s)", k, out / f"server_k{k}.log")
         with VLLMServer(engine_python, target, out / f"server_k{k}.log", served_model_name="target", args=args,
                         startup_timeout_s=startup_timeout_s) as server:
