@@ -15,6 +15,8 @@ Aux layer ids (EAGLE-3) are HF `output_hidden_states` indices: id j = the residu
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 N_AUX_LAYERS = 3  # EAGLE-3 fuses three target layers (low, middle, high): fc is [H, 3H]
@@ -110,11 +112,15 @@ class HeadKind:
     name: str
     title: str
     saves_embedding: bool  # the checkpoint carries the target's embedding (else the target's is bound at load)
+    module_file: str = ""  # the library module defining the kind's nn.Module, imported on first use of `module`
     _module: type | None = None
 
     @property
     def module(self) -> type:
-        """The head's nn.Module class (it names this kind: `class EagleHead(HeadModule, kind=EAGLE2)`)."""
+        """The head's nn.Module class (it names this kind: `class EagleHead(HeadModule, kind=EAGLE2)`); its module
+        (`module_file`) is imported on first use, so no other file has to import it for the kind to work."""
+        if self._module is None and self.module_file:
+            importlib.import_module(self.module_file)  # registers the class (HeadModule.__init_subclass__)
         if self._module is None:
             raise HeadConfigError(f"no module class implements head kind {self.name!r}")
         return self._module
@@ -187,7 +193,7 @@ class Eagle2Kind(HeadKind):
     """EAGLE-1/2: fc over [embed(token), the target's final hidden state]; predicts the next feature; drafts through
     the target's own lm_head over the full vocabulary. The released yuhuili/EAGLE-* layout."""
 
-    name, title, saves_embedding = "eagle2", "EAGLE-2", True
+    name, title, saves_embedding, module_file = "eagle2", "EAGLE-2", True, "eagle.eagle2"
 
     def check_config(self, c) -> None:
         if c.aux_layers is not None or c.draft_vocab_size is not None:
@@ -205,7 +211,7 @@ class Eagle3Kind(HeadKind):
     """EAGLE-3: fc over three target layers (aux), its own lm_head over a draft vocabulary (d2t / t2d), trained on its
     own outputs (the training-time test). The released yuhuili/EAGLE3-* / SpecForge layout."""
 
-    name, title, saves_embedding = "eagle3", "EAGLE-3", False
+    name, title, saves_embedding, module_file = "eagle3", "EAGLE-3", False, "eagle.eagle3"
 
     def check_config(self, c) -> None:
         c.bias = False  # EAGLE-3's fc has no bias
@@ -305,7 +311,7 @@ class PeagleKind(Eagle3Kind):
     speculators `peagle` layout (`PeagleLlamaForCausalLM`, `mask_token_id` -> `pard_token`), served with
     `"method": "eagle3", "parallel_drafting": true`. The id lives in the config's `mask_token_id` key (HeadConfig.extra)."""
 
-    name, title = "peagle", "P-EAGLE"
+    name, title, module_file = "peagle", "P-EAGLE", "eagle.peagle"
     architecture = "PeagleLlamaForCausalLM"
 
     def check_config(self, c) -> None:

@@ -33,7 +33,7 @@ P-EAGLE (the EAGLE-3 layout + `mask_hidden [1, 3H]` + config `mask_token_id`):
   EAGLE-3's plus `mask_hidden` (llama_eagle3.py loads it into its [1, fc_input_size] buffer only when the engine runs
   with `parallel_drafting`, and refuses a parallel run without it). vLLM serves it as `"method": "eagle3",
   "parallel_drafting": true`.
-- `sglang`: refused (no P-EAGLE loader: export/head_kinds.py `PeagleExport`).
+- `sglang`: refused (no P-EAGLE loader: export/head_kinds.py `PeagleExport`, which also holds its `Speculator`).
 """
 from __future__ import annotations
 
@@ -191,8 +191,7 @@ class Speculator(NamedTuple):
     weights: tuple[str, ...] = ()  # tensors it needs beyond EAGLE-3's
 
 
-EAGLE3_SPECULATOR = Speculator("eagle3", "Eagle3Speculator")
-PEAGLE_SPECULATOR = Speculator("peagle", "PeagleSpeculator", ("mask_token_id",), ("mask_hidden",))  # update_peagle
+EAGLE3_SPECULATOR = Speculator("eagle3", "Eagle3Speculator")  # the default; other kinds' own: export/head_kinds.py
 EAGLE3_REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
 EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -325,5 +324,4 @@ def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, ver
 
 
 __all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_eagle2_engine_head", "write_engine_folder", "CARRIED_FILES",
-           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "Speculator", "EAGLE3_SPECULATOR",
-           "PEAGLE_SPECULATOR"]
+           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "Speculator", "EAGLE3_SPECULATOR"]

@@ -15,7 +15,7 @@ from eagle.head_config import HeadConfig
 from eagle.head_checks import check_head_weights
 from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, kind_of_config
-from export.engine_formats import (EAGLE3_SPECULATOR, PEAGLE_SPECULATOR, EngineFormatError, convert_eagle3_folder,
+from export.engine_formats import (EAGLE3_SPECULATOR, EngineFormatError, Speculator, convert_eagle3_folder,
                                    read_eagle3_folder, write_eagle2_engine_head)
 from recipes.head import align_weights
 
@@ -134,6 +134,11 @@ class Eagle3Export(ExportKind):
         weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
         return (f"| loss | soft CE over the draft vocabulary at each of {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
                 f"unrolled steps, step weights {list(weights) if weights else '0.8^(j-1)'}; no feature loss |")
+
+
+# vLLM's speculators `peagle` (transformers_utils/configs/speculators/algos.py `update_peagle`): mask_token_id (required,
+# becomes pard_token) and the mask_hidden weight
+PEAGLE_SPECULATOR = Speculator("peagle", "PeagleSpeculator", ("mask_token_id",), ("mask_hidden",))
 
 
 class PeagleExport(Eagle3Export):
