@@ -168,6 +168,7 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
                                   tolerance)
         (out_dir / "engine.log").write_text((work / f"{engine}.log").read_text(errors="replace"))
     report = {"engine": engine, "engine_python": engine_python, "engine_format": engine_format, "method": method,
+              "parallel_drafting": parallel,
               "draft_config": draft_config, "target": s.target_path, "head": s.head_path, "padded_head_dim": padded,
               "prompts": len(prompts), "max_new_tokens": s.gen.max_new_tokens, "num_speculative_tokens": k,
               **report}
@@ -233,8 +234,9 @@ def markdown(r: dict) -> str:
     k = r["num_speculative_tokens"]
     lines = [f"# serve-check: {r['engine']} {r['engine_version']} ({'PASS' if r['passed'] else 'FAIL'})", "",
              f"head `{r['head']}` on `{r['target']}`, served as format `{r['engine_format']}` with vLLM method "
-             f"`{r['method']}`; {r['prompts']} prompts x {r['max_new_tokens']} new tokens, greedy, chain of {k} drafted "
-             "tokens.", ""]
+             f"`{r['method']}`{' with parallel_drafting' if r.get('parallel_drafting') else ''}; {r['prompts']} prompts "
+             f"x {r['max_new_tokens']} new tokens, greedy, chain of {k} drafted tokens"
+             f"{' (all from one head forward, on both sides)' if r.get('parallel_drafting') else ''}.", ""]
     if r["padded_head_dim"]:
         eq = r["padded_equivalence"]
         lines += [f"head_dim padded to {r['padded_head_dim']} for the engine's CPU attention; in this project's "
