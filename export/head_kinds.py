@@ -161,6 +161,9 @@ class PeagleExport(Eagle3Export):
                     f"read the mask token `{head_config.get('mask_token_id')}` (`mask_token_id`) with the learned "
                     "`mask_hidden` [1, 3H] (fused by `fc` like the aux states). vLLM: `\"method\": \"eagle3\", "
                     "\"parallel_drafting\": true` (the `vllm` format is its speculators `peagle` config).")
+        lines[-1] = ("Layout: the released EAGLE-3 one (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, no "
+                     "`embed_tokens`) plus `mask_hidden`; config.json `PeagleLlamaForCausalLM` with `mask_token_id`, "
+                     "`draft_vocab_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`.")
         return lines
 
     def card_loss(self, cfg) -> str:
