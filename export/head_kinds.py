@@ -206,7 +206,8 @@ def check_vllm_method(method: str, config: dict, folder: str, parallel_drafting:
         what = (f"vLLM method {method!r}" + (" with parallel_drafting" if parallel_drafting else "")
                 + (f", which is for {served.kind.title} heads" if served is not None else
                    ", which no head kind is served with"))
-        raise EngineFormatError(f"the draft folder {folder} holds an {right.kind.title} head ({layout}) but is served "
+        article = "an" if right.kind.title[0] in "AEIOU" else "a"
+        raise EngineFormatError(f"the draft folder {folder} holds {article} {right.kind.title} head ({layout}) but is served "
                                 f"with {what}: use {json.dumps(right.vllm_spec())[1:-1]}")
 
 

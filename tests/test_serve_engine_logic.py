@@ -50,12 +50,12 @@ def test_the_parallel_drafting_traps():
     naming the right speculative config, before any engine time."""
     assert served_kind(SPECULATORS_PEAGLE) is HEAD_KINDS["peagle"] is served_kind(RELEASED_PEAGLE)
     check_vllm_method("eagle3", SPECULATORS_PEAGLE, "H", parallel_drafting=True)
-    with pytest.raises(EngineFormatError, match=r"H holds an P-EAGLE head .*speculators_model_type peagle.* method "
+    with pytest.raises(EngineFormatError, match=r"H holds a P-EAGLE head .*speculators_model_type peagle.* method "
                                                 r"'eagle3', which is for EAGLE-3 heads: use \"method\": \"eagle3\", "
                                                 r"\"parallel_drafting\": true") as e:
         check_vllm_method("eagle3", RELEASED_PEAGLE | {"speculators_model_type": "peagle"}, "H")
     assert is_expected(e.value) and "\n" not in str(e.value)
-    with pytest.raises(EngineFormatError, match=r"holds an P-EAGLE head .*method 'eagle3', which is for EAGLE-3"):
+    with pytest.raises(EngineFormatError, match=r"holds a P-EAGLE head .*method 'eagle3', which is for EAGLE-3"):
         check_vllm_method("eagle3", RELEASED_PEAGLE, "H")
     with pytest.raises(EngineFormatError, match=r"holds an EAGLE-3 head .*method 'eagle3' with parallel_drafting, "
                                                 r"which is for P-EAGLE heads: use \"method\": \"eagle3\"$"):
