@@ -118,7 +118,9 @@ class EaModel(nn.Module):
         # the hidden states the target hands the drafter: None = its final ones (EAGLE-2), else HF hidden_states ids
         self.aux_layers = self.kind.draft_inputs(ea_layer.config)
         self.target = Target(base_model, capacity=0, fused=fused_target)
-        self.drafter = Drafter(ea_layer, self.target.lm_head, capacity=0)
+        # the head's drafter: `Drafter` (one head forward per tree level), or the one its module names (P-EAGLE:
+        # eagle/parallel_draft.py, one head forward per round)
+        self.drafter = getattr(ea_layer, "drafter_class", Drafter)(ea_layer, self.target.lm_head, capacity=0)
         self.tokenizer = None
         # tree-score maps fitted for this head, one per sampling setting (tree_config.json "calibration"); the
         # dynamic tree uses the one matching the decoding setting when `decoding.calibrate` is on

@@ -76,7 +76,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
     def from_target(cls, target_model, aux_layers=None, draft_vocab_size: int | None = None) -> "Eagle3Head":
         """A freshly initialised EAGLE-3 head for `target_model` (HF causal LM), its embedding copied in; the draft
         vocabulary is the first `draft_vocab_size` target ids until `set_vocab` installs a real one."""
-        head = cls(head_config_from_target(target_model.config, kind="eagle3", aux_layers=aux_layers,
+        head = cls(head_config_from_target(target_model.config, kind=cls.kind.name, aux_layers=aux_layers,
                                            draft_vocab_size=draft_vocab_size))
         head.bind_target(target_model)
         return head
@@ -133,12 +133,17 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         out = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=attn.n_kv != attn.n_heads)  # [B, h, T, D]
         hidden = layer.finish(feat, attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))  # [B, T, H]
-        hiddens = [hidden]
         if steps == 1:
-            return hiddens
-        return hiddens + unroll_self_fed(attn, self.rotary, self.embed_tokens,
-                                         lambda emb, prev: (layer.attn_input(emb, prev), prev), layer.finish,
-                                         hidden, k1, v1, next_ids, pos, real, steps, rows)
+            return [hidden]
+        return [hidden] + self.later_steps(hidden, k1, v1, next_ids, pos, real, steps, rows)
+
+    def later_steps(self, hidden, k1, v1, next_ids, pos, real, steps: int, rows) -> list[torch.Tensor]:
+        """Steps 2..`steps` of `unroll` from step 1's outputs and keys (eagle/unroll.py): the training-time test, each
+        step reading its own step j-1 hidden and the data's token. A kind drafting otherwise overrides this."""
+        layer = self.midlayer
+        return unroll_self_fed(layer.self_attn, self.rotary, self.embed_tokens,
+                               lambda emb, prev: (layer.attn_input(emb, prev), prev), layer.finish,
+                               hidden, k1, v1, next_ids, pos, real, steps, rows)
 
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ eagle/eagle3.py), their config (eagle/head_config.py), their kinds (eagle/head_k
 names on, so `from eagle.head import ...` keeps working; code inside the project imports them where they live."""
 from eagle.eagle2 import EagleHead
 from eagle.eagle3 import Eagle3Head, Eagle3Layer
+from eagle.peagle import PeagleHead
 from eagle.head_config import HeadConfig, check_head_fits_target, head_config_from_target, read_head_config
 from eagle.head_files import (CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAME, load_weights, resolve_head_files,
                               check_head_files, head_class, load_head)
@@ -16,7 +17,7 @@ from eagle.target_weights import EMBED_KEYS, LM_HEAD_KEYS, load_target_embedding
 from eagle.unroll import UNROLL_ROW_CHUNKS, prefix_diag_attention, unroll_self_fed
 
 __all__ = [
-    "HeadConfig", "HeadConfigError", "EagleHead", "Eagle3Head", "load_head", "head_class", "head_config_from_target",
+    "HeadConfig", "HeadConfigError", "EagleHead", "Eagle3Head", "PeagleHead", "load_head", "head_class", "head_config_from_target",
     "check_aux_layers", "default_aux_layers", "load_target_embedding_and_lm_head", "count_parameters",
     "HEAD_KINDS", "N_AUX_LAYERS", "CONFIG_NAME", "SAFE_WEIGHTS_NAME", "LEGACY_WEIGHTS_NAME", "text_config",
     "check_head_fits_target", "read_head_config", "check_head_files", "HeadModule", "Eagle3Layer", "UNROLL_ROW_CHUNKS",

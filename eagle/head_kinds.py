@@ -15,6 +15,8 @@ Aux layer ids (EAGLE-3) are HF `output_hidden_states` indices: id j = the residu
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 N_AUX_LAYERS = 3  # EAGLE-3 fuses three target layers (low, middle, high): fc is [H, 3H]
@@ -110,11 +112,15 @@ class HeadKind:
     name: str
     title: str
     saves_embedding: bool  # the checkpoint carries the target's embedding (else the target's is bound at load)
+    module_file: str = ""  # the library module defining the kind's nn.Module, imported on first use of `module`
     _module: type | None = None
 
     @property
     def module(self) -> type:
-        """The head's nn.Module class (it names this kind: `class EagleHead(HeadModule, kind=EAGLE2)`)."""
+        """The head's nn.Module class (it names this kind: `class EagleHead(HeadModule, kind=EAGLE2)`); its module
+        (`module_file`) is imported on first use, so no other file has to import it for the kind to work."""
+        if self._module is None and self.module_file:
+            importlib.import_module(self.module_file)  # registers the class (HeadModule.__init_subclass__)
         if self._module is None:
             raise HeadConfigError(f"no module class implements head kind {self.name!r}")
         return self._module
@@ -187,7 +193,7 @@ class Eagle2Kind(HeadKind):
     """EAGLE-1/2: fc over [embed(token), the target's final hidden state]; predicts the next feature; drafts through
     the target's own lm_head over the full vocabulary. The released yuhuili/EAGLE-* layout."""
 
-    name, title, saves_embedding = "eagle2", "EAGLE-2", True
+    name, title, saves_embedding, module_file = "eagle2", "EAGLE-2", True, "eagle.eagle2"
 
     def check_config(self, c) -> None:
         if c.aux_layers is not None or c.draft_vocab_size is not None:
@@ -205,7 +211,7 @@ class Eagle3Kind(HeadKind):
     """EAGLE-3: fc over three target layers (aux), its own lm_head over a draft vocabulary (d2t / t2d), trained on its
     own outputs (the training-time test). The released yuhuili/EAGLE3-* / SpecForge layout."""
 
-    name, title, saves_embedding = "eagle3", "EAGLE-3", False
+    name, title, saves_embedding, module_file = "eagle3", "EAGLE-3", False, "eagle.eagle3"
 
     def check_config(self, c) -> None:
         c.bias = False  # EAGLE-3's fc has no bias
@@ -298,8 +304,51 @@ class Eagle3Kind(HeadKind):
         return draft_vocab_problems(config.vocab_size, config.draft_vocab_size, d2t, t2d)[0]
 
 
-EAGLE2, EAGLE3 = Eagle2Kind(), Eagle3Kind()
-HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE2, EAGLE3)}
+class PeagleKind(Eagle3Kind):
+    """P-EAGLE (parallel drafting): an EAGLE-3 head (aux layers, draft vocabulary) that drafts all k tokens in ONE
+    forward. Draft positions 2..k read the mask token `mask_token_id` (a target token id, through the target's frozen
+    embedding) and the learned `mask_hidden` [1, 3H] (aux space, fused by fc like the target's aux states): vLLM's
+    speculators `peagle` layout (`PeagleLlamaForCausalLM`, `mask_token_id` -> `pard_token`), served with
+    `"method": "eagle3", "parallel_drafting": true`. The id lives in the config's `mask_token_id` key (HeadConfig.extra)."""
+
+    name, title, module_file = "peagle", "P-EAGLE", "eagle.peagle"
+    architecture = "PeagleLlamaForCausalLM"
+
+    def check_config(self, c) -> None:
+        super().check_config(c)
+        m = c.extra.get("mask_token_id")
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < c.vocab_size:
+            raise HeadConfigError(f"mask_token_id={m!r}: a P-EAGLE head needs the mask token's id, an integer in "
+                                  f"[0, vocab_size={c.vocab_size})")
+
+    def recognises(self, d: dict) -> bool:
+        return "mask_token_id" in d or any("peagle" in str(a).lower() for a in d.get("architectures") or [])
+
+    def parse_config(self, d: dict) -> tuple[dict, dict]:
+        kwargs, extra = super().parse_config(d)  # mask_token_id stays in d: HeadConfig keeps it in `extra`
+        return {**kwargs, "kind": self.name}, extra
+
+    def config_dict(self, c) -> dict:
+        """The EAGLE-3 released layout with `architectures: ["PeagleLlamaForCausalLM"]` and `mask_token_id`."""
+        return {**super().config_dict(c), "architectures": [self.architecture]}
+
+    def from_target(self, kwargs: dict, num_layers: int, aux_layers, draft_vocab_size) -> dict:
+        """As EAGLE-3's, with the mask token id 0 until the trainer picks one (`with_mask_token`)."""
+        out = super().from_target(kwargs, num_layers, aux_layers, draft_vocab_size)
+        return {**out, "kind": self.name, "extra": {**out.get("extra", {}), "mask_token_id": 0}}
+
+    def mask_token_id(self, config) -> int:
+        return int(config.extra["mask_token_id"])
+
+    def with_mask_token(self, config, mask_token_id: int):
+        """`config` with its mask token set to `mask_token_id` (checked)."""
+        config.extra["mask_token_id"] = int(mask_token_id)
+        self.check_config(config)
+        return config
+
+
+EAGLE2, EAGLE3, PEAGLE = Eagle2Kind(), Eagle3Kind(), PeagleKind()
+HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE2, EAGLE3, PEAGLE)}
 DEFAULT_KIND = EAGLE2  # a config.json with no marker of another kind: the released EAGLE-1/2 heads carry none
 
 
@@ -311,8 +360,10 @@ def head_kind(name: str) -> HeadKind:
 
 
 def kind_of_config(d: dict) -> HeadKind:
-    """The kind a config.json dict describes: its `kind` key (popped), else the first kind that recognises it."""
+    """The kind a config.json dict describes: its `kind` key (popped), else the most specific kind that recognises it
+    (a P-EAGLE config is also an EAGLE-3 one: the subclass wins)."""
     name = d.pop("kind", None)
     if name:
         return head_kind(name)
-    return next((k for k in HEAD_KINDS.values() if k.recognises(d)), DEFAULT_KIND)
+    found = [k for k in HEAD_KINDS.values() if k.recognises(d)]
+    return max(found, key=lambda k: len(type(k).__mro__)) if found else DEFAULT_KIND

@@ -133,9 +133,12 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
     sc.add_argument("--engine-format", default=None, choices=("eagle", "vllm", "sglang"),
                     help="folder format served (default: the engine's own; eagle = the official folder unchanged)")
     if command == "serve-check":
-        sc.add_argument("--engine-method", default=None, choices=tuple(e.vllm_method for e in EXPORT.values()),
+        sc.add_argument("--engine-method", default=None, choices=tuple(dict.fromkeys(e.vllm_method for e in EXPORT.values())),
                         help="vLLM speculative method (default: the head kind's; another one is refused, naming the "
                              "trap)")
+        sc.add_argument("--parallel-drafting", default=None, choices=("on", "off"),
+                        help="vLLM parallel_drafting (default: the head kind's, on for a P-EAGLE head; the other "
+                             "setting is refused, naming the trap)")
         sc.add_argument("--num-speculative-tokens", type=bounded(int, at_least=1), default=4,
                         help="chain length k in engine and project (>= 1)")
         sc.add_argument("--speculative-config", default=None, metavar="FILE",
@@ -477,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
                            k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
                            engine_format=args.engine_format, engine_method=args.engine_method,
+                           parallel_drafting=None if args.parallel_drafting is None else args.parallel_drafting == "on",
                            temperature=setup.gen.temperature, alpha=args.alpha, patch_engine=args.patch_engine,
                            schedule_config=schedule)
     if command == "serve-sweep":

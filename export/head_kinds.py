@@ -6,6 +6,7 @@ engines call it, and how its Hub card describes it. Keyed by the library's kind 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -13,9 +14,9 @@ from omegaconf import OmegaConf
 from eagle.head_config import HeadConfig
 from eagle.head_checks import check_head_weights
 from eagle.head_files import load_weights, resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE2, EAGLE3, HeadConfigError, HeadKind, kind_of_config
-from export.engine_formats import (EngineFormatError, convert_eagle3_folder, read_eagle3_folder,
-                                   write_eagle2_engine_head)
+from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, kind_of_config
+from export.engine_formats import (EAGLE3_SPECULATOR, EngineFormatError, Speculator, convert_eagle3_folder,
+                                   read_eagle3_folder, write_eagle2_engine_head)
 from recipes.head import align_weights
 
 
@@ -26,6 +27,13 @@ class ExportKind:
     convert_flag: str  # `python -m train.export` flag that names a folder of this kind
     tag: str  # the Hub card's tag
     citation: str
+    parallel_drafting = False  # vLLM's speculative-config "parallel_drafting" the kind is served with
+    speculators_type = ""  # vLLM's speculators_model_type of the kind's vllm folder ("" = vllm_method)
+    sglang_refusal = ""  # why SGLang cannot serve the kind ("" = it can, as sglang_algorithm)
+
+    def vllm_spec(self) -> dict:
+        """The kind's vLLM speculative-config keys beyond model / num_speculative_tokens."""
+        return {"method": self.vllm_method, **({"parallel_drafting": True} if self.parallel_drafting else {})}
 
     def write_engine_folder(self, config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
                             target_config=None, dtype: str | None = None, verifier: str | None = None,
@@ -82,15 +90,18 @@ class Eagle2Export(ExportKind):
 class Eagle3Export(ExportKind):
     kind, vllm_method, sglang_algorithm, convert_flag, tag = EAGLE3, "eagle3", "EAGLE3", "--eagle3", "eagle-3"
     citation = "EAGLE (ICML 2024), EAGLE-2 (EMNLP 2024) and EAGLE-3 (NeurIPS 2025), Li et al."
+    speculator = EAGLE3_SPECULATOR  # the vllm folder's speculators algorithm (export/engine_formats.py)
 
     def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
                             verifier=None, num_speculative_tokens=3, overwrite=False) -> Path:
         """The released layout, converted (`verifier`: the target's path or hub id, named in vLLM's speculators
         config)."""
         archs = list(getattr(target_config, "architectures", None) or []) if target_config is not None else None
+        if fmt == "sglang" and self.sglang_refusal:
+            raise EngineFormatError(f"{head_dir}: {self.sglang_refusal}")
         return convert_eagle3_folder(head_dir, out_dir, fmt, verifier=verifier, verifier_architectures=archs,
                                      num_speculative_tokens=num_speculative_tokens, target_config=target_config,
-                                     overwrite=overwrite)
+                                     overwrite=overwrite, speculator=self.speculator)
 
     def source_weights(self, config, weights_file, head_dir):
         return read_eagle3_folder(head_dir)[1], set()  # `layers.0.` folders read as `midlayer.`
@@ -125,7 +136,43 @@ class Eagle3Export(ExportKind):
                 f"unrolled steps, step weights {list(weights) if weights else '0.8^(j-1)'}; no feature loss |")
 
 
-EXPORT: dict[HeadKind, ExportKind] = {EAGLE2: Eagle2Export(), EAGLE3: Eagle3Export()}
+# vLLM's speculators `peagle` (transformers_utils/configs/speculators/algos.py `update_peagle`): mask_token_id (required,
+# becomes pard_token) and the mask_hidden weight
+PEAGLE_SPECULATOR = Speculator("peagle", "PeagleSpeculator", ("mask_token_id",), ("mask_hidden",))
+
+
+class PeagleExport(Eagle3Export):
+    """P-EAGLE: the EAGLE-3 released layout (+ mask_hidden, mask_token_id); vLLM's speculators `peagle` folder, served
+    as method eagle3 with parallel_drafting; SGLang refused."""
+
+    kind, sglang_algorithm, convert_flag, tag = PEAGLE, "", "--eagle3", "p-eagle"
+    citation = ("EAGLE (ICML 2024), EAGLE-2 (EMNLP 2024) and EAGLE-3 (NeurIPS 2025), Li et al.; parallel drafting: "
+                "PARD (Chen et al. 2025) and P-EAGLE as served by vLLM (speculators `peagle`)")
+    speculator, speculators_type, parallel_drafting = PEAGLE_SPECULATOR, PEAGLE_SPECULATOR.algorithm, True
+    sglang_refusal = ("SGLang has no P-EAGLE (parallel drafting) loader: sgl-project/sglang's speculative algorithms "
+                      "are EAGLE / EAGLE3 only and its EAGLE-3 model reads no mask_hidden; serve it in vLLM "
+                      "(--format vllm)")
+
+    def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
+        lines = super().card_intro(target, head_config, cfg)
+        k = OmegaConf.select(cfg, "head.ttt_steps", default="k")
+        lines[0] = f"# P-EAGLE (parallel drafting) draft head for `{target}`"
+        lines[2] = (f"A one-layer EAGLE-3 head that drafts {k} tokens in ONE forward (P-EAGLE): draft positions 2..{k} "
+                    f"read the mask token `{head_config.get('mask_token_id')}` (`mask_token_id`) with the learned "
+                    "`mask_hidden` [1, 3H] (fused by `fc` like the aux states). vLLM: `\"method\": \"eagle3\", "
+                    "\"parallel_drafting\": true` (the `vllm` format is its speculators `peagle` config).")
+        lines[-1] = ("Layout: the released EAGLE-3 one (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, no "
+                     "`embed_tokens`) plus `mask_hidden`; config.json `PeagleLlamaForCausalLM` with `mask_token_id`, "
+                     "`draft_vocab_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`.")
+        return lines
+
+    def card_loss(self, cfg) -> str:
+        weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
+        return (f"| loss | soft CE over the draft vocabulary at each of the {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
+                f"parallel draft positions of one forward, position weights {list(weights) if weights else '0.8^(j-1)'} |")
+
+
+EXPORT: dict[HeadKind, ExportKind] = {EAGLE2: Eagle2Export(), EAGLE3: Eagle3Export(), PEAGLE: PeagleExport()}
 
 
 def export_kind(kind: HeadKind) -> ExportKind:
@@ -138,22 +185,30 @@ def served_kind(config: dict) -> HeadKind:
     config = dict(config)
     speculators = config.get("speculators_model_type")
     if speculators:
-        return next((e.kind for e in EXPORT.values() if e.vllm_method == speculators), kind_of_config(config))
+        return next((e.kind for e in EXPORT.values() if (e.speculators_type or e.vllm_method) == speculators),
+                    kind_of_config(config))
     return kind_of_config(config)
 
 
-def check_vllm_method(method: str, config: dict, folder: str) -> None:
-    """Refuse a vLLM `method` that does not match the draft folder's head kind (the classic trap: an EAGLE-3 folder
-    served with "eagle", an EAGLE-1/2 folder with "eagle3"); the message names both and the right flag. Methods
-    this project does not export (mtp, ngram, ...) are the user's own choice and pass."""
+def check_vllm_method(method: str, config: dict, folder: str, parallel_drafting: bool = False) -> None:
+    """Refuse a vLLM `method` / `parallel_drafting` that does not match the draft folder's head kind (the classic
+    traps: an EAGLE-3 folder served with "eagle", an EAGLE-1/2 folder with "eagle3", a P-EAGLE folder without
+    parallel_drafting (vLLM then drafts it sequentially, feeding its own hiddens where it was trained on mask
+    inputs), a sequential head with it); the message names both and the right setting. Methods this project does
+    not export (mtp, ngram, ...) are the user's own choice and pass."""
     right = export_kind(served_kind(config))
-    served = next((e for e in EXPORT.values() if e.vllm_method == method), None)
-    if served is not None and served is not right:
+    served = next((e for e in EXPORT.values() if (e.vllm_method, e.parallel_drafting) == (method, parallel_drafting)),
+                  None)
+    known = any(e.vllm_method == method for e in EXPORT.values())
+    if known and served is not right:
         layout = f"config architectures {config.get('architectures')}" + (
             f", speculators_model_type {config['speculators_model_type']}" if "speculators_model_type" in config else "")
-        raise EngineFormatError(
-            f"the draft folder {folder} holds an {right.kind.title} head ({layout}) but is served with vLLM method "
-            f"{method!r}, which is for {served.kind.title} heads: use \"method\": \"{right.vllm_method}\"")
+        what = (f"vLLM method {method!r}" + (" with parallel_drafting" if parallel_drafting else "")
+                + (f", which is for {served.kind.title} heads" if served is not None else
+                   ", which no head kind is served with"))
+        article = "an" if right.kind.title[0] in "AEIOU" else "a"
+        raise EngineFormatError(f"the draft folder {folder} holds {article} {right.kind.title} head ({layout}) but is served "
+                                f"with {what}: use {json.dumps(right.vllm_spec())[1:-1]}")
 
 
 def check_head_folder(head_dir: str | Path, target_config=None) -> HeadConfig:

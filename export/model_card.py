@@ -196,8 +196,10 @@ def serving_commands(base: str, draft: str, fmt: str, kind: ExportKind = EXPORT[
         convert = "" if fmt == engine else (
             f"python -m train.export {flag} {official} --base {base} --format {engine} --out {path}\n")
         if engine == "vllm":
-            spec = json.dumps({"method": method, "model": path, "num_speculative_tokens": num_speculative_tokens})
+            spec = json.dumps({**kind.vllm_spec(), "model": path, "num_speculative_tokens": num_speculative_tokens})
             out[engine] = f"{convert}vllm serve {base} --speculative-config '{spec}'"
+        elif kind.sglang_refusal:
+            out[engine] = f"# {kind.sglang_refusal}"
         else:
             out[engine] = (f"{convert}python -m sglang.launch_server --model-path {base} "
                            f"--speculative-algorithm {algo} --speculative-draft-model-path {path} "

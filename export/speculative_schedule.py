@@ -139,13 +139,15 @@ def k_at(schedule: list[list[int]], batch: int, num_speculative_tokens: int) -> 
     return min(k, num_speculative_tokens)
 
 
-def speculative_config(method: str, model: str, schedule: list[list[int]]) -> dict | None:
-    """vLLM's --speculative-config for the schedule: num_speculative_tokens = its longest chain; None when the
-    schedule never speculates (then serve without --speculative-config)."""
+def speculative_config(method: str, model: str, schedule: list[list[int]], parallel_drafting: bool = False) -> dict | None:
+    """vLLM's --speculative-config for the schedule: num_speculative_tokens = its longest chain (`parallel_drafting`:
+    a P-EAGLE head's, drafting them in one forward); None when the schedule never speculates (then serve without
+    --speculative-config)."""
     longest = max(k for _, _, k in schedule)
     if longest == 0:
         return None
-    return {"method": method, "model": str(model), "num_speculative_tokens": longest, SCHEDULE_KEY: schedule}
+    return {"method": method, **({"parallel_drafting": True} if parallel_drafting else {}), "model": str(model),
+            "num_speculative_tokens": longest, SCHEDULE_KEY: schedule}
 
 
 def check_speculative_config(config, where: str) -> dict:

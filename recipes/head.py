@@ -4,13 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from eagle.head_kinds import EAGLE2, EAGLE3, HEAD_KINDS, HeadConfigError, fitted_aux_layers, text_config
+from eagle.head_kinds import EAGLE2, EAGLE3, HEAD_KINDS, PEAGLE, HeadConfigError, fitted_aux_layers, text_config
 from recipes.check import RecipeError, check
 
 
 @dataclass
 class HeadSettings:
     kind: str = "eagle2"  # eagle2 (fc over the final hidden state + feature loss) | eagle3 (3 aux layers, training-time test)
+    # | peagle (P-EAGLE: eagle3's layout drafting all ttt_steps positions in ONE forward; reads every eagle3 key)
     bias: bool = True  # EAGLE-2 fc bias; Llama-3 released heads use False, Vicuna/Llama-2/Mixtral True (eagle3: no fc bias)
     init_from: str = ""  # start from an existing head (folder or hub id) instead of a fresh init; "" = fresh
     # --- eagle2 only: HASS-style multi-step alignment (the head also trained on its own predicted features)
@@ -24,6 +25,8 @@ class HeadSettings:
     ttt_step_weights: list[float] = field(default_factory=list)  # loss weight of step j (1-based); [] = 0.8^(j-1)
     ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
     lm_head_init: str = "target"  # target = the draft vocabulary's rows of the target's lm_head (a warm start) | random
+    # --- peagle only (its ttt_steps = the k draft positions trained from one forward, ttt_step_weights their weights)
+    mask_token_id: int = -1  # the target token id draft positions 2..k read; -1 = the smallest id absent from the loss tokens
 
 
 def ttt_weights(head) -> list[float]:
@@ -69,6 +72,19 @@ def check_eagle3_fits_target(h, target_config) -> None:
           f"larger than the target's vocabulary ({vocab}); 0 = the full vocabulary")
 
 
+def validate_peagle_keys(h) -> None:
+    validate_eagle3_keys(h)
+    check(h.mask_token_id >= -1, "head.mask_token_id", h.mask_token_id,
+          "expected -1 (a token absent from the training loss tokens) or a target token id >= 0")
+
+
+def check_peagle_fits_target(h, target_config) -> None:
+    check_eagle3_fits_target(h, target_config)
+    vocab = int(text_config(target_config).vocab_size)
+    check(h.mask_token_id < vocab, "head.mask_token_id", h.mask_token_id,
+          f"not a token of the target's vocabulary [0, {vocab}); -1 = pick one absent from the loss tokens")
+
+
 class KindPart(NamedTuple):
     keys: tuple[str, ...]  # the head.* keys the kind reads beyond kind / bias / init_from (other kinds': defaults)
     check_keys: Callable  # their check, on the section alone
@@ -78,7 +94,9 @@ class KindPart(NamedTuple):
 # The recipe's per-kind part, keyed by the kind objects (eagle/head_kinds.py).
 KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys),
              EAGLE3: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
-                               "lm_head_init"), validate_eagle3_keys, check_eagle3_fits_target)}
+                               "lm_head_init"), validate_eagle3_keys, check_eagle3_fits_target),
+             PEAGLE: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
+                               "lm_head_init", "mask_token_id"), validate_peagle_keys, check_peagle_fits_target)}
 
 
 def validate_head_section(h) -> None:

@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from eagle.head import EagleHead
-from eagle.head_kinds import EAGLE3
+from eagle.head_kinds import EAGLE3, PEAGLE
 from export.config_drift import DriftError, check_drift, raise_on_errors
 from export.engine_formats import (convert_eagle3_folder, engine_head, fold_fc_bias, read_eagle3_folder,
                                   EngineFormatError)
@@ -359,3 +359,37 @@ def test_trained_eagle3_export_converts_through_the_export_cli(tmp_path, fmt):
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
         assert torch.equal(sd["midlayer.self_attn.q_proj.weight"], head.midlayer.self_attn.q_proj.weight)
     assert torch.equal(sd["d2t"], head.d2t) and torch.equal(sd["lm_head.weight"], head.lm_head.weight)
+
+
+def test_peagle_export_vllm_speculators_peagle_official_folder_and_sglang_refusal(tmp_path, capsys):
+    """A P-EAGLE head: `--format vllm` is the speculators `peagle` config vLLM's update_peagle reads (mask_token_id,
+    mask_hidden); the official folder reloads as the same head; SGLang is refused in one line, nothing written; the
+    model card's vLLM line turns parallel_drafting on and its SGLang line says why not."""
+    from eagle.head import load_head
+    from eagle.peagle import PeagleHead
+    from export.cli import main
+
+    target = tiny_target("llama", num_layers=4)
+    torch.manual_seed(0)
+    head = PeagleHead.from_target(target, aux_layers=[0, 1, 3], draft_vocab_size=48)
+    head.kind.with_mask_token(head.config, 9)
+    head.set_vocab(torch.randperm(head.config.vocab_size)[:48].sort().values - torch.arange(48))
+    head.save_pretrained(tmp_path / "head")
+    target.save_pretrained(tmp_path / "target")
+    base = ["--head", str(tmp_path / "head"), "--base", str(tmp_path / "target")]
+    assert main([*base, "--format", "vllm", "--out", str(tmp_path / "v")]) == 0
+    cfg, sd = json.loads((tmp_path / "v" / "config.json").read_text()), load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert cfg["speculators_model_type"] == cfg["speculators_config"]["algorithm"] == "peagle"
+    assert cfg["mask_token_id"] == 9 and cfg["norm_before_residual"] is False and cfg["draft_vocab_size"] == 48
+    assert torch.equal(sd["mask_hidden"], head.mask_hidden.detach()) and "layers.0.hidden_norm.weight" in sd
+    assert main([*base, "--format", "eagle", "--out", str(tmp_path / "o")]) == 0
+    back = load_head(tmp_path / "o")
+    assert type(back) is PeagleHead and back.mask_token_id == 9 and torch.equal(back.mask_hidden, head.mask_hidden)
+    capsys.readouterr()
+    assert main([*base, "--format", "sglang", "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "SGLang has no P-EAGLE (parallel drafting) loader" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "s").exists()
+    cmds = serving_commands("t", "me/pe", "vllm", kind=EXPORT[PEAGLE])
+    assert '"method": "eagle3", "parallel_drafting": true' in cmds["vllm"]
+    assert cmds["sglang"].startswith("# SGLang has no P-EAGLE")

@@ -27,11 +27,14 @@ def test_a_config_names_its_kind():
     assert kind_of_config({"hidden_size": 8}) is HEAD_KINDS["eagle2"]  # the released EAGLE-1/2 heads carry no marker
     assert kind_of_config({"draft_vocab_size": 8}) is HEAD_KINDS["eagle3"]
     assert kind_of_config({"architectures": ["LlamaForCausalLMEagle3"]}) is HEAD_KINDS["eagle3"]
-    with pytest.raises(ValueError, match="head kind='eagle9': expected one of \\('eagle2', 'eagle3'\\)"):
+    # a P-EAGLE config is also an EAGLE-3 one: the most specific kind that recognises it wins
+    assert kind_of_config({"draft_vocab_size": 8, "mask_token_id": 3}) is HEAD_KINDS["peagle"]
+    assert kind_of_config({"architectures": ["PeagleLlamaForCausalLM"], "draft_vocab_size": 8}) is HEAD_KINDS["peagle"]
+    with pytest.raises(ValueError, match="head kind='eagle9': expected one of \\('eagle2', 'eagle3', 'peagle'\\)"):
         kind_of_config({"kind": "eagle9"})
 
 
-KIND_OBJECTS = {name.upper() for name in HEAD_KINDS}  # eagle/head_kinds.py's EAGLE2, EAGLE3
+KIND_OBJECTS = {name.upper() for name in HEAD_KINDS}  # eagle/head_kinds.py's EAGLE2, EAGLE3, PEAGLE
 
 
 def names_a_kind(node: ast.AST, heads: set[str]) -> bool:

@@ -7,7 +7,9 @@ tree and chains; EOS inside an accepted path, max_new_tokens / max_length cuts; 
 Mixtral, Qwen2-MoE, Qwen3 and Qwen3-MoE run through their own HF decoder layers (random and fitted heads).
 Both head kinds: EAGLE-3 heads (`kind="eagle3"`: 4-layer targets, aux layers 1, 2, 3) run the main cases on every
 fused family, Mixtral through the HF layers, Gemma through the model's own forward, and a reduced draft vocabulary
-that leaves some of the target's greedy tokens undraftable.
+that leaves some of the target's greedy tokens undraftable. P-EAGLE heads (`kind="peagle"`, every draft position from
+one head forward: eagle/parallel_draft.py) run the main cases on Llama (all families under -m slow), and every round
+of theirs costs exactly one head forward.
 """
 from __future__ import annotations
 
@@ -67,6 +69,11 @@ CASES = [pytest.param(f, d, "eagle2", h, id=f"{f}-{d}-{h}") for f, d in DEFAULT 
     pytest.param(f, d, "eagle3", h, id=f"eagle3-{f}-{d}-{h}",
                  marks=() if d in MAIN and (h == "good" or (f, d) == ("llama", "dyn60-5-10")) else pytest.mark.slow)
     for f, d in FULL for h in HEAD_KINDS
+] + [  # P-EAGLE (parallel drafting, one head forward per round): fitted head on the main decodings of Llama, a
+    # random one on its dynamic tree (the other families under -m slow)
+    pytest.param(f, d, "peagle", h, id=f"peagle-{f}-{d}-{h}",
+                 marks=() if f == "llama" and d in MAIN and (h == "good" or d == "dyn60-5-10") else pytest.mark.slow)
+    for f, d in FULL for h in HEAD_KINDS
 ]
 
 
@@ -94,6 +101,8 @@ def test_greedy_matches_transformers_generate(family, decoding_name, kind, head_
         longest = max([longest] + [r.accept_length for r in stats.rounds])
     tau = new_tokens / rounds
     assert longest <= max_accept_length(decoding)
+    if kind == "peagle":  # the whole draft of a round from one head forward, whatever the tree
+        assert model.drafter.forwards == rounds
     if head_kind == "good":
         # the fitted head must really be accepted: long paths, non-trivial cache compaction
         assert longest == max_accept_length(decoding), f"longest accepted path {longest}"

@@ -243,6 +243,17 @@ def test_activation_bytes_are_what_autograd_keeps(dtype):
     later += B * T * 2 * kv * (H // h) * cb  # the unroll's contiguous copy of the step-1 keys and values
     assert seven - one == pytest.approx(later, rel=0.05)
 
+    # P-EAGLE: its parallel positions >= 2 (mask inputs) are counted by EAGLE-3's formulas (train/head_kinds.py)
+    from eagle.peagle import PeagleHead
+    pe = PeagleHead(head_config_from_target(config, kind="peagle", aux_layers=[1, 2, 3], draft_vocab_size=100)).to(dt)
+    pe.embed_tokens.weight.requires_grad_(False)
+    pe_one = _saved_bytes(pe, lambda: pe(aux, ids, mask, steps=1))
+    assert pe_one == pytest.approx(B * T * planned("peagle"), rel=0.03)
+    pe_seven = _saved_bytes(pe, lambda: pe(aux, ids, mask, steps=7, rows=rows))
+    later = sum(B * rows.numel() * planned("peagle", j, keys) for j in range(2, 8))
+    later += B * T * 2 * kv * (H // h) * cb
+    assert pe_seven - pe_one == pytest.approx(later, rel=0.05)
+
     # EAGLE-2 with multi-step alignment (head.align_steps): the same accounting for its steps >= 2
     feats = torch.randn(B, T, H, dtype=dt)
     plain = _saved_bytes(e2, lambda: e2(feats, ids, mask, steps=1))

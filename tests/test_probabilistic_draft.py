@@ -120,7 +120,7 @@ def test_probabilistic_drafts_keep_their_distributions():
 
 @pytest.mark.slow
 @pytest.mark.statistical
-@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3", "peagle"])
 @pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
 def test_probabilistic_chain_sampling_is_exact_20k_draws(kind, setting):
     target, _, head = sampling_setup(kind)

@@ -30,7 +30,8 @@ def test_every_published_model_has_a_recipe():
 @pytest.mark.parametrize("name", list_recipes())
 def test_every_recipe_names_its_head_kind(name):
     assert "kind:" in recipe_path(name).read_text()
-    assert load_config(name, []).head.kind == ("eagle3" if name.endswith("eagle3") else "eagle2")
+    suffix = name.rsplit("-", 1)[-1]  # llama3-8b-eagle3, tiny-peagle: the kind; the others are EAGLE-2 recipes
+    assert load_config(name, []).head.kind == (suffix if suffix in ("eagle3", "peagle") else "eagle2")
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -235,6 +236,22 @@ def test_bad_eagle3_values_are_clear_errors(override, needle):
     with pytest.raises(RecipeError) as e:
         load_config("stories260k-eagle3", [override])
     assert needle in str(e.value), str(e.value)
+
+
+def test_peagle_mask_token_is_checked_and_belongs_to_its_kind():
+    """head.mask_token_id: >= -1, a token of the target (checked where the target is known), refused with another kind."""
+    from transformers import LlamaConfig
+
+    from recipes.head import check_head_fits_target
+
+    assert load_config("tiny-peagle", ["head.mask_token_id=7"]).head.mask_token_id == 7
+    with pytest.raises(RecipeError, match=r"head.mask_token_id=-2: expected -1"):
+        load_config("tiny-peagle", ["head.mask_token_id=-2"])
+    with pytest.raises(RecipeError, match=r"head.mask_token_id=3: only used by head.kind=peagle"):
+        load_config("tiny-eagle3", ["head.mask_token_id=3"])
+    h = load_config("tiny-peagle", ["head.mask_token_id=1024", "head.aux_layers=[1,2,3]"]).head
+    with pytest.raises(RecipeError, match=r"head.mask_token_id=1024: not a token of the target's vocabulary \[0, 1024\)"):
+        check_head_fits_target(h, LlamaConfig(vocab_size=1024, num_hidden_layers=4))
 
 
 def test_aux_layers_are_checked_against_the_target():

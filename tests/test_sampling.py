@@ -71,8 +71,9 @@ def sampling_setup(kind: str = "eagle2"):
     """A 32-token Llama with peaked distributions and a head fitted on its greedy continuations.
 
     kind="eagle3": a 4-layer Llama and an EAGLE-3 head over a 16-token draft vocabulary (the most frequent greedy
-    tokens) that leaves out `outside`, the second most likely first token after the prompt."""
-    layers = {"num_layers": EAGLE3_LAYERS} if kind == "eagle3" else {}
+    tokens) that leaves out `outside`, the second most likely first token after the prompt; kind="peagle": the same
+    with a P-EAGLE head (parallel drafting)."""
+    layers = {"num_layers": EAGLE3_LAYERS} if kind != "eagle2" else {}
     target = tiny_target("llama", vocab_size=VOCAB, init_std=0.3, seed=5, **layers)
     prompts = random_prompts(6, vocab_size=VOCAB, min_len=4, max_len=8, seed=3)
     if kind == "eagle2":
@@ -83,7 +84,7 @@ def sampling_setup(kind: str = "eagle2"):
     counts = torch.bincount(torch.cat([s[0] for s in seqs]), minlength=VOCAB)
     counts[outside] = -1
     vocab = counts.argsort(descending=True, stable=True)[:16].sort().values
-    head = fit_good_head(target, sequences=seqs, kind="eagle3", draft_vocab_size=16, d2t=vocab - torch.arange(16))
+    head = fit_good_head(target, sequences=seqs, kind=kind, draft_vocab_size=16, d2t=vocab - torch.arange(16))
     assert not bool(head.t2d[outside])
     head.outside = outside  # for the tests
     return target, prompts[0], head
@@ -188,16 +189,16 @@ def test_eagenerate_sampling_matches_the_exact_law_4k_draws():
                     draws=DYNAMIC_DRAWS, seed=0, what="eagenerate dynamic T1.0")
 
 
-def eagle3_undraftable_run(decoding_name, setting="T1.0", max_rounds=None, generate=None):
-    """`run(draws, seed)`: chi-square of the EAGLE-3 head's samples, and the token outside its draft vocabulary
-    (never in a draft tree) produced first as often as its exact probability says (exact binomial test); the two
-    p-values of the same draws combined by Bonferroni."""
-    target, prompt, head = sampling_setup("eagle3")
-    generate = generate or eagle_generate(decoding_name, "eagle3")
+def eagle3_undraftable_run(decoding_name, setting="T1.0", max_rounds=None, generate=None, kind="eagle3"):
+    """`run(draws, seed)`: chi-square of the EAGLE-3 (or P-EAGLE) head's samples, and the token outside its draft
+    vocabulary (never in a draft tree) produced first as often as its exact probability says (exact binomial test);
+    the two p-values of the same draws combined by Bonferroni."""
+    target, prompt, head = sampling_setup(kind)
+    generate = generate or eagle_generate(decoding_name, kind)
 
     def run(draws, seed):
         found = []
-        _, _, rounds = run_chi_square(generate, *SETTINGS[setting], draws=draws, seed=seed, kind="eagle3",
+        _, _, rounds = run_chi_square(generate, *SETTINGS[setting], draws=draws, seed=seed, kind=kind,
                                       counts_out=found)
         if max_rounds is not None:
             assert rounds < max_rounds, f"{rounds:.2f} verification rounds per 3 tokens: EAGLE-3 drafts are hardly ever accepted"
@@ -235,9 +236,10 @@ def test_eagle3_sampling_is_exact_with_an_undraftable_token_1k_draws():
 @pytest.mark.statistical
 @pytest.mark.parametrize("decoding_name", ["dynamic", "static", "chain"])
 @pytest.mark.parametrize("setting", ["T1.0", "T0.7-top_p0.9-top_k8"])
-def test_eagle3_sampling_is_exact_with_an_undraftable_token_20k_draws(decoding_name, setting):
-    assert_same_law(eagle3_undraftable_run(decoding_name, setting), draws=20_000, seed=5,
-                    what=f"eagle3 {decoding_name} {setting} with an undraftable token")
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])  # peagle: every round's draft from one head forward
+def test_eagle3_sampling_is_exact_with_an_undraftable_token_20k_draws(decoding_name, setting, kind):
+    assert_same_law(eagle3_undraftable_run(decoding_name, setting, kind=kind), draws=20_000, seed=5,
+                    what=f"{kind} {decoding_name} {setting} with an undraftable token")
 
 
 @pytest.mark.slow

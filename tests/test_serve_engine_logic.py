@@ -41,6 +41,29 @@ def test_served_kind_and_the_method_trap():
         check_vllm_method("eagle3", EAGLE2, "H")
 
 
+SPECULATORS_PEAGLE = {"architectures": ["PeagleSpeculator"], "speculators_model_type": "peagle", "mask_token_id": 3}
+RELEASED_PEAGLE = {"architectures": ["PeagleLlamaForCausalLM"], "draft_vocab_size": 64, "mask_token_id": 3}
+
+
+def test_the_parallel_drafting_traps():
+    """A P-EAGLE folder must be served with parallel_drafting, a sequential head without it: each mismatch is one line
+    naming the right speculative config, before any engine time."""
+    assert served_kind(SPECULATORS_PEAGLE) is HEAD_KINDS["peagle"] is served_kind(RELEASED_PEAGLE)
+    check_vllm_method("eagle3", SPECULATORS_PEAGLE, "H", parallel_drafting=True)
+    with pytest.raises(EngineFormatError, match=r"H holds a P-EAGLE head .*speculators_model_type peagle.* method "
+                                                r"'eagle3', which is for EAGLE-3 heads: use \"method\": \"eagle3\", "
+                                                r"\"parallel_drafting\": true") as e:
+        check_vllm_method("eagle3", RELEASED_PEAGLE | {"speculators_model_type": "peagle"}, "H")
+    assert is_expected(e.value) and "\n" not in str(e.value)
+    with pytest.raises(EngineFormatError, match=r"holds a P-EAGLE head .*method 'eagle3', which is for EAGLE-3"):
+        check_vllm_method("eagle3", RELEASED_PEAGLE, "H")
+    with pytest.raises(EngineFormatError, match=r"holds an EAGLE-3 head .*method 'eagle3' with parallel_drafting, "
+                                                r"which is for P-EAGLE heads: use \"method\": \"eagle3\"$"):
+        check_vllm_method("eagle3", SPECULATORS_EAGLE3, "H", parallel_drafting=True)
+    with pytest.raises(EngineFormatError, match=r"EAGLE-2 head .*'eagle' with parallel_drafting, which no head kind"):
+        check_vllm_method("eagle", EAGLE2, "H", parallel_drafting=True)
+
+
 def test_per_position_acceptance_and_its_cluster_se():
     k = 3
     prompts = [per_prompt_counts([0, 3, 1, 2], k), per_prompt_counts([3, 3], k), per_prompt_counts([], k)]

@@ -92,6 +92,9 @@ def test_the_config_file(tmp_path):
     config = speculative_config("eagle3", "H-vllm", schedule)
     assert config == {"method": "eagle3", "model": "H-vllm", "num_speculative_tokens": 4, SCHEDULE_KEY: schedule}
     assert speculative_config("eagle", "H", [[1, 64, 0]]) is None  # never speculates: serve without the flag
+    parallel = speculative_config("eagle3", "P-vllm", schedule, parallel_drafting=True)  # a P-EAGLE head's
+    assert parallel == {**config, "model": "P-vllm", "parallel_drafting": True}
+    assert read_speculative_config(write_speculative_config(tmp_path / "p.json", parallel)) == parallel
     path = write_speculative_config(tmp_path / "speculative_config.json", config)
     assert json.loads(path.read_text()) == config and read_speculative_config(path) == config
     assert schedule_text(schedule) == "batch 1-2: k = 4; batch 3-24: k = 2; batch 25-64: no speculation"

@@ -40,6 +40,7 @@ from transformers import (
 )
 
 from eagle.head import Eagle3Head, EagleHead, head_config_from_target
+from eagle.head_kinds import head_kind
 from float_tolerance import assert_same_function
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -48,7 +49,7 @@ HF_LAYER_FAMILIES = ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe")
 # a family outside SUPPORTED_FAMILIES: Target runs it through the model's own forward
 MODEL_FORWARD_FAMILIES = ("gemma",)
 TINY_VOCAB = 256
-KINDS = ("eagle2", "eagle3")
+KINDS = ("eagle2", "eagle3", "peagle")
 EAGLE3_LAYERS = 4  # tiny targets for EAGLE-3 heads: ids 1, 2, 3 (the default (2, L//2, L-3) needs L >= 7)
 EAGLE3_AUX = (1, 2, 3)
 TEST_THREADS = int(os.environ.get("EAGLE_TEST_THREADS", "1"))
@@ -143,8 +144,9 @@ def random_head(target, seed: int = 0, bias: bool = True, kind: str = "eagle2", 
     """A freshly initialised head for `target` (its embedding copied from the target). kind="eagle3": an
     `Eagle3Head` on `aux_layers` whose draft vocabulary is the first `draft_vocab_size` ids (None = all)."""
     torch.manual_seed(seed)
-    if kind == "eagle3":
-        return Eagle3Head.from_target(target, aux_layers=list(aux_layers), draft_vocab_size=draft_vocab_size).eval()
+    if kind != "eagle2":  # eagle3, peagle (P-EAGLE: the EAGLE-3 layout drafting in parallel)
+        return head_kind(kind).module.from_target(target, aux_layers=list(aux_layers),
+                                                  draft_vocab_size=draft_vocab_size).eval()
     head = EagleHead(head_config_from_target(target.config, bias=bias))
     head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.detach())
     return head.eval()
@@ -214,6 +216,10 @@ def _greedy_batch(target, prompts, new_tokens: int, sequences=None, aux_layers=N
 GOOD_HEAD_CURRICULUM = ((80, 1, 1e-2), (25, 2, 5e-3), (25, 3, 5e-3), (25, 4, 5e-3), (20, 5, 3e-3))
 # EAGLE-3's unroll trains every step at once: fewer stages reach the same acceptance (tau 6.2 of 6.2 at 60/5/10)
 EAGLE3_CURRICULUM = ((60, 1, 1e-2), (30, 3, 5e-3), (30, 5, 3e-3))
+# P-EAGLE's positions 2..k read only the mask inputs: every position a tree may draft is trained (dynamic depth 5 and
+# the 8-long chain read positions up to 6 and 8), with more steps, as nothing carries over from the previous position
+PEAGLE_CURRICULUM = ((60, 1, 1e-2), (60, 4, 5e-3), (80, 8, 3e-3))
+FIT_CURRICULA = {"eagle3": EAGLE3_CURRICULUM, "peagle": PEAGLE_CURRICULUM}
 
 
 def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, curriculum=None,
@@ -229,9 +235,9 @@ def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, cu
     kind="eagle3": an `Eagle3Head` (draft vocabulary `d2t`, default the first `draft_vocab_size` ids) fitted by CE
     over its draft vocabulary on every step of `unroll` (targets outside the draft vocabulary are ignored).
     """
-    if kind == "eagle3":
-        return _fit_eagle3(target, prompts, new_tokens, sequences, curriculum or EAGLE3_CURRICULUM, seed, aux_layers,
-                           draft_vocab_size, d2t)
+    if kind != "eagle2":
+        return _fit_eagle3(target, prompts, new_tokens, sequences, curriculum or FIT_CURRICULA[kind], seed, aux_layers,
+                           draft_vocab_size, d2t, kind)
     curriculum = curriculum or GOOD_HEAD_CURRICULUM
     ids, mask, feats, greedy = _greedy_batch(target, prompts, new_tokens, sequences)
     lm_head = target.get_output_embeddings()
@@ -259,9 +265,9 @@ def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, cu
     return head.eval()
 
 
-def _fit_eagle3(target, prompts, new_tokens, sequences, curriculum, seed, aux_layers, draft_vocab_size, d2t):
+def _fit_eagle3(target, prompts, new_tokens, sequences, curriculum, seed, aux_layers, draft_vocab_size, d2t, kind):
     ids, mask, aux, greedy = _greedy_batch(target, prompts, new_tokens, sequences, aux_layers=list(aux_layers))
-    head = random_head(target, seed=seed, kind="eagle3", aux_layers=aux_layers, draft_vocab_size=draft_vocab_size)
+    head = random_head(target, seed=seed, kind=kind, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size)
     if d2t is not None:
         head.set_vocab(d2t)
     draft_of = torch.full((head.config.vocab_size,), -100, dtype=torch.long)  # target id -> draft id (-100: ignored)
@@ -340,7 +346,7 @@ def family_setup(family: str, good: bool = True, kind: str = "eagle2") -> Family
     """Target, prompts, transformers' greedy references and both heads of `kind` for one family (built once per
     process). EAGLE-3 setups use an `EAGLE3_LAYERS`-layer target (same seed) and aux ids `EAGLE3_AUX`."""
     kw = {"sliding_window": MISTRAL_WINDOW} if family == "mistral" else {}
-    if kind == "eagle3":
+    if kind != "eagle2":  # EAGLE-3-layout kinds read 3 aux layers
         kw["num_layers"] = EAGLE3_LAYERS
     index = (FAMILIES + HF_LAYER_FAMILIES + MODEL_FORWARD_FAMILIES).index(family)
     target = tiny_target(family, seed=index, **kw)

@@ -11,6 +11,7 @@ lm_head (chunked: train.loss_chunk); eval chains rolled out through the head's d
 EAGLE-3: fc over three aux layers, the training-time-test unroll of `head.ttt_steps` steps (steps >= 2 at every
 `head.ttt_row_stride`-th position, the offset cycling with the micro-step so every position is covered), the soft CE
 over the draft vocabulary (built from the training split's loss tokens); eval chains read off one unroll.
+P-EAGLE: EAGLE-3's, the unroll being the head's parallel one (k draft positions from one forward, mask inputs).
 """
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ import torch.nn.functional as F
 
 from data_prep.feature_layers import feature_layers
 from eagle.eagle2 import EagleHead
-from eagle.eagle3 import Eagle3Head
 from eagle.head_config import head_config_from_target
-from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, head_kind, text_config
+from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
 from recipes import RecipeError
 from recipes.head import align_weights, check_head_fits_target, ttt_weights
@@ -341,14 +341,15 @@ class Eagle3Training(TrainingKind):
         expect = head_config_from_target(target_config, kind=self.kind.name, aux_layers=self.layers[:-1],
                                          draft_vocab_size=size)
         counts = count_loss_tokens(source, train_indices, V, self.cfg.data.max_length)
+        module = self.kind.module
         if h.init_from:
-            head = Eagle3Head.from_pretrained(h.init_from)
+            head = module.from_pretrained(h.init_from)
             got = (head.config.hidden_size, head.config.vocab_size, list(head.config.aux_layers or []))
             want = (expect.hidden_size, expect.vocab_size, list(expect.aux_layers))
             if got != want:
                 raise ValueError(f"head.init_from={h.init_from}: hidden/vocab/aux layers {got} do not match the recipe's {want}")
         else:
-            head = Eagle3Head(expect)
+            head = module(self.complete_config(expect, counts))
             d2t, t2d = build_draft_vocab(counts, size)
             head.set_vocab(d2t, t2d)
             if h.lm_head_init == "target":
@@ -357,6 +358,10 @@ class Eagle3Training(TrainingKind):
         self.vocab_info = {"draft_vocab_size": head.config.draft_vocab_size, "distinct_loss_tokens": int((counts > 0).sum()),
                            "draft_vocab_coverage": vocab_coverage(counts, head.t2d.cpu())}
         return head
+
+    def complete_config(self, config, counts: torch.Tensor):
+        """The fresh head's config with what the kind picks from the training split's loss-token counts [V]."""
+        return config
 
     def summary(self) -> dict:
         return {"head_kind": self.kind.name, "aux_layers": self.layers[:-1], "ttt_steps": self.steps,
@@ -422,7 +427,45 @@ class Eagle3Training(TrainingKind):
                  "train.micro_batch_size / data.max_length / head.ttt_row_stride", ("forward", "backward"))]
 
 
-TRAINING: dict[HeadKind, type[TrainingKind]] = {EAGLE2: Eagle2Training, EAGLE3: Eagle3Training}
+class PeagleTraining(Eagle3Training):
+    """P-EAGLE: the EAGLE-3 trainer with the head's parallel unroll (eagle/peagle.py): ONE forward's k = head.ttt_steps
+    draft positions, position j (at index t, the mask row j - 1 after committing 0..t) scored like EAGLE-3's step j:
+    soft CE over the draft vocabulary against the target's distribution of token t + j + 1, weight
+    head.ttt_step_weights[j] (0.8^(j-1)). Same data (the EAGLE-3 cache), same cost per step at equal k; the learned
+    `mask_hidden` [1, 3H] is the one parameter it adds."""
+
+    kind = PEAGLE
+    extra_eval = "parallel"
+
+    def describe(self) -> str:
+        return (f"P-EAGLE head (parallel drafting, mask token {self.mask_token}): " + super().describe()
+                .removeprefix("EAGLE-3 head: ").replace("unrolled steps", "parallel draft positions"))
+
+    def complete_config(self, config, counts: torch.Tensor):
+        """head.mask_token_id, or (-1) the smallest target id absent from the training split's loss tokens (the
+        rarest one when every id occurs): a token the head's real positions rarely read."""
+        chosen = self.cfg.head.mask_token_id
+        if chosen < 0:
+            chosen = int(counts.argmin())  # the first zero when there is one
+        self.mask_token = chosen
+        return self.kind.with_mask_token(config, chosen)
+
+    def new_head(self, target_config, source, train_indices, lm_head):
+        head = super().new_head(target_config, source, train_indices, lm_head)
+        self.mask_token = head.mask_token_id
+        return head
+
+    def summary(self) -> dict:
+        return {**super().summary(), "mask_token_id": getattr(self, "mask_token", None)}
+
+    @staticmethod
+    def plan_shape(shape, hc, head_cfg) -> None:
+        """EAGLE-3's shape plus the learned mask_hidden [1, 3H]."""
+        Eagle3Training.plan_shape(shape, hc, head_cfg)
+        shape.head_trainable += 3 * hc.hidden_size
+
+
+TRAINING: dict[HeadKind, type[TrainingKind]] = {EAGLE2: Eagle2Training, EAGLE3: Eagle3Training, PEAGLE: PeagleTraining}
 
 
 def training_class(kind_name: str) -> type[TrainingKind]:
