@@ -65,6 +65,7 @@ NOT_STATE = {
     "train/tracking.py": (1, "metrics.jsonl, a log appended to"),
     "export/engine_formats.py": (1, "writes an engine folder's config.json inside write_folder (atomic folder); read "
                                     "back via HEAD_CONFIG"),
+    "export/head_kinds.py": (1, "the trap message quotes the kind's vLLM speculative-config keys as JSON"),
     "export/model_card.py": (2, "command lines in the card (one with the fitted speculative config)"),
     "data_prep/engine_capture.py": (3, "runs under the engine's interpreter (no project imports): reads the request "
                                        "written just before, writes CAPTURE_RESULT (read back through the loader)"),
