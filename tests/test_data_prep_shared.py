@@ -27,7 +27,7 @@ def test_shared_conversation_files_load_with_exact_accounting(name, kept, reject
         assert (len(res.kept), len(res.rejects)) == (kept, rejected)
     if name.startswith("glaive"):  # ShareGPT with tools (function_call / observation turns, tools as JSON text)
         assert res.rejects == []
-        assert any(m["role"] == "tool" for r in res.kept for m in r["messages"]) and all("tools" in r for r in res.kept)
+        assert any(m["role"] == "tool" for r in res.kept for m in r["messages"]) and any("tools" in r for r in res.kept)
 
 
 @pytest.mark.shared
