@@ -410,10 +410,11 @@ def regenerate_chunk(chunk: list[dict], backend, calls: ToolCallFormat = CALL_FO
 
     A reply is stored as the template's message fields (data_prep/assistant_spans.py `split_reply`: reasoning when
     `think`, the template renders it; tool calls in the `calls` markup). Tool results stay the dataset's while the
-    target calls the same functions, in order, as the dataset's assistant did; when it calls others (or none), the
-    dataset's results would answer calls it did not make: they and the rest of that exchange are dropped, the
-    conversation goes on at the next user turn (counted in `tool_exchanges_diverged`). A reply that calls a tool the
-    dataset has no result for ends the conversation there, its call kept (trained on)."""
+    target calls the same functions, in order, as the dataset's assistant did (arguments may differ: the result is
+    the dataset's). When it answers without the dataset's calls, those results and the rest of that exchange are
+    dropped and the conversation goes on at the next user turn; when it calls functions the dataset has no result
+    for, the conversation ends at that reply, its call kept and trained on (`tool_exchanges_diverged` counts both,
+    `ended_at_unanswered_call` the second)."""
     states = []
     for rec in chunk:
         msgs = rec["messages"]
@@ -433,17 +434,19 @@ def regenerate_chunk(chunk: list[dict], backend, calls: ToolCallFormat = CALL_FO
             step = s["steps"][s["next"]]
             made = made_calls(s)
             if step["calls"] is None:  # a user turn: the target's last reply must not wait for a tool result
-                if made:
-                    s["ended_at_unanswered_call"] = True
-                    return False
-                return True
-            if made and made == step["calls"]:
+                break
+            if made == step["calls"]:
                 return True
             s["tool_exchanges_diverged"] += 1
-            s["next"] += 1
+            if made:  # the dataset's results answer other calls: none for this one
+                break
+            s["next"] += 1  # an answer instead of the dataset's calls: its results and the rest of the exchange go
             while s["next"] < len(s["steps"]) and s["steps"][s["next"]]["calls"] is not None:
-                s["next"] += 1  # the rest of this exchange answered calls the target did not make
-        return False
+                s["next"] += 1
+        if made_calls(s):
+            s["ended_at_unanswered_call"] = True
+            return False
+        return s["next"] < len(s["steps"])
 
     while True:
         active = [s for s in states if not s["stopped_at_max_length"] and not s["ended_at_unanswered_call"]

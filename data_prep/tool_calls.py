@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from recipes.data import TOOL_CALL_FORMATS
+
 Span = tuple[int, int]
 
 
@@ -98,7 +100,8 @@ def _find_none(text: str) -> list[tuple[int, int, dict]]:
 
 FORMATS = {f.name: f for f in (ToolCallFormat("hermes", _find_hermes), ToolCallFormat("llama3_json", _find_llama3_json),
                                 ToolCallFormat("none", _find_none))}
-FORMAT_NAMES = ("auto", *FORMATS)
+if set(FORMATS) | {"auto"} != set(TOOL_CALL_FORMATS):
+    raise AssertionError(f"recipes/data.py TOOL_CALL_FORMATS {TOOL_CALL_FORMATS} and the parsers {sorted(FORMATS)} differ")
 
 
 def detect_format(template: str | None) -> ToolCallFormat:
@@ -117,5 +120,5 @@ def tool_call_format(name: str, template: str | None) -> ToolCallFormat:
     if name == "auto":
         return detect_format(template)
     if name not in FORMATS:
-        raise ValueError(f"data.tool_call_format {name!r}: expected one of {FORMAT_NAMES}")
+        raise ValueError(f"data.tool_call_format {name!r}: expected one of {TOOL_CALL_FORMATS}")
     return FORMATS[name]
