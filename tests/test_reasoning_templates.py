@@ -3,6 +3,7 @@ apply_chat_template (tools, assistant-token masks) token for token, the reasonin
 a generated reply back into the message the template renders, regeneration keeping tool calls and results, and the
 mask inspector's spans. Tokenizers are built in code (tests/test_data_prep_helpers.py)."""
 import json
+import re
 
 import pytest
 
@@ -267,3 +268,41 @@ def test_inspector_shows_reasoning_answer_and_tool_call_spans():
     assert "⟦\n\nIt is noon.<|im_end|>⟧" in text and "⟦\n\nLet me check.\n⟧" in text
     colored = render_masked(tok, ids, mask, color=True, calls=FORMATS["hermes"])
     assert "\x1b[30;46m" in colored and "\x1b[30;43m" in colored and "\x1b[30;42m" in colored
+
+
+def test_data_prep_cli_with_tools_and_reasoning(tmp_path, capsys):
+    """load -> regenerate (a random target: it answers without the dataset's tool calls, so their results are dropped
+    and counted) -> tokenize -> inspect; then the dataset's own replies (data.regenerate=false) with the reasoning
+    out of the mask."""
+    from data_prep.main import main
+    from data_prep.tokenized import load_tokenized
+    from test_data_prep_helpers import build_model
+
+    tok = build_reasoning_tokenizer("qwen3")
+    build_model(len(tok)).save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    source = tmp_path / "tools.jsonl"
+    source.write_text(json.dumps({"id": "w", "tools": TOOLS, "messages": CONVERSATION}) + "\n")
+    recipe = tmp_path / "t.yaml"
+    recipe.write_text(json.dumps({"name": "t", "output_dir": str(tmp_path / "run"),
+                                  "target": {"path": str(tmp_path / "target"), "dtype": "float32", "chat_template": "qwen3"},
+                                  "data": {"source": str(source), "max_new_tokens": 4, "max_length": 2048,
+                                           "cache_features": False, "device": "cpu"}}))
+    main(["--recipe", str(recipe), "--no-progress", "--inspect", "1"])
+    out = capsys.readouterr().out
+    assert "tool exchanges diverged 2" in out and "=== w:" in out
+    report = json.loads((tmp_path / "run" / "data" / "report.json").read_text())
+    assert report["regenerate_shard0of1"]["tool_exchanges_diverged"] == 2
+    regenerated = [json.loads(line) for line in (tmp_path / "run" / "data" / "regenerated").glob("part-*.jsonl").__next__().open()]
+    assert [m["role"] for m in regenerated[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+
+    main(["--recipe", str(recipe), "--no-progress", "--inspect", "1", "data.regenerate=false",
+          "data.train_reasoning=false", f"output_dir={tmp_path / 'own'}"])
+    out = capsys.readouterr().out
+    (sample,) = load_tokenized(tmp_path / "own" / "data")
+    ids, mask = hf_reference(tok, CONVERSATION)
+    labels = label_tokens(tok, ids, mask, FORMATS["hermes"])
+    assert sample["input_ids"] == ids
+    assert sample["loss_mask"] == [int(m and lab != REASONING) for m, lab in zip(mask, labels)]
+    assert "reasoning 0 ⟪⟫" in out and re.search(r"tool call [1-9][0-9]* ⦃⦄", out) and "⦃<tool_call>" in out
+    assert "not trained on: data.train_reasoning=false" in out
