@@ -386,20 +386,17 @@ def conversation_inputs(messages: list[dict]) -> list[dict]:
     """The turns the target answers, in order: {"turns": [a user turn] | [the tool results of one exchange],
     "calls": the function names the dataset's assistant called for those results (tool steps only)}. The dataset's
     own assistant turns are not inputs: the target writes its own."""
-    steps, last_calls = [], []
+    steps, last_calls, prev_role = [], [], None
     for m in messages:
         if m["role"] == "user":
             steps.append({"turns": [m], "calls": None})
         elif m["role"] == "assistant":
             last_calls = [c["function"]["name"] for c in m.get("tool_calls") or []]
+        elif m["role"] == "tool" and prev_role == "tool":  # the next result of the same exchange
+            steps[-1]["turns"].append(m)
         elif m["role"] == "tool":
-            if steps and steps[-1]["calls"] is not None and steps[-1]["open"]:
-                steps[-1]["turns"].append(m)
-            else:
-                steps.append({"turns": [m], "calls": last_calls, "open": True})
-            continue
-        if steps and steps[-1]["calls"] is not None:
-            steps[-1]["open"] = False
+            steps.append({"turns": [m], "calls": last_calls})
+        prev_role = m["role"]
     return steps
 
 

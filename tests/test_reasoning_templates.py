@@ -306,3 +306,20 @@ def test_data_prep_cli_with_tools_and_reasoning(tmp_path, capsys):
     assert sample["loss_mask"] == [int(m and lab != REASONING) for m, lab in zip(mask, labels)]
     assert "reasoning 0 ⟪⟫" in out and re.search(r"tool call [1-9][0-9]* ⦃⦄", out) and "⦃<tool_call>" in out
     assert "not trained on: data.train_reasoning=false" in out
+
+
+def test_parallel_calls_group_their_results_into_one_step():
+    from data_prep.regenerate import conversation_inputs
+
+    msgs = [{"role": "user", "content": "Weather and time in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="Paris"), call("get_time", city="Paris")]},
+            {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "noon"},
+            {"role": "assistant", "content": "Sunny at noon."}, {"role": "user", "content": "Thanks"}]
+    steps = conversation_inputs(msgs)
+    assert [([t["content"] for t in s["turns"]], s["calls"]) for s in steps] == [
+        (["Weather and time in Paris?"], None), (["sunny", "noon"], ["get_weather", "get_time"]), (["Thanks"], None)]
+    text = hermes("get_weather", city="Paris") + "\n" + hermes("get_time", city="Paris")
+    assert split_reply(text, FORMATS["hermes"]) == {"content": "", "tool_calls": msgs[1]["tool_calls"]}
+    # and the qwen3 template renders those two calls back to that text
+    tok = build_reasoning_tokenizer("qwen3")
+    assert replies(tok, msgs[:2])[0] == text + "<|im_end|>"
