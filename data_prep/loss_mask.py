@@ -162,9 +162,10 @@ def tokenize_records(records, tokenizer, max_length: int, overlong: str = "trunc
                 continue
             ids, mask = ids[:max_length], mask[:max_length]
             stats.truncated += 1
-        parts = count_labels(label_tokens(tokenizer, ids, mask, calls))
-        if not train_reasoning and parts[REASONING]:
-            mask = drop_reasoning(tokenizer, ids, mask, calls)
+        labels = label_tokens(tokenizer, ids, mask, calls)
+        parts = count_labels(labels)
+        if not train_reasoning:  # data.train_reasoning=false: the <think>...</think> tokens are not trained on
+            mask = [0 if lab == REASONING else m for m, lab in zip(mask, labels)]
         if sum(mask) == 0:
             stats.dropped_no_loss_tokens += 1
             stats.rejects.append({"id": rec["id"], "reason": "no loss tokens: no assistant token within max_length"})
@@ -176,12 +177,6 @@ def tokenize_records(records, tokenizer, max_length: int, overlong: str = "trunc
         stats.loss_tokens += sum(mask)
         out.append({"id": rec["id"], "input_ids": ids, "loss_mask": mask})
     return out, stats
-
-
-def drop_reasoning(tokenizer, ids: list[int], mask: list[int], calls: ToolCallFormat) -> list[int]:
-    """`mask` without its reasoning tokens (data.train_reasoning=false)."""
-    labels = label_tokens(tokenizer, ids, mask, calls)
-    return [0 if lab == REASONING else m for m, lab in zip(mask, labels)]
 
 
 # how the inspector marks each trained-on part: (tty colour, opening bracket, closing bracket)
