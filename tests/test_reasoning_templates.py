@@ -182,15 +182,15 @@ def test_labels_when_the_generation_prompt_opens_the_reasoning():
 class Scripted:
     """A backend answering with fixed texts (what a target would generate), ids as the HF backend keeps them."""
 
-    def __init__(self, tok, answers):
-        self.tok, self.answers, self.seen = tok, list(answers), []
+    def __init__(self, tok, answers, eot="<|im_end|>"):
+        self.tok, self.answers, self.seen, self.eot = tok, list(answers), [], eot
 
     def generate_turn(self, histories, tools=None):
         out = []
         for h, t in zip(histories, tools):
             self.seen.append((h, t))
             text = self.answers.pop(0)
-            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.convert_tokens_to_ids("<|im_end|>")]
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.convert_tokens_to_ids(self.eot)]
             out.append(Reply(self.tok.decode(ids[:-1], skip_special_tokens=True).strip(), len(ids), False, ids))
         return out
 
@@ -323,3 +323,17 @@ def test_parallel_calls_group_their_results_into_one_step():
     # and the qwen3 template renders those two calls back to that text
     tok = build_reasoning_tokenizer("qwen3")
     assert replies(tok, msgs[:2])[0] == text + "<|im_end|>"
+
+
+def test_llama31_regeneration_keeps_the_json_call_and_its_mask_equals_transformers():
+    tok = build_reasoning_tokenizer("llama-3.1")
+    rec = {"id": "c", "messages": CONVERSATION[:5], "tools": TOOLS}
+    backend = Scripted(tok, ['{"name": "get_weather", "parameters": {"city": "Paris"}}', "Sunny in Paris."], "<|eot_id|>")
+    (out,) = regenerate_chunk([rec], backend, FORMATS["llama3_json"], think=False)
+    assert [m["role"] for m in out["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert out["messages"][2]["tool_calls"] == [call("get_weather", city="Paris")] and out["tool_results_kept"] == 1
+    (sample,), stats = tokenize_records([out], tok, 4096, calls=FORMATS["llama3_json"])
+    assert stats.from_token_ids == 1 and stats.tool_call_tokens > 0
+    plain = [{k: v for k, v in m.items() if k != "token_ids"} for m in out["messages"]]
+    ids, mask = hf_reference(tok, plain)
+    assert (sample["input_ids"], sample["loss_mask"]) == (ids, mask)  # llama-3.1 writes nothing after the last reply
