@@ -341,7 +341,8 @@ def bench(s: Setup, questions: list) -> int:
     if s.gen.temperature == 0:
         greedy = explain_mismatches(s.models["A"].base_model, run.results, check_greedy(run.results), ev.tie_ulps)
     labeler = answer_labeler(s.fmt)
-    spans = summarize_spans(run.results, labeler, **stat_kw) if labeler else []
+    drafted = [r for r in run.results if r.method in speculative]  # vanilla drafts nothing: no span to report
+    spans = summarize_spans(drafted, labeler, **stat_kw) if labeler else []
     report = EvalReport(
         meta=run_meta(s, methods, "bench"), run=run, summaries=summaries,
         comparisons=compare_all_pairs(run.results, speculative, **stat_kw),
@@ -350,7 +351,7 @@ def bench(s: Setup, questions: list) -> int:
                                   ev.calibration_bins) for m in speculative},
         spans=spans,
         span_comparisons=[c for a, b in itertools.combinations(speculative, 2)
-                          for c in compare_spans(run.results, a, b, labeler, **stat_kw)] if labeler else [])
+                          for c in compare_spans(drafted, a, b, labeler, **stat_kw)] if labeler else [])
     paths = write_report(report, s.out_dir)
     if ev.save_outputs:
         write_answers(run, s.fmt.decode, s.out_dir / "answers.jsonl")
