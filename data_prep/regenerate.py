@@ -211,8 +211,8 @@ class OpenAIBackend:
                 "seed": s.seed, "n": 1}
         if self.endpoint == "chat":
             body["messages"] = api_messages(history)
-            if tools:
-                body["tools"] = tools
+            if tools:  # rendered by the server's template; "none": the reply comes back as text, calls parsed here
+                body["tools"], body["tool_choice"] = tools, "none"  # (vLLM refuses "auto" without a tool parser)
         else:
             body["prompt"] = ids
         if self.token_ids:
