@@ -298,13 +298,20 @@ class OpenAIBackend:
 
 def api_messages(history: list[dict]) -> list[dict]:
     """`history` as an OpenAI chat request carries it: tool-call arguments as JSON strings (the server parses them
-    back for its template, vLLM's `_postprocess_messages`), reasoning under `reasoning` (what vLLM reads)."""
-    out = []
-    for m in chat_messages(history):
+    back for its template, vLLM's `_postprocess_messages`), reasoning under `reasoning` (what vLLM reads), and every
+    call with an `id` and every tool result with its `tool_call_id`, which the API requires (a call without one gets
+    `call-{turn}-{k}`; the k-th result after it answers the k-th call). The templates render none of these ids."""
+    out, ids, k = [], [], 0
+    for turn, m in enumerate(chat_messages(history)):
         if "tool_calls" in m:
-            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"],
-                                                                                         ensure_ascii=False)}}
-                               for c in m["tool_calls"]]
+            ids = [c.get("id") or f"call-{turn}-{j}" for j, c in enumerate(m["tool_calls"])]
+            m["tool_calls"] = [{**c, "id": i, "function": {**c["function"], "arguments": json.dumps(
+                c["function"]["arguments"], ensure_ascii=False)}} for c, i in zip(m["tool_calls"], ids)]
+            k = 0
+        if m["role"] == "tool":
+            if "tool_call_id" not in m and k < len(ids):
+                m["tool_call_id"] = ids[k]
+            k += 1
         if "reasoning_content" in m:
             m["reasoning"] = m.pop("reasoning_content")
         out.append(m)

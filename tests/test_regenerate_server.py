@@ -403,5 +403,7 @@ def test_tool_conversations_reach_the_server_as_openai_requests(server):
     body = FakeServer.requests[-1]["body"]
     assert body["tools"] == tools and body["tool_choice"] == "none"  # the calls are parsed from the text here
     assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    # the API requires call ids: a call without one gets one, and the result after it answers it
+    assert body["messages"][1]["tool_calls"][0]["id"] == "call-1-0" == body["messages"][2]["tool_call_id"]
     assert body["messages"][1]["reasoning"] == "call f" and "reasoning_content" not in body["messages"][1]
     assert hist[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # the history itself is not changed
