@@ -110,7 +110,8 @@ class TokenizeStats:
 
 def reasoning_not_rendered(tokenizer, messages: list[dict], tools: list[dict] | None) -> int:
     """Assistant turns whose reasoning_content is absent from the rendered conversation (a template without
-    thinking, or Qwen3's rule dropping the reasoning of turns before the last user turn): counted, not an error."""
+    thinking, or Qwen3's rule dropping the reasoning of turns before the last user turn): counted, not an error.
+    Found by text, so a lower bound: a dropped reasoning whose text another turn repeats is not counted."""
     turns = [m["reasoning_content"].strip() for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
     if not turns:
         return 0
