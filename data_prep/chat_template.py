@@ -5,7 +5,7 @@ from __future__ import annotations
 from recipes.chat_templates import read_template, shipped_templates
 
 # the token that closes an assistant turn, when it is not the tokenizer's eos token
-END_OF_TURN = {"llama-3": "<|eot_id|>", "chatml": "<|im_end|>"}
+END_OF_TURN = {"llama-3": "<|eot_id|>", "llama-3.1": "<|eot_id|>", "chatml": "<|im_end|>", "qwen3": "<|im_end|>"}
 
 
 def setup_chat_template(tokenizer, name_or_path: str | None, where: str = "the tokenizer") -> str:

@@ -6,13 +6,20 @@ Two ways, never hand-tuned offsets:
   generation prompt and the text rendered for ``messages[:i+1]`` are both prefixes of the full
   conversation's text; the characters between them (minus trailing template whitespace, which the
   model never generates) are the reply + end-of-turn token. Tokens overlapping that span get mask 1.
+
+A conversation's `tools` reach the template. `train_reasoning=False` (recipe `data.train_reasoning`) then takes the
+reasoning tokens (``<think>...</think>``, data_prep/assistant_spans.py) out of the mask; by default the target's own
+thinking is trained, since the head drafts it at serving time.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
 
-from data_prep.token_ids import tokenize_from_token_ids
+from data_prep.assistant_spans import ANSWER, REASONING, TOOL_CALL, count_labels, label_tokens
+from data_prep.token_ids import chat_messages, tokenize_from_token_ids
+from data_prep.tool_calls import FORMATS as CALL_FORMATS
+from data_prep.tool_calls import ToolCallFormat
 
 MASK_MODES = ("auto", "generation", "prefix")
 
@@ -26,19 +33,21 @@ def has_generation_markers(tokenizer) -> bool:
     return "{% generation" in template or "{%- generation" in template
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(chat_messages(messages), tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
-def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(tokenizer, messages: list[dict],
+                         tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """Full rendered text and the [start, end) character span of every assistant reply (prefix templating)."""
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if not full.startswith(before) or not full.startswith(through) or len(through) < len(before):
             raise TemplateMaskError(
                 f"chat template is not prefix-stable at turn {i}: rendering the first turns is not a prefix of the "
@@ -49,18 +58,20 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     return full, spans
 
 
-def tokenize_with_mask(tokenizer, messages: list[dict], mode: str = "auto") -> tuple[list[int], list[int]]:
+def tokenize_with_mask(tokenizer, messages: list[dict], mode: str = "auto",
+                       tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """input_ids and loss_mask (1 = assistant reply or its end-of-turn token) for one conversation."""
     if mode not in MASK_MODES:
         raise ValueError(f"mask mode must be one of {MASK_MODES}, got {mode!r}")
     if mode == "generation" or (mode == "auto" and has_generation_markers(tokenizer)):
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, add_generation_prompt=False
+            chat_messages(messages), tools=tools or None, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True, add_generation_prompt=False
         )
         ids = list(out["input_ids"])
         mask = [int(x) for x in out["assistant_masks"]]
         return ids, mask
-    full, spans = assistant_char_spans(tokenizer, messages)
+    full, spans = assistant_char_spans(tokenizer, messages, tools)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     mask = []
@@ -80,6 +91,9 @@ class TokenizeStats:
     dropped_no_loss_tokens: int = 0
     tokens: int = 0
     loss_tokens: int = 0
+    reasoning_tokens: int = 0  # assistant tokens inside <think>...</think> (trained on only with data.train_reasoning)
+    tool_call_tokens: int = 0  # assistant tokens of tool calls (always trained on)
+    reasoning_not_rendered: int = 0  # assistant turns whose reasoning_content the template does not write
     from_token_ids: int = 0  # samples built from the generated ids (data_prep/token_ids.py)
     token_ids_fallback: int = 0  # records with generated ids whose prompts did not extend them: built from text
     rejects: list[dict] = field(default_factory=list)
@@ -94,9 +108,23 @@ class TokenizeStats:
         return d
 
 
+def reasoning_not_rendered(tokenizer, messages: list[dict], tools: list[dict] | None) -> int:
+    """Assistant turns whose reasoning_content is absent from the rendered conversation (a template without
+    thinking, or Qwen3's rule dropping the reasoning of turns before the last user turn): counted, not an error.
+    Found by text, so a lower bound: a dropped reasoning whose text another turn repeats is not counted."""
+    turns = [m["reasoning_content"].strip() for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
+    if not turns:
+        return 0
+    text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
+    return sum(r not in text for r in turns)
+
+
 def tokenize_records(records, tokenizer, max_length: int, overlong: str = "truncate", drop_length_limited: bool = False,
-                     mode: str = "auto"):
-    """Tokenise normalised records; returns (tokenized list, TokenizeStats). Every drop is counted."""
+                     mode: str = "auto", train_reasoning: bool = True, calls: ToolCallFormat = CALL_FORMATS["none"]):
+    """Tokenise normalised records; returns (tokenized list, TokenizeStats). Every drop is counted.
+
+    `train_reasoning=False` takes the reasoning tokens out of each mask (`calls`: the template's tool-call markup,
+    for the span counts)."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"data.overlong must be 'truncate' or 'drop', got {overlong!r}")
     stats, out = TokenizeStats(), []
@@ -112,12 +140,14 @@ def tokenize_records(records, tokenizer, max_length: int, overlong: str = "trunc
             stats.rejects.append({"id": rec["id"], "reason": f"no loss tokens: nothing was generated ({why})"})
             continue
         exact = None
+        tools = rec.get("tools")
         if any("token_ids" in m for m in rec["messages"]):
-            exact = tokenize_from_token_ids(tokenizer, rec["messages"])
+            exact = tokenize_from_token_ids(tokenizer, rec["messages"], tools)
             stats.from_token_ids += exact is not None
             stats.token_ids_fallback += exact is None
         try:
-            ids, mask = exact or tokenize_with_mask(tokenizer, rec["messages"], mode)
+            ids, mask = exact or tokenize_with_mask(tokenizer, rec["messages"], mode, tools)
+            stats.reasoning_not_rendered += reasoning_not_rendered(tokenizer, rec["messages"], tools)
         except TemplateMaskError as e:
             raise TemplateMaskError(f"record {rec['id']!r}: {e}") from None
         except Exception as e:  # the template itself refuses this conversation (jinja raise_exception): a bad record
@@ -133,27 +163,41 @@ def tokenize_records(records, tokenizer, max_length: int, overlong: str = "trunc
                 continue
             ids, mask = ids[:max_length], mask[:max_length]
             stats.truncated += 1
+        labels = label_tokens(tokenizer, ids, mask, calls)
+        parts = count_labels(labels)
+        if not train_reasoning:  # data.train_reasoning=false: the <think>...</think> tokens are not trained on
+            mask = [0 if lab == REASONING else m for m, lab in zip(mask, labels)]
         if sum(mask) == 0:
             stats.dropped_no_loss_tokens += 1
             stats.rejects.append({"id": rec["id"], "reason": "no loss tokens: no assistant token within max_length"})
             continue
         stats.kept += 1
+        stats.reasoning_tokens += parts[REASONING]
+        stats.tool_call_tokens += parts[TOOL_CALL]
         stats.tokens += len(ids)
         stats.loss_tokens += sum(mask)
         out.append({"id": rec["id"], "input_ids": ids, "loss_mask": mask})
     return out, stats
 
 
-def render_masked(tokenizer, input_ids: list[int], loss_mask: list[int], color: bool | None = None) -> str:
-    """The decoded sample with trained-on (mask 1) runs highlighted: green background on a tty, else ⟦...⟧."""
+# how the inspector marks each trained-on part: (tty colour, opening bracket, closing bracket)
+SPAN_STYLE = {ANSWER: ("30;42", "⟦", "⟧"), REASONING: ("30;46", "⟪", "⟫"), TOOL_CALL: ("30;43", "⦃", "⦄")}
+
+
+def render_masked(tokenizer, input_ids: list[int], loss_mask: list[int], color: bool | None = None,
+                  calls: ToolCallFormat = CALL_FORMATS["none"]) -> str:
+    """The decoded sample with trained-on (mask 1) runs highlighted by part: answers green (else ⟦...⟧), reasoning
+    cyan (⟪...⟫), tool calls yellow (⦃...⦄)."""
     if color is None:
         color = sys.stdout.isatty()
+    labels = label_tokens(tokenizer, input_ids, loss_mask, calls)
     pieces, start = [], 0
     for t in range(1, len(input_ids) + 1):
-        if t == len(input_ids) or loss_mask[t] != loss_mask[start]:
+        if t == len(input_ids) or labels[t] != labels[start]:
             text = tokenizer.decode(input_ids[start:t], skip_special_tokens=False)
-            if loss_mask[start]:
-                text = f"\x1b[30;42m{text}\x1b[0m" if color else f"⟦{text}⟧"
+            if labels[start] is not None:
+                code, left, right = SPAN_STYLE[labels[start]]
+                text = f"\x1b[{code}m{text}\x1b[0m" if color else f"{left}{text}{right}"
             pieces.append(text)
             start = t
     return "".join(pieces)

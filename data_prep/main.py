@@ -30,6 +30,7 @@ from huggingface_hub.utils import disable_progress_bars
 if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from data_prep.assistant_spans import count_labels, label_tokens, renders_reasoning  # noqa: E402
 from data_prep.cache_features import cache_shard, check_disk  # noqa: E402
 from data_prep.chat_template import stop_token_ids  # noqa: E402
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
@@ -42,6 +43,7 @@ from data_prep.target import (load_target_config, load_target_model, load_target
                               resolve_target_path, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from data_prep.vllm_features import cache_shard_vllm, staging_bytes_per_token  # noqa: E402
+from data_prep.tool_calls import tool_call_format  # noqa: E402
 from data_prep.vllm_server import recipe_server  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.device import pick_device  # noqa: E402
@@ -174,16 +176,26 @@ def regeneration_server(run: Run):
                          run.data_dir / f"vllm_server_{name}.log")
 
 
+def call_format(run: Run):
+    """The tool-call markup of the target's template (data.tool_call_format; auto: read from the template)."""
+    return tool_call_format(run.cfg.data.tool_call_format, run.tokenizer().chat_template)
+
+
 def stage_regenerate(run: Run, conversations: list[dict]) -> None:
     d = run.cfg.data
     out = layout.regenerated_dir(run.cfg)
-    check_settings(out, {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template,
-                         "backend": d.backend, "max_length": d.max_length,
-                         "extra_stop_ids": [int(i) for i in d.extra_stop_ids], **asdict(generation_settings(run))})
+    calls = call_format(run)
+    settings = {"target": run.cfg.target.path, "chat_template": run.cfg.target.chat_template, "backend": d.backend,
+                "max_length": d.max_length, "extra_stop_ids": [int(i) for i in d.extra_stop_ids],
+                **asdict(generation_settings(run))}
+    if calls.name != "none":  # how replies were parsed; absent for templates without tool calls (as before it existed)
+        settings["tool_call_format"] = calls.name
+    check_settings(out, settings)
     with regeneration_server(run) as server:
         try:
             stats = regenerate_shard(conversations, make_backend(run, server.url if server else None), out, run.shard,
-                                     run.num_shards, d.gen_batch_size, run.cfg.seed, progress=run.progress)
+                                     run.num_shards, d.gen_batch_size, run.cfg.seed, progress=run.progress,
+                                     calls=calls, think=renders_reasoning(run.tokenizer().chat_template))
         except ServerError as e:
             died = server.died() if server else None
             if died:  # the requests failed because the server is gone: say that, not "connection refused"
@@ -194,7 +206,11 @@ def stage_regenerate(run: Run, conversations: list[dict]) -> None:
     run.log(f"regenerate: {s['records_generated']} generated, {s['records_skipped_done']} already done, "
             f"{s['length_limited']} hit max_new_tokens, {s['stopped_at_max_length']} stopped at a prompt too long for "
             f"max_length or the server (kept up to their last reply; with none: rejected into tokenize_rejects.jsonl); "
-            f"{s['records_per_s']:.2f} records/s, {s['tokens_per_s']:.1f} tokens/s")
+            + (f"tool results kept {s['tool_results_kept']}, tool exchanges diverged {s['tool_exchanges_diverged']} "
+               f"(the target called other functions: the dataset's results dropped), {s['ended_at_unanswered_call']} "
+               "ended at a call the dataset has no result for; "
+               if s["tool_results_kept"] or s["tool_exchanges_diverged"] or s["ended_at_unanswered_call"] else "")
+            + f"{s['records_per_s']:.2f} records/s, {s['tokens_per_s']:.1f} tokens/s")
 
 
 def regenerated_records(run: Run, conversations: list[dict]) -> tuple[list[dict], list[str]]:
@@ -217,7 +233,8 @@ def stage_tokenize(run: Run, conversations: list[dict]) -> None:
     if d.on_length_limit not in ("keep", "drop"):
         raise ValueError(f"data.on_length_limit must be 'keep' or 'drop', got {d.on_length_limit!r}")
     tokenized, stats = tokenize_records(records, run.tokenizer(), d.max_length, d.overlong,
-                                        drop_length_limited=d.on_length_limit == "drop")
+                                        drop_length_limited=d.on_length_limit == "drop",
+                                        train_reasoning=d.train_reasoning, calls=call_format(run))
     write_tokenized(run.data_dir / layout.TOKENIZED_FILE, tokenized)
     write_jsonl(run.data_dir / "tokenize_rejects.jsonl", stats.rejects)
     report = stats.report()
@@ -225,19 +242,24 @@ def stage_tokenize(run: Run, conversations: list[dict]) -> None:
     (run.data_dir / "tokenize_report.json").write_text(json.dumps(report, indent=1))
     run.update_report("tokenize", report)
     run.log(f"tokenize: {report['accounting']}; truncated {stats.truncated}; {stats.tokens:,} tokens, "
-            f"{stats.loss_tokens:,} trained on")
+            f"{stats.loss_tokens:,} trained on; reasoning {stats.reasoning_tokens:,} tokens "
+            f"({'trained on' if d.train_reasoning else 'not trained on: data.train_reasoning=false'}), tool calls "
+            f"{stats.tool_call_tokens:,}" + (f"; {stats.reasoning_not_rendered} turns' reasoning_content not written by "
+                                             "the template" if stats.reasoning_not_rendered else ""))
     if not tokenized:
         raise SystemExit(f"no sample left after tokenisation; see {run.data_dir / 'tokenize_rejects.jsonl'}")
 
 
 def stage_inspect(run: Run, n: int) -> None:
-    tok = run.tokenizer()
+    tok, calls = run.tokenizer(), call_format(run)
     for k, rec in enumerate(load_tokenized(run.data_dir / layout.TOKENIZED_FILE)):
         if k >= n:
             break
         trained = sum(rec["loss_mask"])
-        print(f"=== {rec['id']}: {len(rec['input_ids'])} tokens, {trained} trained on (highlighted) ===")
-        print(render_masked(tok, rec["input_ids"], rec["loss_mask"]))
+        parts = count_labels(label_tokens(tok, rec["input_ids"], rec["loss_mask"], calls))
+        print(f"=== {rec['id']}: {len(rec['input_ids'])} tokens, {trained} trained on (highlighted: answer "
+              f"{parts['answer']} ⟦⟧, reasoning {parts['reasoning']} ⟪⟫, tool call {parts['tool_call']} ⦃⦄) ===")
+        print(render_masked(tok, rec["input_ids"], rec["loss_mask"], calls=calls))
         print()
 
 

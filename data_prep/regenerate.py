@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data_prep.assistant_spans import split_reply
 from data_prep.token_ids import chat_messages, prompt_ids
+from data_prep.tool_calls import FORMATS as CALL_FORMATS
+from data_prep.tool_calls import ToolCallFormat
 from eagle.cli_errors import UserError
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
 
@@ -71,16 +74,18 @@ class HFBackend:
         self.max_prompt_tokens = max_prompt_tokens
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
 
-    def prompt_ids(self, history: list[dict]) -> list[int]:
-        return prompt_ids(self.tokenizer, history)
+    def prompt_ids(self, history: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return prompt_ids(self.tokenizer, history, tools)
 
     @torch.inference_mode()
-    def generate_turn(self, histories: list[list[dict]]) -> list[Reply | Rejected]:
-        """One reply per history (which ends with a user turn); Rejected = prompt not shorter than max_prompt_tokens."""
+    def generate_turn(self, histories: list[list[dict]], tools: list | None = None) -> list[Reply | Rejected]:
+        """One reply per history (which ends with a user or tool turn; `tools[i]`: history i's tool definitions);
+        Rejected = prompt not shorter than max_prompt_tokens."""
         # lazy: transformers costs over a second at import; only the hf backend's generation needs it
         from transformers import GenerationConfig
 
-        prompts = [self.prompt_ids(h) for h in histories]
+        tools = tools or [None] * len(histories)
+        prompts = [self.prompt_ids(h, t) for h, t in zip(histories, tools)]
         results: list[Reply | Rejected] = [
             Rejected(too_long(len(p), self.max_prompt_tokens)) for p in prompts]
         todo = [i for i, p in enumerate(prompts) if len(p) < self.max_prompt_tokens]
@@ -199,13 +204,15 @@ class OpenAIBackend:
         self.tokenizer, self.stop_ids, self.max_prompt_tokens = tokenizer, list(stop_ids or []), max_prompt_tokens
         self.token_ids = token_ids
 
-    def _body(self, history: list[dict], ids: list[int] | None) -> dict:
+    def _body(self, history: list[dict], ids: list[int] | None, tools: list[dict] | None = None) -> dict:
         s = self.settings
         body = {"model": self.model, "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature if s.do_sample else 0.0, "top_p": s.top_p if s.do_sample else 1.0,
                 "seed": s.seed, "n": 1}
         if self.endpoint == "chat":
-            body["messages"] = chat_messages(history)
+            body["messages"] = api_messages(history)
+            if tools:  # rendered by the server's template; "none": the reply comes back as text, calls parsed here
+                body["tools"], body["tool_choice"] = tools, "none"  # (vLLM refuses "auto" without a tool parser)
         else:
             body["prompt"] = ids
         if self.token_ids:
@@ -248,16 +255,16 @@ class OpenAIBackend:
                 time.sleep(min(2.0**attempt, 30.0))
         raise ServerError(f"{self.url} failed after {self.retries + 1} attempts: {last_error}")
 
-    def _request(self, history: list[dict]) -> Reply | Rejected:
+    def _request(self, history: list[dict], tools: list[dict] | None = None) -> Reply | Rejected:
         """One reply. An answer of the wrong shape (HTTP 200, but a number where text belongs, a string where an
         object belongs, no choices...) is retried like a 5xx, `retries` times; then the run stops with one line
         naming the server, the field and what came back (records already appended stay; a rerun resumes)."""
-        ours = prompt_ids(self.tokenizer, history) if self.tokenizer is not None else None
+        ours = prompt_ids(self.tokenizer, history, tools) if self.tokenizer is not None else None
         if ours is not None and self.max_prompt_tokens and len(ours) >= self.max_prompt_tokens:
             return Rejected(too_long(len(ours), self.max_prompt_tokens))
         for attempt in range(self.retries + 1):
             try:
-                payload = self._post(self._body(history, ours))
+                payload = self._post(self._body(history, ours, tools))
                 if isinstance(payload, Rejected):
                     return payload
                 reply = parse_reply(payload, self.endpoint)
@@ -284,9 +291,31 @@ class OpenAIBackend:
             text = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
         return Reply(text.strip(), num, choice.get("finish_reason") == "length", generated)
 
-    def generate_turn(self, histories: list[list[dict]]) -> list[Reply | Rejected]:
+    def generate_turn(self, histories: list[list[dict]], tools: list | None = None) -> list[Reply | Rejected]:
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self._request, histories))
+            return list(pool.map(self._request, histories, tools or [None] * len(histories)))
+
+
+def api_messages(history: list[dict]) -> list[dict]:
+    """`history` as an OpenAI chat request carries it: tool-call arguments as JSON strings (the server parses them
+    back for its template, vLLM's `_postprocess_messages`), reasoning under `reasoning` (what vLLM reads), and every
+    call with an `id` and every tool result with its `tool_call_id`, which the API requires (a call without one gets
+    `call-{turn}-{k}`; the k-th result after it answers the k-th call). The templates render none of these ids."""
+    out, ids, k = [], [], 0
+    for turn, m in enumerate(chat_messages(history)):
+        if "tool_calls" in m:
+            ids = [c.get("id") or f"call-{turn}-{j}" for j, c in enumerate(m["tool_calls"])]
+            m["tool_calls"] = [{**c, "id": i, "function": {**c["function"], "arguments": json.dumps(
+                c["function"]["arguments"], ensure_ascii=False)}} for c, i in zip(m["tool_calls"], ids)]
+            k = 0
+        if m["role"] == "tool":
+            if "tool_call_id" not in m and k < len(ids):
+                m["tool_call_id"] = ids[k]
+            k += 1
+        if "reasoning_content" in m:
+            m["reasoning"] = m.pop("reasoning_content")
+        out.append(m)
+    return out
 
 
 def served_models(api_base: str, timeout_s: float = 10.0) -> list[str] | None:
@@ -360,28 +389,84 @@ def make_chunks(records: list[dict], batch_size: int) -> list[list[dict]]:
     return [ordered[i: i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
-def regenerate_chunk(chunk: list[dict], backend) -> list[dict]:
-    """Answer every user turn of every conversation in `chunk`, turn by turn, in one batch per turn."""
+def conversation_inputs(messages: list[dict]) -> list[dict]:
+    """The turns the target answers, in order: {"turns": [a user turn] | [the tool results of one exchange],
+    "calls": the function names the dataset's assistant called for those results (tool steps only)}. The dataset's
+    own assistant turns are not inputs: the target writes its own."""
+    steps, last_calls, prev_role = [], [], None
+    for m in messages:
+        if m["role"] == "user":
+            steps.append({"turns": [m], "calls": None})
+        elif m["role"] == "assistant":
+            last_calls = [c["function"]["name"] for c in m.get("tool_calls") or []]
+        elif m["role"] == "tool" and prev_role == "tool":  # the next result of the same exchange
+            steps[-1]["turns"].append(m)
+        elif m["role"] == "tool":
+            steps.append({"turns": [m], "calls": last_calls})
+        prev_role = m["role"]
+    return steps
+
+
+def regenerate_chunk(chunk: list[dict], backend, calls: ToolCallFormat = CALL_FORMATS["none"],
+                     think: bool = False) -> list[dict]:
+    """Answer every user turn (and every tool-result turn) of every conversation in `chunk`, turn by turn, in one
+    batch per turn; the replies are the target's, the user turns and tool results the dataset's.
+
+    A reply is stored as the template's message fields (data_prep/assistant_spans.py `split_reply`: reasoning when
+    `think`, the template renders it; tool calls in the `calls` markup). Tool results stay the dataset's while the
+    target calls the same functions, in order, as the dataset's assistant did (arguments may differ: the result is
+    the dataset's). When it answers without the dataset's calls, those results and the rest of that exchange are
+    dropped and the conversation goes on at the next user turn; when it calls functions the dataset has no result
+    for, the conversation ends at that reply, its call kept and trained on (`tool_exchanges_diverged` counts both,
+    `ended_at_unanswered_call` the second)."""
     states = []
     for rec in chunk:
         msgs = rec["messages"]
         prefix = [m for m in msgs[:1] if m["role"] == "system"]
-        users = [m for m in msgs if m["role"] == "user"]
-        states.append({"id": rec["id"], "history": list(prefix), "users": users, "next": 0,
-                       "length_limited": False, "stopped_at_max_length": False, "generated_tokens": 0,
-                       "reject_reason": None})
+        states.append({"id": rec["id"], "tools": rec.get("tools"), "history": list(prefix),
+                       "steps": conversation_inputs(msgs[len(prefix):]), "next": 0, "length_limited": False,
+                       "stopped_at_max_length": False, "generated_tokens": 0, "reject_reason": None,
+                       "tool_results_kept": 0, "tool_exchanges_diverged": 0, "ended_at_unanswered_call": False})
+
+    def made_calls(s) -> list[str]:
+        last = s["history"][-1] if s["history"] else {}
+        return [c["function"]["name"] for c in last.get("tool_calls") or []] if last.get("role") == "assistant" else []
+
+    def advance(s) -> bool:
+        """Skip the tool steps the target's last reply does not match; False when the conversation is done."""
+        while s["next"] < len(s["steps"]):
+            step = s["steps"][s["next"]]
+            made = made_calls(s)
+            if step["calls"] is None:  # a user turn: the target's last reply must not wait for a tool result
+                break
+            if made == step["calls"]:
+                return True
+            s["tool_exchanges_diverged"] += 1
+            if made:  # the dataset's results answer other calls: none for this one
+                break
+            s["next"] += 1  # an answer instead of the dataset's calls: its results and the rest of the exchange go
+            while s["next"] < len(s["steps"]) and s["steps"][s["next"]]["calls"] is not None:
+                s["next"] += 1
+        if made_calls(s):
+            s["ended_at_unanswered_call"] = True
+            return False
+        return s["next"] < len(s["steps"])
+
     while True:
-        active = [s for s in states if s["next"] < len(s["users"]) and not s["stopped_at_max_length"]]
+        active = [s for s in states if not s["stopped_at_max_length"] and not s["ended_at_unanswered_call"]
+                  and advance(s)]
         if not active:
             break
-        histories = [s["history"] + [s["users"][s["next"]]] for s in active]
-        results = backend.generate_turn(histories)
+        histories = [s["history"] + s["steps"][s["next"]]["turns"] for s in active]
+        results = backend.generate_turn(histories, [s["tools"] for s in active])
         for s, hist, res in zip(active, histories, results):
             if isinstance(res, Rejected):  # prompt already at max length: later turns would be truncated away anyway
                 s["stopped_at_max_length"] = True
                 s["reject_reason"] = f"turn {s['next'] + 1}: {res.reason}"
                 continue
-            reply = {"role": "assistant", "content": res.text}
+            if s["steps"][s["next"]]["calls"] is not None:
+                s["tool_results_kept"] += len(s["steps"][s["next"]]["turns"])
+            reply = {"role": "assistant", **split_reply(res.text, calls, think)}
             if res.token_ids is not None:
                 reply["token_ids"] = res.token_ids
             s["history"] = hist + [reply]
@@ -392,6 +477,11 @@ def regenerate_chunk(chunk: list[dict], backend) -> list[dict]:
     for s in states:
         rec = {"id": s["id"], "messages": s["history"], "length_limited": s["length_limited"],
                "stopped_at_max_length": s["stopped_at_max_length"], "generated_tokens": s["generated_tokens"]}
+        if s["tools"]:
+            rec["tools"] = s["tools"]
+        for key in ("tool_results_kept", "tool_exchanges_diverged", "ended_at_unanswered_call"):
+            if s[key]:
+                rec[key] = s[key]
         if s["reject_reason"]:
             rec["reject_reason"] = s["reject_reason"]
         out.append(rec)
@@ -406,6 +496,9 @@ class RegenerateStats:
     generated_tokens: int = 0
     length_limited: int = 0
     stopped_at_max_length: int = 0
+    tool_results_kept: int = 0  # dataset tool results kept after a regenerated reply made the same calls
+    tool_exchanges_diverged: int = 0  # the regenerated reply called other functions (or none): results dropped
+    ended_at_unanswered_call: int = 0  # conversations ending at a regenerated call the dataset has no result for
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -416,7 +509,8 @@ class RegenerateStats:
 
 
 def regenerate_shard(records: list[dict], backend, out_dir: Path, shard: int, num_shards: int, batch_size: int,
-                     seed: int, progress: bool = True) -> RegenerateStats:
+                     seed: int, progress: bool = True, calls: ToolCallFormat = CALL_FORMATS["none"],
+                     think: bool = False) -> RegenerateStats:
     """Regenerate this shard's records (index % num_shards == shard), appending to its part file."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -434,12 +528,15 @@ def regenerate_shard(records: list[dict], backend, out_dir: Path, shard: int, nu
             if not todo:
                 continue
             torch.manual_seed(seed * 1_000_003 + shard * 10_007 + k)  # sampling reproducible per chunk
-            for rec in regenerate_chunk(todo, backend):
+            for rec in regenerate_chunk(todo, backend, calls, think):
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 stats.records_generated += 1
                 stats.generated_tokens += rec["generated_tokens"]
                 stats.length_limited += rec["length_limited"]
                 stats.stopped_at_max_length += rec["stopped_at_max_length"]
+                stats.tool_results_kept += rec.get("tool_results_kept", 0)
+                stats.tool_exchanges_diverged += rec.get("tool_exchanges_diverged", 0)
+                stats.ended_at_unanswered_call += bool(rec.get("ended_at_unanswered_call"))
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(todo))

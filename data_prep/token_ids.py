@@ -12,19 +12,26 @@ or the record falls back to the text path (counted by the tokenize stage).
 from __future__ import annotations
 
 
-def prompt_ids(tokenizer, history: list[dict]) -> list[int]:
-    """The ids a backend feeds the target for `history` (ending with a user turn): the chat template with the
-    generation prompt, tokenised without adding special tokens (the template writes them)."""
-    text = tokenizer.apply_chat_template(chat_messages(history), tokenize=False, add_generation_prompt=True)
+def prompt_ids(tokenizer, history: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The ids a backend feeds the target for `history` (ending with a user or tool turn): the chat template with
+    the generation prompt and the conversation's `tools`, tokenised without adding special tokens (the template
+    writes them)."""
+    text = tokenizer.apply_chat_template(chat_messages(history), tools=tools or None, tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# what a chat template or an OpenAI server is given of a message (not this pipeline's token_ids)
+MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
+
+
 def chat_messages(history: list[dict]) -> list[dict]:
-    """`history` with only role and content (what a chat template or an OpenAI server is given)."""
-    return [{"role": m["role"], "content": m["content"]} for m in history]
+    """`history` with only the fields a chat template or an OpenAI server reads."""
+    return [{k: m[k] for k in MESSAGE_KEYS if k in m} for m in history]
 
 
-def tokenize_from_token_ids(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]] | None:
+def tokenize_from_token_ids(tokenizer, messages: list[dict],
+                            tools: list[dict] | None = None) -> tuple[list[int], list[int]] | None:
     """(input_ids, loss_mask) of a regenerated conversation from its replies' `token_ids`; mask 1 on exactly the
     generated ids (stop token included). None when a reply lacks token ids or a prompt does not extend the ids
     before it (the template re-renders an earlier reply's text to other tokens)."""
@@ -36,7 +43,7 @@ def tokenize_from_token_ids(tokenizer, messages: list[dict]) -> tuple[list[int],
         generated = m.get("token_ids")
         if generated is None:
             return None
-        prompt = prompt_ids(tokenizer, messages[:i])
+        prompt = prompt_ids(tokenizer, messages[:i], tools)
         if prompt[: len(ids)] != ids:
             return None
         mask += [0] * (len(prompt) - len(ids))

@@ -21,13 +21,15 @@ class ChatFormat:
         """"chat_template" or "raw_text" (no template: prompts are fed verbatim)."""
         return "chat_template" if self.template else "raw_text"
 
-    def first_prompt(self, turn: str) -> list[int]:
+    def first_prompt(self, turn: str, tools: list[dict] | None = None) -> list[int]:
         """Token ids for the first user turn."""
-        return self.next_prompt([], [], [], turn)
+        return self.next_prompt([], [], [], turn, tools)
 
     def next_prompt(self, prev_prompt_ids: list[int], prev_answer_ids: list[int], history: list[tuple[str, str]],
-                    turn: str) -> list[int]:
-        """Token ids for `turn` after `history` ([(user, answer_text), ...]).
+                    turn: str, tools: list[dict] | None = None) -> list[int]:
+        """Token ids for `turn` after `history` ([(user, answer_text), ...]); `tools` (tool-call questions) reach
+        the chat template. An earlier answer goes back as its text (a thinking template such as qwen3 splits an
+        inline <think> off it and drops it from earlier turns, as when serving).
 
         prev_prompt_ids / prev_answer_ids: the previous turn's prompt and generated ids (raw-text
         mode continues from exactly these tokens, so the model sees its own answer unchanged)."""
@@ -36,10 +38,13 @@ class ChatFormat:
             for user, answer in history:
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
             messages.append({"role": "user", "content": turn})
-            text = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tools=tools or None,
+                                                      tokenize=False, add_generation_prompt=True)
             # the rendered text already holds BOS etc.: do not add special tokens twice
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if tools:
+            raise ValueError("a question with tools needs a chat template to show them to the model; set "
+                             "target.chat_template (e.g. qwen3 or llama-3.1) or drop the tool-call questions")
         if not history:
             return self.tokenizer(turn)["input_ids"]
         follow = self.tokenizer(self.turn_separator + turn, add_special_tokens=False)["input_ids"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import itertools
 import logging
 import platform
 import subprocess
@@ -30,9 +31,11 @@ from pathlib import Path
 
 import torch
 
+from data_prep.assistant_spans import label_tokens
 from data_prep.chat_template import stop_token_ids
 from data_prep.default_target import QUESTIONS_FILE, ensure_default_target
 from data_prep.target import load_target_config, resolve_target_path
+from data_prep.tool_calls import detect_format
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel, load_calibrations, save_tree_config
@@ -56,6 +59,7 @@ from evaluation.report import (EvalReport, markdown, write_answers, write_autotu
 from evaluation.runner import GenerationArgs, run_benchmark
 from evaluation.serve_check import serve_check
 from evaluation.serve_sweep import parse_int_list, serve_sweep
+from evaluation.spans import compare_spans, summarize_spans
 from export.head_kinds import EXPORT
 from export.speculative_schedule import read_speculative_config
 from recipes import add_print_config, command_config, layout
@@ -310,6 +314,15 @@ def code_version() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def answer_labeler(fmt):
+    """Generated ids -> reasoning / answer / tool_call per id (the template's markup), None without a tokenizer."""
+    tokenizer = getattr(fmt, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    calls = detect_format(getattr(fmt, "template", None))
+    return lambda ids: label_tokens(tokenizer, ids, [1] * len(ids), calls)
+
+
 def bench(s: Setup, questions: list) -> int:
     ev = s.cfg.eval
     methods = with_head_kinds(parse_methods(list(ev.methods), s.base_decoding, local_head_dir(s.head_path),
@@ -335,12 +348,18 @@ def bench(s: Setup, questions: list) -> int:
     greedy = None
     if s.gen.temperature == 0:
         greedy = explain_mismatches(s.models["A"].base_model, run.results, check_greedy(run.results), ev.tie_ulps)
+    labeler = answer_labeler(s.fmt)
+    drafted = [r for r in run.results if r.method in speculative]  # vanilla drafts nothing: no span to report
+    spans = summarize_spans(drafted, labeler, **stat_kw) if labeler else []
     report = EvalReport(
         meta=run_meta(s, methods, "bench"), run=run, summaries=summaries,
         comparisons=compare_all_pairs(run.results, speculative, **stat_kw),
         greedy=greedy,
         calibration={m: calibrate([rd for r in run.results if r.method == m for rd in r.stats.rounds],
-                                  ev.calibration_bins) for m in speculative})
+                                  ev.calibration_bins) for m in speculative},
+        spans=spans,
+        span_comparisons=[c for a, b in itertools.combinations(speculative, 2)
+                          for c in compare_spans(drafted, a, b, labeler, **stat_kw)] if labeler else [])
     paths = write_report(report, s.out_dir)
     if ev.save_outputs:
         write_answers(run, s.fmt.decode, s.out_dir / "answers.jsonl")

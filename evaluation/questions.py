@@ -19,6 +19,7 @@ class Question:
     category: str
     turns: list[str]
     reference: list[str] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)  # tool definitions the chat template is given (tool-call prompts)
 
 
 class QuestionError(ValueError):
@@ -27,7 +28,8 @@ class QuestionError(ValueError):
 
 # Named question sets shipped with the package (evaluation/question_sets/README.md says where they come from):
 # `eval.questions: mt-bench` works on a fresh clone, offline.
-QUESTION_SETS = {"mt-bench": Path(__file__).resolve().parent / "question_sets" / "mt_bench.jsonl"}
+QUESTION_SETS = {"mt-bench": Path(__file__).resolve().parent / "question_sets" / "mt_bench.jsonl",
+                 "reasoning-tools": Path(__file__).resolve().parent / "question_sets" / "reasoning_tools.jsonl"}
 STANDARD_SET = "mt-bench"  # what a recipe evaluates on when it names no questions (and has a target of its own)
 
 
@@ -106,7 +108,12 @@ def _question_from_record(rec: dict, where: str, default_category: str) -> Quest
     if not isinstance(reference, list):
         reference = [str(reference)]
     category = rec.get("category") or default_category  # e.g. alpaca.jsonl has category ""
-    return Question(str(rec["question_id"]), str(category), list(turns), [str(r) for r in reference])
+    tools = rec.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function", t).get("name"), str)
+                                              for t in tools):
+        raise QuestionError(f"{where} (question_id={rec['question_id']!r}): 'tools' must be a list of tool definitions "
+                            "({\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}})")
+    return Question(str(rec["question_id"]), str(category), list(turns), [str(r) for r in reference], list(tools))
 
 
 def _load_lines(path: Path) -> list[Question]:

@@ -17,6 +17,7 @@ from evaluation.headline import number_text
 from evaluation.losslessness import DistributionTest, GreedyCheck
 from evaluation.metrics import OVERALL, Comparison, MethodSummary, committed_in_rounds, rounds_of
 from evaluation.runner import BenchmarkRun
+from evaluation.spans import SpanComparison, SpanSummary
 from export.eval_outputs import EVAL_REPORT
 
 
@@ -28,6 +29,8 @@ class EvalReport:
     comparisons: list[Comparison]
     greedy: GreedyCheck | None  # None at T > 0
     calibration: dict[str, dict[str, Calibration]] = field(default_factory=dict)  # method -> quantity -> Calibration
+    spans: list[SpanSummary] = field(default_factory=list)  # tau per reasoning / answer / tool-call span
+    span_comparisons: list[SpanComparison] = field(default_factory=list)  # tau(b) - tau(a) per span, paired
 
     def to_dict(self) -> dict:
         return {
@@ -37,6 +40,8 @@ class EvalReport:
             "headline": headline(self.summaries, self.greedy, self.meta.get("methods", {})),
             "losslessness": self.greedy.to_dict() if self.greedy else None,
             "calibration": {m: {q: c.to_dict() for q, c in cals.items()} for m, cals in self.calibration.items()},
+            "spans": [x.to_dict() for x in self.spans],
+            "span_comparisons": [x.to_dict() for x in self.span_comparisons],
             "skipped": self.run.skipped,
             "turns": [{"question_id": r.question_id, "category": r.category, "turn": r.turn, "method": r.method,
                        "prompt_tokens": len(r.prompt_ids), "new_tokens": r.new_tokens, "wall_s": r.wall_s,
@@ -66,6 +71,33 @@ def headline(summaries: list[MethodSummary], greedy: GreedyCheck | None, methods
             "speedup_high": best.speedup.high, "faster": best.speedup.low is not None and best.speedup.low > 1.0,
             "mismatches": None if greedy is None else len(greedy.mismatches),
             "compared": None if greedy is None else greedy.compared}
+
+
+def span_lines(report: EvalReport) -> list[str]:
+    """The 'tau by span' section: per category and span of the answer (reasoning / answer / tool call) each
+    method's tau [CI] (rounds) and alpha_1, then the paired tau differences; none when every round drafted an answer
+    (no reasoning or tool call was generated)."""
+    if not any(x.span != "answer" for x in report.spans):
+        return []
+    methods = list(dict.fromkeys(x.method for x in report.spans))
+    by = {(x.method, x.category, x.span): x for x in report.spans}
+    rows = list(dict.fromkeys((x.category, x.span) for x in report.spans))
+    rows.sort(key=lambda r: r[0] == OVERALL)
+    lines = ["## tau by span of the answer", "",
+             "Each round counts for the span of its first committed token: reasoning = inside <think>...</think>, "
+             "tool_call = the template's tool-call markup, answer = the rest. Cells: tau [95% CI] (rounds), alpha_1.",
+             "", "| category | span | " + " | ".join(methods) + " |", "|" + "---|" * (2 + len(methods))]
+    for cat, span in rows:
+        cells = [f"{_ci(x.tau)} ({x.rounds}), {number_text(x.alpha_1)}" if (x := by.get((mm, cat, span))) else "–"
+                 for mm in methods]
+        lines.append(f"| {cat} | {span} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if report.span_comparisons:
+        lines += ["| a | b | category | span | questions | tau(b) - tau(a) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c.a} | {c.b} | {c.category} | {c.span} | {c.questions} | {_ci(c.tau_difference)} |"
+                  for c in report.span_comparisons]
+        lines.append("")
+    return lines
 
 
 def markdown(report: EvalReport, figures: dict[str, str]) -> str:
@@ -104,6 +136,7 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
             cells = [_ci(getattr(by[(mm, c)], attr)) if (mm, c) in by else "–" for mm in methods]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += span_lines(report)
     if report.comparisons:
         lines += ["## Paired comparisons", "", "| a | b | tau(a) - tau(b) | tau(a) / tau(b) | tokens/s(a) / tokens/s(b) |",
                   "|---|---|---|---|---|"]

@@ -102,7 +102,7 @@ def run_benchmark(models: dict[str, object], fmt: ChatFormat, questions: list[Qu
                 bar.update(1)
                 if m.label not in alive:
                     continue
-                prompt = fmt.next_prompt(*prev[m.label], history[m.label], turn)
+                prompt = fmt.next_prompt(*prev[m.label], history[m.label], turn, q.tools or None)
                 if len(prompt) + gen.max_new_tokens > gen.max_length:
                     reason = (f"prompt of {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} "
                               f"> max_length {gen.max_length}")

@@ -16,7 +16,7 @@ def shipped_templates() -> list[str]:
 
 
 def read_template(name_or_path: str) -> str:
-    """Template text for a shipped name (llama-2-chat, llama-3, vicuna, chatml, plain) or a .jinja path."""
+    """Template text for a shipped name (llama-2-chat, llama-3, llama-3.1, vicuna, chatml, qwen3, plain) or a .jinja path."""
     path = Path(name_or_path)
     if path.suffix == ".jinja" and path.is_file():
         return path.read_text()

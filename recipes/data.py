@@ -13,6 +13,7 @@ LENGTH_LIMIT_POLICIES = ("keep", "drop")
 OVERLONG_POLICIES = ("truncate", "drop")
 CACHE_DTYPES = ("bfloat16", "float16", "float32", "int8")
 FEATURE_SOURCES = ("transformers", "vllm")
+TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "none")  # data_prep/tool_calls.py holds each one's parser
 
 
 @dataclass
@@ -46,9 +47,12 @@ class DataSettings:
     engine_python: str = ""  # interpreter of a venv with vllm for data.serve ("" = $EAGLE_VLLM_PYTHON)
     serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` arguments, e.g. ["--tensor-parallel-size", "8"]
 
+    tool_call_format: str = "auto"  # how the template writes tool calls (a regenerated call is parsed back): auto (from the template) | hermes | llama3_json | none
+
     # --- tokenize
     max_length: int = 2048  # tokens per training sample
     overlong: str = "truncate"  # truncate | drop (counted either way)
+    train_reasoning: bool = True  # train on the assistant's <think>...</think> reasoning (the head drafts it when serving); false = answers and tool calls only
 
     # --- cache features
     cache_features: bool = True  # False = stop after tokenize (trainer's online mode runs the target itself)
@@ -68,6 +72,8 @@ def validate_data_section(d) -> None:
     check(d.on_length_limit in LENGTH_LIMIT_POLICIES, "data.on_length_limit", d.on_length_limit,
           f"expected one of {LENGTH_LIMIT_POLICIES}")
     check(d.overlong in OVERLONG_POLICIES, "data.overlong", d.overlong, f"expected one of {OVERLONG_POLICIES}")
+    check(d.tool_call_format in TOOL_CALL_FORMATS, "data.tool_call_format", d.tool_call_format,
+          f"expected one of {TOOL_CALL_FORMATS}")
     check(d.cache_dtype in CACHE_DTYPES, "data.cache_dtype", d.cache_dtype, f"expected one of {CACHE_DTYPES}")
     check(d.feature_source in FEATURE_SOURCES, "data.feature_source", d.feature_source,
           f"expected one of {FEATURE_SOURCES}")

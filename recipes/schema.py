@@ -30,7 +30,7 @@ class TargetSettings:
     path: str = ""  # HF hub id or local folder; "" = the embedded quickstart default model
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     attn_implementation: str = "sdpa"  # sdpa | eager: tree masks are only correct with additive masks
-    chat_template: str | None = None  # shipped template name (llama-2-chat, llama-3, vicuna, chatml) if tokenizer lacks one
+    chat_template: str | None = None  # shipped template name (llama-2-chat, llama-3, llama-3.1, vicuna, chatml, qwen3) if tokenizer lacks one
     revision: str | None = None
 
 

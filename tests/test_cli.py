@@ -46,6 +46,7 @@ INVOCATIONS = {
                                                "real_shape_decode.py"),
     "python benchmarks/plan_table.py": ([sys.executable, "benchmarks/plan_table.py"], "plan_table.py"),
     "python benchmarks/tree_diagnosis.py": ([sys.executable, "benchmarks/tree_diagnosis.py"], "tree_diagnosis.py"),
+    "python benchmarks/thinking_target.py": ([sys.executable, "benchmarks/thinking_target.py"], "thinking_target.py"),
 }
 NOT_A_CLI = {"python tests/float_variants.py"}  # runs the numeric tests under each arithmetic variant: no --help
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")

@@ -41,6 +41,22 @@ def build_tokenizer(chat_template: str | None = "chatml"):
     return fast
 
 
+# a thinking / tool-calling target's added tokens: added, not special (Qwen3's <think> and <tool_call> are so too),
+# so decoding a generated reply keeps them
+REASONING_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                    "<|python_tag|>"]
+
+
+def build_reasoning_tokenizer(chat_template: str = "qwen3"):
+    """build_tokenizer plus the reasoning and tool-call tokens, with a thinking / tool-call template."""
+    tok = build_tokenizer(None)
+    tok.add_tokens(REASONING_TOKENS, special_tokens=False)
+    from recipes.chat_templates import read_template
+
+    tok.chat_template = read_template(chat_template)
+    return tok
+
+
 def build_model(vocab_size: int, seed: int = 0, hidden_size: int = 32):
     """A 2-layer random Llama (fixed init)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from data_prep.conversations import load_conversations, normalize_record, RecordError
+from data_prep.conversations import load_conversations, normalize_record, record_tools, RecordError
 
 
 def test_sharegpt_json_with_both_role_styles(tmp_path):
@@ -43,14 +43,35 @@ def test_openai_and_alpaca_jsonl_and_system_prompt(tmp_path):
     [
         ({"id": "x", "conversations": []}, "empty conversation"),
         ({"id": "x", "conversations": [{"from": "human", "value": "  "}]}, "empty content"),
-        ({"id": "x", "conversations": [{"from": "human", "value": "a"}, {"from": "observation", "value": "b"}]}, "unknown role"),
+        ({"id": "x", "conversations": [{"from": "human", "value": "a"}, {"from": "robot", "value": "b"}]}, "unknown role"),
+        # a tool result answers an assistant's tool call: after a user turn it is out of order
+        ({"id": "x", "conversations": [{"from": "human", "value": "a"}, {"from": "observation", "value": "b"}]},
+         "bad turn order: turn 1: expected assistant, got tool"),
         ({"id": "x", "conversations": [{"from": "system", "value": "s"}]}, "no user turn"),
         ({"id": "x", "conversations": [{"from": "human", "value": ["a"]}]}, "non-string content"),
         ({"id": "x", "conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}, "bad turn order"),
         ({"id": "x", "conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}, "bad turn order"),
         ({"id": "x", "conversations": "hi"}, "bad conversations"),
         ({"id": "x", "conversations": ["hi"]}, "bad turn"),
-        ({"id": "x", "messages": [{"role": "tool", "content": "b"}]}, "unknown role"),
+        ({"id": "x", "messages": [{"role": "robot", "content": "b"}]}, "unknown role"),
+        ({"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]},
+         "bad turn order: turn 1: expected assistant, got tool"),
+        ({"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]},
+         "empty content: turn 1 assistant 'content' is null and the turn has no tool_calls"),
+        ({"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None,
+                                   "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
+         "bad JSON: turn 1 tool call 0 arguments is a string that is not JSON"),
+        ({"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None,
+                                   "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+         "bad tool call: turn 1 tool call 0 has no function name"),
+        ({"id": "x", "messages": [{"role": "user", "content": "a"},
+                                  {"role": "assistant", "content": "<think>r</think>a", "reasoning_content": "r"}]},
+         "double reasoning: turn 1"),
+        ({"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>"}]},
+         "empty content: turn 1 has reasoning but no answer"),
+        ({"id": "x", "tools": "[{oops", "messages": [{"role": "user", "content": "a"}]}, "bad JSON: tools"),
+        ({"id": "x", "tools": [{"description": "d"}], "messages": [{"role": "user", "content": "a"}]},
+         "bad tools: tool 0 has no function name"),
         ({"id": "x", "messages": [{"role": "user", "content": None}]}, "non-string content"),
         ({"instruction": 3, "output": "b"}, "non-string content"),
         ({"prompt": "p"}, "unknown record format"),
@@ -60,6 +81,7 @@ def test_openai_and_alpaca_jsonl_and_system_prompt(tmp_path):
 def test_every_reject_reason(record, reason):
     with pytest.raises(RecordError, match=reason):
         normalize_record(record)
+        record_tools(record)
 
 
 def test_rejects_file_accounting_bad_json_and_duplicates(tmp_path):
@@ -102,3 +124,58 @@ def test_unknown_source_is_a_clear_error(tmp_path):
         load_conversations(str(tmp_path / "nope" / "missing-dataset-xyz"))
     with pytest.raises(ValueError, match="neither a local file nor a loadable HF dataset"):
         load_conversations("nope-org/missing-dataset-xyz")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_openai_tool_calls_and_reasoning_are_kept(tmp_path):
+    """content null beside tool_calls is valid; arguments given as a JSON string become an object; reasoning_content,
+    `reasoning` and an inline <think> all end as reasoning_content; tool results keep their call id."""
+    recs = [
+        {"id": "t", "tools": TOOLS, "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "reasoning_content": "I need the tool.",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": {"sky": "sunny"}},
+            {"role": "assistant", "content": "<think>\nIt said sunny.\n</think>\n\nSunny."}]},
+        {"id": "r", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning": "greet", "content": "Hello"}]},
+    ]
+    path = tmp_path / "tools.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    res = load_conversations(str(path))
+    assert res.rejects == [] and len(res.kept) == 2
+    t = res.kept[0]
+    assert t["tools"] == TOOLS
+    call = t["messages"][1]
+    assert call["content"] == "" and call["reasoning_content"] == "I need the tool."
+    assert call["tool_calls"] == [{"type": "function", "id": "c1",
+                                   "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert t["messages"][2] == {"role": "tool", "content": '{"sky": "sunny"}', "tool_call_id": "c1"}
+    assert t["messages"][3] == {"role": "assistant", "content": "Sunny.", "reasoning_content": "It said sunny."}
+    assert res.kept[1]["messages"][1] == {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}
+    assert "tools" not in res.kept[1]
+
+
+def test_sharegpt_with_tools_as_llama_factory_and_specforge_write_it():
+    """function_call / observation turns with `tools` as a JSON string (LLaMA-Factory, glaive), and role/content
+    turns carrying tool_calls (SpecForge), give the same normalised conversation."""
+    lf = {"id": "a", "tools": json.dumps([TOOLS[0]["function"]]), "conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": "sunny"},
+        {"from": "gpt", "value": "Sunny."}]}
+    sf = {"id": "a", "tools": TOOLS, "conversations": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}]}
+    assert normalize_record(lf) == normalize_record(sf)
+    assert record_tools(lf) == record_tools(sf) == TOOLS
+    # a second call chained after the first result, then the answer
+    chained = {"conversations": lf["conversations"][:3] + [lf["conversations"][1], {"from": "observation", "value": "x"},
+                                                           {"from": "gpt", "value": "Done."}]}
+    assert [m["role"] for m in normalize_record(chained)] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]

@@ -48,9 +48,9 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
 
-    def generate_turn(self, histories):
+    def generate_turn(self, histories, tools=None):
         self.calls.append([list(h) for h in histories])
-        return self.inner.generate_turn(histories)
+        return self.inner.generate_turn(histories, tools)
 
 
 def test_multi_turn_sees_own_answers_and_matches_unbatched_generate(target):
@@ -98,11 +98,11 @@ def test_resume_after_interrupt_equals_uninterrupted_byte_for_byte(target, tmp_p
     calls = {"n": 0}
     inner = backend.generate_turn
 
-    def flaky(histories):
+    def flaky(histories, tools=None):
         calls["n"] += 1
         if calls["n"] == 5:  # dies in the middle of the 3rd chunk
             raise Interrupt
-        return inner(histories)
+        return inner(histories, tools)
 
     backend.generate_turn = flaky
     with pytest.raises(Interrupt):

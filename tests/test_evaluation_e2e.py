@@ -132,7 +132,7 @@ class IdFormat:
     def first_prompt(self, turn):
         return [int(x) for x in turn.split()]
 
-    def next_prompt(self, prev_prompt, prev_answer, history, turn):
+    def next_prompt(self, prev_prompt, prev_answer, history, turn, tools=None):
         return list(prev_prompt) + list(prev_answer) + self.first_prompt(turn) if history else self.first_prompt(turn)
 
     def decode(self, ids):

@@ -48,6 +48,7 @@ CASES = [  # (cli, override, needles): each a distinct bad value or key
     ("data_prep", "data.backend=grpc", ["data.backend"]),
     ("data_prep", "data.on_length_limit=trim", ["data.on_length_limit"]),
     ("data_prep", "data.max_records=0", ["data.max_records"]),
+    ("data_prep", "data.tool_call_format=xml", ["data.tool_call_format", "hermes"]),
     ("evaluation", "eval.top_p=2", ["eval.top_p"]),
     ("evaluation", "eval.confidence_level=1", ["eval.confidence_level"]),
     ("evaluation", "eval.temperature=-1", ["eval.temperature"]),

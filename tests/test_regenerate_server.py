@@ -64,6 +64,7 @@ class FakeServer(BaseHTTPRequestHandler):
     good_requests = 0
     tokenizer = None
     reply_ids: list[int] = []  # what the fake "generated": "a reply é" + the stop id 2
+    max_context = 40
     requests: list = []
 
     def _send(self, code: int, payload: dict) -> None:
@@ -85,11 +86,11 @@ class FakeServer(BaseHTTPRequestHandler):
         if body["model"] != "served-model":
             return self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}})
         chat = self.path.endswith("/chat/completions")
-        ids = (prompt_ids(self.tokenizer, body["messages"]) if chat else body["prompt"])
+        ids = (prompt_ids(self.tokenizer, served_messages(body["messages"]), body.get("tools")) if chat else body["prompt"])
         if self.mode == "other-template" and chat:
             ids = ids[1:]
-        if len(ids) > 40:
-            return self._send(400, {"error": {"message": f"This model's maximum context length is 40 tokens. However, "
+        if len(ids) > self.max_context:
+            return self._send(400, {"error": {"message": f"This model's maximum context length is {self.max_context} tokens. However, "
                                                          f"your prompt contains {len(ids)} input tokens.", "code": 400}})
         choice = {"index": 0, "finish_reason": "stop", "token_ids": self.reply_ids if body.get("return_token_ids") else None}
         text = " a reply "  # the detokenizer held the incomplete last character back, as vLLM's does
@@ -115,9 +116,25 @@ class FakeServer(BaseHTTPRequestHandler):
         pass
 
 
+def served_messages(messages: list[dict]) -> list[dict]:
+    """What vLLM hands its chat template (renderers/chat_utils.py): tool-call arguments parsed back from JSON strings,
+    `reasoning` as `reasoning_content`."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if "tool_calls" in m:
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        if "reasoning" in m:
+            m["reasoning_content"] = m.pop("reasoning")
+        out.append(m)
+    return out
+
+
 @pytest.fixture()
 def server():
     FakeServer.mode, FakeServer.requests, FakeServer.tokenizer = "ok", [], build_tokenizer("chatml")
+    FakeServer.max_context = 40
     FakeServer.shape, FakeServer.good_requests = "", 0
     ids = FakeServer.tokenizer(" a reply é", add_special_tokens=False)["input_ids"]
     FakeServer.reply_ids = ids[:-1] + [2]  # the last byte of "é" cut off by the stop token
@@ -367,3 +384,26 @@ def test_the_data_prep_command_names_the_server_and_field_and_keeps_what_was_wri
     lines = (regenerated / "part-00000-of-00001.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["id"] for line in lines) == [f"c{i}" for i in range(6)]
     assert {k: read_parts(regenerated)[k] for k in kept} == kept
+
+
+def test_tool_conversations_reach_the_server_as_openai_requests(server):
+    """The chat request carries the tools and the history's calls as the OpenAI API writes them (arguments as JSON
+    strings, reasoning under `reasoning`); rendered the way vLLM does, they give this project's prompt ids (else the
+    backend would stop with the template-mismatch error)."""
+    from test_data_prep_helpers import build_reasoning_tokenizer
+
+    FakeServer.tokenizer, FakeServer.max_context = build_reasoning_tokenizer("qwen3"), 4000
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    hist = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "", "reasoning_content": "call f",
+             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+            {"role": "tool", "content": "ok"}]
+    out = backend(server, max_prompt_tokens=4000).generate_turn([hist], [tools])[0]
+    assert out.token_ids == FakeServer.reply_ids
+    body = FakeServer.requests[-1]["body"]
+    assert body["tools"] == tools and body["tool_choice"] == "none"  # the calls are parsed from the text here
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    # the API requires call ids: a call without one gets one, and the result after it answers it
+    assert body["messages"][1]["tool_calls"][0]["id"] == "call-1-0" == body["messages"][2]["tool_call_id"]
+    assert body["messages"][1]["reasoning"] == "call f" and "reasoning_content" not in body["messages"][1]
+    assert hist[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # the history itself is not changed

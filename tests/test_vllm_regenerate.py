@@ -140,3 +140,35 @@ def test_server_failures_and_a_killed_server(chat, tmp_path, vllm_python):
     code, out, err = data_prep(base + [f"output_dir={tmp_path / 'down'}", "data.backend=openai", f"data.api_base={dead}",
                                        "data.api_model=served", "data.api_retries=0"])
     assert code == 2 and "failed after 1 attempts" in one_error_line(err)
+
+
+def test_tool_conversation_history_renders_in_vllm_as_here(tmp_path, vllm_python):
+    """A history with tools, an assistant tool call with reasoning and a tool result, sent as the OpenAI API writes
+    it: vLLM's rendering (its own template code) gives this project's prompt ids (the backend stops with an error
+    otherwise), and the reply's generated ids equal the HF backend's."""
+    from data_prep.chat_template import stop_token_ids
+    from data_prep.regenerate import GenerationSettings, HFBackend, OpenAIBackend, Rejected
+    from test_data_prep_helpers import build_model, build_reasoning_tokenizer
+
+    tok = build_reasoning_tokenizer("qwen3")
+    model_hf = build_model(len(tok))
+    model_hf.config.max_position_embeddings = 1024  # the qwen3 tool preamble alone is ~500 tokens of this tokenizer
+    model_hf.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    model, _ = servable_target(str(tmp_path / "target"), tmp_path / "served")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    hist = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+             "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny"}]
+    settings = GenerationSettings(max_new_tokens=8, do_sample=False, temperature=1.0, top_p=1.0, seed=0)
+    stops = stop_token_ids(tok, model_hf.generation_config, "qwen3")
+    server_args = ["--max-model-len", "1024", "--dtype", "float32", "--enforce-eager", "--generation-config", "vllm"]
+    with VLLMServer(vllm_python, model, tmp_path / "server.log", served_model_name="served", args=server_args) as server:
+        backend = OpenAIBackend(server.url, "served", settings, retries=1, tokenizer=tok, stop_ids=stops,
+                                max_prompt_tokens=1000)
+        (reply,) = backend.generate_turn([hist], [tools])
+    (want,) = HFBackend(model_hf, tok, settings, stops, max_prompt_tokens=1000).generate_turn([hist], [tools])
+    assert not isinstance(want, Rejected) and not isinstance(reply, Rejected), (want, reply)  # the prompt fits
+    assert reply.token_ids == want.token_ids and reply.text == want.text
