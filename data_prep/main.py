@@ -42,8 +42,8 @@ from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, 
 from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer,  # noqa: E402
                               resolve_target_path, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
-from data_prep.vllm_features import cache_shard_vllm, staging_bytes_per_token  # noqa: E402
 from data_prep.tool_calls import tool_call_format  # noqa: E402
+from data_prep.vllm_features import cache_shard_vllm, staging_bytes_per_token  # noqa: E402
 from data_prep.vllm_server import recipe_server  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.device import pick_device  # noqa: E402
