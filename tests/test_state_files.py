@@ -52,11 +52,15 @@ NOT_STATE = {
                                        "for people and benchmarks) and transformers' tokenizer_config.json"),
     "data_prep/docstring_corpus.py": (2, "a subprocess's stdout (not a file)"),
     "data_prep/target.py": (1, "a hash of a dict (no file)"),
-    "data_prep/conversations.py": (4, "JSONL record files: user data and conversations.jsonl, checked per line "
-                                      "with file:line errors"),
+    "data_prep/conversations.py": (6, "JSONL record files: user data and conversations.jsonl, checked per line "
+                                      "with file:line errors; a tool call's arguments or a tools list given as a "
+                                      "JSON string inside a record (one-line error naming the record)"),
+    "data_prep/tool_calls.py": (2, "tool calls parsed out of a model's reply text (a reply that does not parse stays "
+                                   "text, counted)"),
     "data_prep/tokenized.py": (2, "tokenized.jsonl records, checked per line with file:line errors"),
-    "data_prep/regenerate.py": (6, "HTTP bodies of the OpenAI-compatible server (each field checked: parse_reply) "
-                                   "and the regenerated JSONL records (checked per line: read_parts)"),
+    "data_prep/regenerate.py": (7, "HTTP bodies of the OpenAI-compatible server (each field checked: parse_reply), "
+                                   "tool-call arguments sent to it as the API's JSON strings, and the regenerated "
+                                   "JSONL records (checked per line: read_parts)"),
     "data_prep/feature_cache.py": (4, "a meta round trip and the ids in a safetensors header (checked against the "
                                       "part manifest)"),
     "train/main.py": (4, "deepspeed_config.json and summary.json: records for people, never read back; log lines"),
@@ -87,6 +91,7 @@ NOT_STATE = {
     "benchmarks/rss_phases.py": (1, "a log for the benchmark"),
     "benchmarks/real_shape.py": (3, "benchmark inputs (the target's config.json, phases.jsonl) and results"),
     "benchmarks/real_shape_decode.py": (1, "results for people"),
+    "benchmarks/thinking_target.py": (4, "writes the benchmark target's prompt sets and a summary for people"),
 }
 JSON_CALLS = {"load", "loads", "dump", "dumps"}
 
