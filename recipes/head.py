@@ -73,10 +73,12 @@ class KindPart(NamedTuple):
     keys: tuple[str, ...]  # the head.* keys the kind reads beyond kind / bias / init_from (other kinds': defaults)
     check_keys: Callable  # their check, on the section alone
     check_target: Callable | None = None  # the checks that need the target's config (None: nothing to check)
+    feature_loss: bool = False  # the kind's head predicts the target's next feature (loss.feature applies)
 
 
 # The recipe's per-kind part, keyed by the kind objects (eagle/head_kinds.py).
-KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys),
+KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys,
+                              feature_loss=True),
              EAGLE3: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
                                "lm_head_init"), validate_eagle3_keys, check_eagle3_fits_target)}
 
@@ -86,9 +88,9 @@ def validate_head_section(h) -> None:
     `check_aux_layers` at train time) and that no other kind's key is set."""
     check(h.kind in HEAD_KINDS, "head.kind", h.kind, f"expected one of {tuple(HEAD_KINDS)}")
     kind, defaults = HEAD_KINDS[h.kind], HeadSettings()
-    own, check_own, _ = KIND_KEYS.get(kind, KindPart((), None))
-    for other, (keys, _, _) in KIND_KEYS.items():
-        for key in (k for k in keys if k not in own):
+    own, check_own = KIND_KEYS.get(kind, KindPart((), None))[:2]
+    for other, part in KIND_KEYS.items():
+        for key in (k for k in part.keys if k not in own):
             value = list(h[key]) if isinstance(getattr(defaults, key), list) else h[key]
             check(value == getattr(defaults, key), f"head.{key}", value, f"only used by head.kind={other.name}")
     if check_own is not None:
@@ -102,3 +104,9 @@ def check_head_fits_target(h, target_config) -> None:
     part = KIND_KEYS.get(HEAD_KINDS[h.kind])
     if part is not None and part.check_target is not None:
         part.check_target(h, target_config)
+
+
+def has_feature_loss(h) -> bool:
+    """The head section's kind trains a next-feature loss (loss.feature applies to it)."""
+    part = KIND_KEYS.get(HEAD_KINDS.get(h.kind))
+    return part is not None and part.feature_loss
