@@ -24,6 +24,10 @@ class HeadSettings:
     ttt_step_weights: list[float] = field(default_factory=list)  # loss weight of step j (1-based); [] = 0.8^(j-1)
     ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
     lm_head_init: str = "target"  # target = the draft vocabulary's rows of the target's lm_head (a warm start) | random
+    # --- eagle3, EAGLE-3.1's normalisations (exported in vLLM's speculators config under the same names)
+    norm_before_fc: bool = False  # one RMSNorm over the 3 concatenated aux states before fc
+    fc_norm: bool = False  # one RMSNorm per aux state before fc
+    norm_output: bool = False  # drafted nodes read norm(h) (the final norm's output, what lm_head reads) instead of h
 
 
 def ttt_weights(head) -> list[float]:
@@ -80,7 +84,8 @@ class KindPart(NamedTuple):
 KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys,
                               feature_loss=True),
              EAGLE3: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
-                               "lm_head_init"), validate_eagle3_keys, check_eagle3_fits_target)}
+                               "lm_head_init", "norm_before_fc", "fc_norm", "norm_output"), validate_eagle3_keys,
+                              check_eagle3_fits_target)}
 
 
 def validate_head_section(h) -> None:

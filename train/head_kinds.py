@@ -14,6 +14,7 @@ loss (recipe `loss.token`) over the draft vocabulary (built from the training sp
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -25,7 +26,7 @@ from data_prep.feature_layers import feature_layers
 from eagle.eagle2 import EagleHead
 from eagle.eagle3 import Eagle3Head
 from eagle.head_config import head_config_from_target
-from eagle.head_kinds import EAGLE2, EAGLE3, HeadKind, head_kind, text_config
+from eagle.head_kinds import EAGLE2, EAGLE3, EAGLE31_NORMS, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
 from recipes import RecipeError
 from recipes.head import align_weights, check_head_fits_target, ttt_weights
@@ -345,15 +346,18 @@ class Eagle3Training(TrainingKind):
         h = self.cfg.head
         V = int(text_config(target_config).vocab_size)
         size = h.draft_vocab_size or V  # <= V: recipes.head.check_head_fits_target (training_kind)
-        expect = head_config_from_target(target_config, kind=self.kind.name, aux_layers=self.layers[:-1],
-                                         draft_vocab_size=size)
+        expect = dataclasses.replace(head_config_from_target(target_config, kind=self.kind.name,
+                                                             aux_layers=self.layers[:-1], draft_vocab_size=size),
+                                     **{k: bool(h[k]) for k in EAGLE31_NORMS})
         counts = count_loss_tokens(source, train_indices, V, self.cfg.data.max_length)
         if h.init_from:
             head = Eagle3Head.from_pretrained(h.init_from)
-            got = (head.config.hidden_size, head.config.vocab_size, list(head.config.aux_layers or []))
-            want = (expect.hidden_size, expect.vocab_size, list(expect.aux_layers))
+            got = (head.config.hidden_size, head.config.vocab_size, list(head.config.aux_layers or []),
+                   *(getattr(head.config, k) for k in EAGLE31_NORMS))
+            want = (expect.hidden_size, expect.vocab_size, list(expect.aux_layers), *(getattr(expect, k) for k in EAGLE31_NORMS))
             if got != want:
-                raise ValueError(f"head.init_from={h.init_from}: hidden/vocab/aux layers {got} do not match the recipe's {want}")
+                raise ValueError(f"head.init_from={h.init_from}: hidden/vocab/aux layers/{'/'.join(EAGLE31_NORMS)} {got} "
+                                 f"do not match the recipe's {want}")
         else:
             head = Eagle3Head(expect)
             d2t, t2d = build_draft_vocab(counts, size)
@@ -367,7 +371,8 @@ class Eagle3Training(TrainingKind):
 
     def summary(self) -> dict:
         return {"head_kind": self.kind.name, "aux_layers": self.layers[:-1], "ttt_steps": self.steps,
-                "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info}
+                "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info,
+                **{k: bool(self.cfg.head[k]) for k in EAGLE31_NORMS}}
 
     def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
         return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
@@ -398,11 +403,13 @@ class Eagle3Training(TrainingKind):
 
     @staticmethod
     def plan_shape(shape, hc, head_cfg) -> None:
-        """fc [H, 3H]; q/k/v read [embed, hidden] (2H); its own lm_head [Vd, H]; two more norms; 4H cached per token."""
+        """fc [H, 3H]; q/k/v read [embed, hidden] (2H); its own lm_head [Vd, H]; two more norms (and EAGLE-3.1's 3H of
+        norms before fc per option); 4H cached per token."""
         H, D = hc.hidden_size, hc.head_dim
         vd = int(head_cfg.get("draft_vocab_size") or hc.vocab_size)
         qkv_out = (hc.num_attention_heads + 2 * hc.num_key_value_heads) * D
         shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
+        shape.head_trainable += 3 * H * (bool(head_cfg.get("norm_before_fc")) + bool(head_cfg.get("fc_norm")))  # EAGLE-3.1
         shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
         shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(head_cfg.get("ttt_steps", 7)), 4
         shape.ttt_row_stride = int(head_cfg.get("ttt_row_stride", 1))
