@@ -1,11 +1,14 @@
 """The EAGLE-3 draft head (`Eagle3Head`) in the released yuhuili/EAGLE3-* / SpecForge checkpoint layout.
 
   x_t = fc( cat[ a_t^(l1), a_t^(l2), a_t^(l3) ] )              (committed positions: the target's aux layers)
+        EAGLE-3.1 options: norm_before_fc = fc(input_norm(cat[...])) (one RMSNorm over 3H), fc_norm = each aux
+        state through its own RMSNorm first (fc_norm.0/1/2; after input_norm when both are on)
   h   = x + Attn( cat[ input_layernorm(embed(tok)), hidden_norm(x) ] )   (q/k/v read 2H)
   h   = h + MLP(post_attention_layernorm(h))                     (the head's output hidden, pre-norm)
   logits over the DRAFT vocabulary = lm_head(norm(h)); draft id d is target id d + d2t[d]
 
-Drafted nodes take the head's own output hidden h as their feature x. Aux layer ids follow the EAGLE reference
+Drafted nodes take the head's own output hidden h as their feature x (EAGLE-3.1's norm_output: norm(h), the final
+norm's output, which the lm_head reads too). vLLM 0.32's llama_eagle3.py builds the same function from the same keys. Aux layer ids follow the EAGLE reference
 and vLLM: id j = HF `output_hidden_states[j]` = the residual stream ENTERING decoder layer j (0 = embeddings).
 """
 from __future__ import annotations
@@ -59,6 +62,9 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's frozen embedding
+        self.input_norm = RMSNorm(N_AUX_LAYERS * H, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(H, config.rms_norm_eps) for _ in range(N_AUX_LAYERS)]) \
+            if config.fc_norm else None
         self.fc = nn.Linear(N_AUX_LAYERS * H, H, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
@@ -98,6 +104,25 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         return Eagle3HeadDecoder(self, capacity, fast=fast)
 
     # -- forward ----------------------------------------------------------------------
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., 3H] (the target's aux states) -> the committed positions' features [..., H]: fc, after EAGLE-3.1's
+        input_norm (norm_before_fc) and per-state fc_norm when on."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(N_AUX_LAYERS, dim=-1))], dim=-1)
+        return self.fc(aux)
+
+    def feed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The feature a drafted node hands its children: its output hidden, or norm(hidden) with norm_output."""
+        return self.norm(hidden) if self.config.norm_output else hidden
+
+    def _self_fed_input(self, emb: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A self-fed step's (attention input [.., 2H], residual [.., H]) from the token embedding and the previous
+        step's output hidden."""
+        feat = self.feed(prev)
+        return self.midlayer.attn_input(emb, feat), feat
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (the layer's output, pre-norm) -> logits over the draft vocabulary [..., Vd]."""
         return self.lm_head(self.norm(hidden))
@@ -125,7 +150,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         B, T, _ = aux.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
         dev, dt = aux.device, aux.dtype
-        feat = self.fc(aux)  # [B, T, H]
+        feat = self.fuse(aux)  # [B, T, H]
         emb = self.embed_tokens(next_ids).to(dt)  # [B, T, H]
         real, pos, mask = padded_positions(attention_mask, T, dev)  # [B, T] | None, [B|1, T], [B, 1, T, T] | None
         cos, sin = self.rotary(pos, dt)
@@ -141,8 +166,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         """Steps 2..`steps` of `unroll` from step 1's outputs and keys (eagle/unroll.py): the training-time test, each
         step reading its own step j-1 hidden and the data's token. A kind drafting otherwise overrides this."""
         layer = self.midlayer
-        return unroll_self_fed(layer.self_attn, self.rotary, self.embed_tokens,
-                               lambda emb, prev: (layer.attn_input(emb, prev), prev), layer.finish,
+        return unroll_self_fed(layer.self_attn, self.rotary, self.embed_tokens, self._self_fed_input, layer.finish,
                                hidden, k1, v1, next_ids, pos, real, steps, rows)
 
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -34,6 +34,10 @@ class HeadConfig:
     kind: str = "eagle2"  # a name in eagle.head_kinds.HEAD_KINDS: "eagle2" (EAGLE-1/2 head) or "eagle3"
     aux_layers: list[int] | None = None  # eagle3: 3 target hidden_states ids (see module docstring); None = target default
     draft_vocab_size: int | None = None  # eagle3: size of the draft vocabulary (None = the full vocabulary)
+    # eagle3, EAGLE-3.1's normalisations (vLLM's llama_eagle3.py, the speculators config keys of the same names):
+    norm_before_fc: bool = False  # one RMSNorm over the 3H aux input before fc (`input_norm.weight` [3H])
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (`fc_norm.{0,1,2}.weight` [H]), after norm_before_fc
+    norm_output: bool = False  # drafted nodes take norm(h) (the final norm's output) as their feature instead of h
     extra: dict = field(default_factory=dict)  # unknown keys of a loaded config, written back unchanged
 
     def __post_init__(self):

@@ -226,9 +226,10 @@ class HeadDecoder:
 class Eagle3HeadDecoder(HeadDecoder):
     """Decoding forward of an `Eagle3Head` (same cache, `truncate`, `refresh` contract as `HeadDecoder`).
 
-    `fuse(aux [n, 3H]) -> [n, H]` is fc on the target's aux states (committed positions); `forward(features [n, H],
-    next_ids, positions, mask)` returns the layer's output hidden (pre-norm), which is both the next drafted node's
-    feature and, through `logits`, the draft distribution over the draft vocabulary.
+    `fuse(aux [n, 3H]) -> [n, H]` is fc on the target's aux states (committed positions; EAGLE-3.1's norms first);
+    `forward(features [n, H], next_ids, positions, mask)` returns the layer's output hidden (pre-norm; with
+    norm_output the final norm's output), which is both the next drafted node's feature and, through `logits`, the
+    draft distribution over the draft vocabulary.
 
     Fast path (small heads), as `HeadDecoder`'s: the embedding half of q|k|v (input_layernorm included) is a [V, ...]
     token table, the feature half has hidden_norm's weight (and sqrt(H)) folded in and is divided by the feature's
@@ -258,6 +259,10 @@ class Eagle3HeadDecoder(HeadDecoder):
         self.down_t = m.down_proj.weight.detach().t()  # [I, H]
         self.norm_w = head.norm.weight.detach()
         self.lm_t = head.lm_head.weight.detach().t()  # [H, Vd]
+        # EAGLE-3.1: the norms before fc, and whether forward hands out norm(h) (then `logits` reads it as normed)
+        self.in_norm_w = None if head.input_norm is None else head.input_norm.weight.detach()  # [3H]
+        self.fc_norm_w = None if head.fc_norm is None else [n.weight.detach() for n in head.fc_norm]  # 3 x [H]
+        self.norm_output = bool(head.config.norm_output)
         self.d2t = head.d2t
         w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()  # [(h + 2 kv) D, 2H]
         b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
@@ -285,12 +290,18 @@ class Eagle3HeadDecoder(HeadDecoder):
         self.gate_up_t = (w_gu * (layer.post_attention_layernorm.weight.float() * math.sqrt(H))).to(dt).t()
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """[n, 3H] target aux states -> [n, H] the committed positions' features."""
-        return torch.mm(aux.to(self.fc_t.dtype), self.fc_t)
+        """[n, 3H] target aux states -> [n, H] the committed positions' features (EAGLE-3.1's norms first when on)."""
+        aux = aux.to(self.fc_t.dtype)
+        if self.in_norm_w is not None:
+            aux = rms_norm(aux, self.in_norm_w, self.eps)
+        if self.fc_norm_w is not None:
+            aux = torch.cat([rms_norm(a, w, self.eps) for a, w in zip(aux.chunk(len(self.fc_norm_w), -1), self.fc_norm_w)], -1)
+        return torch.mm(aux, self.fc_t)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, H] output hidden -> [n, Vd] draft-vocabulary logits (lm_head(norm(hidden)))."""
-        return torch.mm(rms_norm(hidden, self.norm_w, self.eps), self.lm_t)
+        """[n, H] output hidden -> [n, Vd] draft-vocabulary logits (lm_head(norm(hidden)); with norm_output `forward`
+        already handed out norm(hidden))."""
+        return torch.mm(hidden if self.norm_output else rms_norm(hidden, self.norm_w, self.eps), self.lm_t)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, H] output hiddens -> the k best of the draft vocabulary (float32 log-probs [n, k]), mapped to target
@@ -345,4 +356,5 @@ class Eagle3HeadDecoder(HeadDecoder):
         else:
             x = torch.addmm(features, att, self.o_t)  # residual + o_proj
             gate, up = torch.mm(rms_norm(x, self.ln, self.eps), self.gate_up_t).chunk(2, -1)
-        return torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]
+        out = torch.addmm(x, F.silu(gate) * up, self.down_t)  # residual + down_proj: [n, H]
+        return rms_norm(out, self.norm_w, self.eps) if self.norm_output else out

@@ -26,6 +26,9 @@ class HeadConfigError(ValueError):
     """A head config, checkpoint or target that does not fit: the one-line message names the mismatch."""
 
 
+EAGLE31_NORMS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1's options of an EAGLE-3 head (HeadConfig)
+
+
 def text_config(target_config):
     """The language-model part of a (possibly multimodal) HF config."""
     return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -198,6 +201,9 @@ class Eagle2Kind(HeadKind):
     def check_config(self, c) -> None:
         if c.aux_layers is not None or c.draft_vocab_size is not None:
             raise HeadConfigError("aux_layers / draft_vocab_size are EAGLE-3 settings: set kind='eagle3'")
+        if any(getattr(c, k) for k in EAGLE31_NORMS):
+            raise HeadConfigError(f"{', '.join(k for k in EAGLE31_NORMS if getattr(c, k))}: EAGLE-3.1 settings of an "
+                                  "EAGLE-3 head: set kind='eagle3'")
 
     def config_dict(self, c) -> dict:
         """Official-format config dict (what the reference code reads as a LlamaConfig)."""
@@ -231,6 +237,13 @@ class Eagle3Kind(HeadKind):
         top = d.pop("eagle_aux_hidden_state_layer_ids", None)
         aux = top if aux is None else aux
         eagle_config.pop("use_aux_hidden_state", None)  # always true for EAGLE-3; written back by config_dict
+        if "norm_before_fc" in eagle_config:  # vLLM reads it there first, then at the top level
+            d["norm_before_fc"] = bool(eagle_config.pop("norm_before_fc"))
+        if d.get("norm_before_residual"):
+            raise HeadConfigError("head config has norm_before_residual=true (the residual starts at hidden_norm's "
+                                  "output): this project's EAGLE-3 head keeps the released residual (the un-normed fc "
+                                  "output); convert or retrain the head")
+        d.pop("norm_before_residual", None)
         d.pop("bias", None)  # EAGLE-3's fc has no bias
         d.pop("tie_word_embeddings", None)
         if "attention_bias" in d:  # the q/k/v bias of its layer
@@ -254,6 +267,7 @@ class Eagle3Kind(HeadKind):
             eagle_config.update(eagle_aux_hidden_state_layer_ids=list(c.aux_layers), use_aux_hidden_state=True)
         if eagle_config:
             d["eagle_config"] = eagle_config
+        d.update({k: True for k in EAGLE31_NORMS if getattr(c, k)})  # written only when on: older heads unchanged
         return {**extra, **d}
 
     def from_target(self, kwargs: dict, num_layers: int, aux_layers, draft_vocab_size) -> dict:

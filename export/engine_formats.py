@@ -26,6 +26,10 @@ EAGLE-3 (released layout: `midlayer.*`, `fc.weight [H, 3H]`, `norm`, `lm_head [V
   draft vocabulary is the full vocabulary loses its (identity) `d2t`/`t2d`: vLLM's loader renames `d2t` to a
   parameter it only creates for a smaller draft vocabulary, so the released folder of such a head fails to load
   in vLLM 0.32.0 (served as is, `--engine-format eagle`) while its `vllm` conversion loads.
+- EAGLE-3.1 (`norm_before_fc`, `fc_norm`, `norm_output`): vLLM reads the three speculators keys (`update_eagle3`) and
+  builds `input_norm` [3H], `fc_norm.{0,1,2}` [H] before fc and hands drafted nodes the post-norm hidden; the
+  weights keep their names (`model.` prefixed by its loader). SGLang 0.5.23's LlamaForCausalLMEagle3 builds none of
+  them (its loader skips unknown weights): the `sglang` format refuses such a head.
 
 P-EAGLE (the EAGLE-3 layout + `mask_hidden [1, 3H]` + config `mask_token_id`):
 - `vllm`: the speculators config with `speculators_model_type: peagle` (vLLM's `update_peagle`: architectures
@@ -51,7 +55,7 @@ from eagle.eagle2 import EagleHead
 from eagle.head_checks import check_head_weights
 from eagle.head_config import HeadConfig, read_head_json
 from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, load_weights
-from eagle.head_kinds import text_config
+from eagle.head_kinds import EAGLE31_NORMS, text_config
 from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
 
 log = logging.getLogger(__name__)
@@ -239,6 +243,11 @@ def read_eagle3_folder(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor
     return cfg, sd
 
 
+def eagle31_norms(cfg: dict) -> list[str]:
+    """The EAGLE-3.1 options a head config.json turns on (vLLM also reads norm_before_fc under eagle_config)."""
+    return [k for k in EAGLE31_NORMS if cfg.get(k) or (k == "norm_before_fc" and (cfg.get("eagle_config") or {}).get(k))]
+
+
 def _aux_ids(cfg: dict) -> list[int] | None:
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get(
         "eagle_aux_hidden_state_layer_ids")
@@ -257,8 +266,13 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
     speculator = speculator or EAGLE3_SPECULATOR
     draft_vocab = int(cfg.get("draft_vocab_size") or cfg["vocab_size"])
     aux = _aux_ids(cfg)
+    norms = eagle31_norms(cfg)
     if fmt == "eagle":
         return dict(cfg), dict(sd)
+    if fmt == "sglang" and norms:
+        raise EngineFormatError(f"the head uses EAGLE-3.1's {', '.join(norms)}, which SGLang's LlamaForCausalLMEagle3 "
+                                "does not build (its loader skips the norm weights and serves another function): "
+                                "export --format vllm, or train without head.norm_before_fc / fc_norm / norm_output")
     if fmt == "sglang":
         out = {k: v for k, v in cfg.items() if k not in ("bias", "architectures", "model_type")}
         out.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", draft_vocab_size=draft_vocab,
@@ -296,6 +310,7 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
         raise EngineFormatError(f"a speculators {speculator.algorithm} folder needs {lacking} from the head: export a "
                                 f"head of that kind")
     out.update({k: cfg[k] for k in speculator.config_keys})
+    out.update({k: True for k in norms})  # speculators' eagle3 keys, read by vLLM's llama_eagle3.py (default false)
     weights = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
     if draft_vocab == int(cfg["vocab_size"]) and "d2t" in weights:
         # vLLM builds draft_id_to_target_id only for a smaller draft vocabulary and its loader renames d2t to it

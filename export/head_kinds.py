@@ -83,8 +83,20 @@ class Eagle2Export(ExportKind):
         if steps > 1:
             align = (f"; HASS-style multi-step alignment: {steps} unrolled steps on its own features, step weights "
                      + ", ".join(f"{x:.2f}" for x in align_weights(cfg.head)))
-        return (f"| loss | {t.feature_weight} x SmoothL1(feature) + {t.token_weight} x soft CE(token); {t.noise} input "
+        return (f"| loss | {t.feature_weight} x {loss_name(cfg, 'feature')}(feature) + {t.token_weight} x "
+                f"{loss_name(cfg, 'token')}(token); {t.noise} input "
                 f"noise {t.noise_std}{align} |")
+
+
+def loss_name(cfg, part: str) -> str:
+    """The model card's name of the recipe's token or feature loss (recipes older than the `loss` section: EAGLE's)."""
+    name = OmegaConf.select(cfg, f"loss.{part}", default=None) or ("ce" if part == "token" else "smooth_l1")
+    return LOSS_NAMES.get(name, name)
+
+
+LOSS_NAMES = {"ce": "soft CE", "smooth_l1": "SmoothL1", "tv": "TV (1 - expected acceptance)",
+              "nla": "-log expected acceptance", "lk": "LK (KL/TV hybrid)", "rkl": "reverse KL", "jsd": "JSD",
+              "mse": "MSE", "l1": "L1"}
 
 
 class Eagle3Export(ExportKind):
@@ -132,7 +144,7 @@ class Eagle3Export(ExportKind):
 
     def card_loss(self, cfg) -> str:
         weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
-        return (f"| loss | soft CE over the draft vocabulary at each of {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
+        return (f"| loss | {loss_name(cfg, 'token')} over the draft vocabulary at each of {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
                 f"unrolled steps, step weights {list(weights) if weights else '0.8^(j-1)'}; no feature loss |")
 
 

@@ -25,6 +25,10 @@ class HeadSettings:
     ttt_step_weights: list[float] = field(default_factory=list)  # loss weight of step j (1-based); [] = 0.8^(j-1)
     ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
     lm_head_init: str = "target"  # target = the draft vocabulary's rows of the target's lm_head (a warm start) | random
+    # --- eagle3, EAGLE-3.1's normalisations (exported in vLLM's speculators config under the same names)
+    norm_before_fc: bool = False  # one RMSNorm over the 3 concatenated aux states before fc
+    fc_norm: bool = False  # one RMSNorm per aux state before fc
+    norm_output: bool = False  # drafted nodes read norm(h) (the final norm's output, what lm_head reads) instead of h
     # --- peagle only (its ttt_steps = the k draft positions trained from one forward, ttt_step_weights their weights)
     mask_token_id: int = -1  # the target token id draft positions 2..k read; -1 = the smallest id absent from the loss tokens
 
@@ -89,12 +93,15 @@ class KindPart(NamedTuple):
     keys: tuple[str, ...]  # the head.* keys the kind reads beyond kind / bias / init_from (other kinds': defaults)
     check_keys: Callable  # their check, on the section alone
     check_target: Callable | None = None  # the checks that need the target's config (None: nothing to check)
+    feature_loss: bool = False  # the kind's head predicts the target's next feature (loss.feature applies)
 
 
 # The recipe's per-kind part, keyed by the kind objects (eagle/head_kinds.py).
-KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys),
+KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys,
+                              feature_loss=True),
              EAGLE3: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
-                               "lm_head_init"), validate_eagle3_keys, check_eagle3_fits_target),
+                               "lm_head_init", "norm_before_fc", "fc_norm", "norm_output"), validate_eagle3_keys,
+                              check_eagle3_fits_target),
              PEAGLE: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
                                "lm_head_init", "mask_token_id"), validate_peagle_keys, check_peagle_fits_target)}
 
@@ -104,9 +111,9 @@ def validate_head_section(h) -> None:
     `check_aux_layers` at train time) and that no other kind's key is set."""
     check(h.kind in HEAD_KINDS, "head.kind", h.kind, f"expected one of {tuple(HEAD_KINDS)}")
     kind, defaults = HEAD_KINDS[h.kind], HeadSettings()
-    own, check_own, _ = KIND_KEYS.get(kind, KindPart((), None))
-    for other, (keys, _, _) in KIND_KEYS.items():
-        for key in (k for k in keys if k not in own):
+    own, check_own = KIND_KEYS.get(kind, KindPart((), None))[:2]
+    for other, part in KIND_KEYS.items():
+        for key in (k for k in part.keys if k not in own):
             value = list(h[key]) if isinstance(getattr(defaults, key), list) else h[key]
             check(value == getattr(defaults, key), f"head.{key}", value, f"only used by head.kind={other.name}")
     if check_own is not None:
@@ -120,3 +127,9 @@ def check_head_fits_target(h, target_config) -> None:
     part = KIND_KEYS.get(HEAD_KINDS[h.kind])
     if part is not None and part.check_target is not None:
         part.check_target(h, target_config)
+
+
+def has_feature_loss(h) -> bool:
+    """The head section's kind trains a next-feature loss (loss.feature applies to it)."""
+    part = KIND_KEYS.get(HEAD_KINDS.get(h.kind))
+    return part is not None and part.feature_loss

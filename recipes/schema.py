@@ -1,6 +1,6 @@
 """The recipe schema: every section's dataclass composed into one `Recipe`, and the check of every value.
 
-Each section has its own file (recipes/data.py, head.py, train.py, eval.py; `decoding` is the library's
+Each section has its own file (recipes/data.py, head.py, train.py, loss.py, eval.py; `decoding` is the library's
 eagle/decoding_config.py), so every default has exactly one home. Stages read the sections; they never define them.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from recipes.chat_templates import shipped_templates
 from recipes.check import RecipeError, check
 from recipes.data import DataSettings, validate_data_section
 from recipes.eval import EvalSettings, validate_eval_section
-from recipes.head import HeadSettings, validate_head_section
+from recipes.head import HeadSettings, has_feature_loss, validate_head_section
+from recipes.loss import LossSettings, validate_loss_section
 from recipes.train import ExportSettings, LoggingSettings, TrainSettings, validate_train_sections
 
 
@@ -47,6 +48,7 @@ class Recipe:
     data: DataSettings = field(default_factory=DataSettings)
     head: HeadSettings = field(default_factory=HeadSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     export: ExportSettings = field(default_factory=ExportSettings)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
@@ -92,6 +94,7 @@ def validate_recipe(cfg: DictConfig) -> None:
     validate_data_section(cfg.data)
     validate_head_section(cfg.head)
     validate_train_sections(cfg)
+    validate_loss_section(cfg.loss, cfg.head.kind, has_feature_loss(cfg.head))
     validate_eval_section(cfg.eval)
 
 

@@ -3,6 +3,7 @@ mismatch and non-finite errors, online mode, export in the official format, batc
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -141,6 +142,32 @@ def test_resume_is_exact(any_toy, tmp_path, dist_ctx):
     assert straight["eval"] == second["eval"]
     ckpts = sorted(p.name for p in (tmp_path / "resumed" / "train" / "checkpoints").glob("step-*"))
     assert ckpts == ["step-00000009", "step-00000010"]  # keep_last=2
+
+
+def test_acceptance_losses_train_and_resume_exactly(any_toy, tmp_path, dist_ctx):
+    """A non-default token loss (EAGLE-2 nla with the mse feature loss, EAGLE-3 lk with EAGLE-3.1's three norms, aligned
+    EAGLE-2 tv) trains through the same path: the summary names it, the training loss falls, a stop + resume is
+    bit-identical, and the EAGLE-3.1 head is exported with its options."""
+    toy = any_toy
+    kind = "eagle3" if "head.kind=eagle3" in toy.get("extra", ()) else "align" if toy.get("extra") else "eagle2"
+    loss = {"eagle2": ("loss.token=nla", "loss.feature=mse"),
+            "eagle3": ("loss.token=lk", "head.norm_before_fc=true", "head.fc_norm=true", "head.norm_output=true"),
+            "align": ("loss.token=tv",)}[kind]
+    common = (*loss, "train.lr=3e-3", "train.checkpoint_every=3", "train.eval_every=4", "logging.log_every=1")
+    straight = run_train(toy, tmp_path / "straight", *common, steps=8, ctx=dist_ctx)
+    run_train(toy, tmp_path / "resumed", *common, "train.stop_after=4", steps=8, ctx=dist_ctx)
+    second = run_train(toy, tmp_path / "resumed", *common, steps=8, ctx=dist_ctx)
+    assert straight["token_loss"] == second["token_loss"] == loss[0].split("=")[1]
+    a = load_file(tmp_path / "straight" / "head" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "head" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    logs = [json.loads(line) for line in (tmp_path / "straight" / "train" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in logs if "train/loss" in r]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    if kind == "eagle3":
+        config = json.loads((tmp_path / "resumed" / "head" / "config.json").read_text())
+        assert config["norm_before_fc"] and config["fc_norm"] and config["norm_output"] and second["fc_norm"]
+        assert "fc_norm.2.weight" in a and "input_norm.weight" in a
 
 
 def test_dataloader_workers_do_not_change_the_run(toy, tmp_path, dist_ctx):

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def heads(shared_dir, tmp_path_factory):
-    """{"eagle2": dir, "eagle3": dir}: heads fitted on stories260K's greedy continuations of 24 TinyStories openings;
+    """{"eagle2": dir, "eagle3": dir, + the target, its sequences and the EAGLE-3 d2t}: heads fitted on stories260K's greedy continuations of 24 TinyStories openings;
     the EAGLE-3 head over a 256-token draft vocabulary (the most frequent continuation tokens: d2t is exercised)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,7 +40,8 @@ def heads(shared_dir, tmp_path_factory):
     fit_good_head(target, sequences=seqs).save_pretrained(out / "eagle2")
     fit_good_head(target, sequences=seqs, kind="eagle3", aux_layers=(1, 2, 4), draft_vocab_size=256,
                   d2t=vocab - torch.arange(256)).save_pretrained(out / "eagle3")
-    return {"eagle2": out / "eagle2", "eagle3": out / "eagle3", "base": base}
+    return {"eagle2": out / "eagle2", "eagle3": out / "eagle3", "base": base, "target": target, "sequences": seqs,
+            "d2t": vocab - torch.arange(256)}
 
 
 def evaluate(args, tmp_path, name):
@@ -167,3 +168,23 @@ def test_serve_check_of_a_schedule(heads, tmp_path, vllm_python):
                                 SCHEDULE_KEY: [[1, 4, 3]]}))
     code, log, _ = evaluate(args + ["--speculative-config", str(path)], tmp_path, "bad")
     assert code == 2 and "k = 3 is above num_speculative_tokens = 2" in log and "Traceback" not in log
+
+
+def test_eagle31_serve_check_in_vllm(heads, tmp_path, vllm_python):
+    """An EAGLE-3 head with EAGLE-3.1's three norms (norm_before_fc, fc_norm, norm_output), fitted like the plain one
+    on the same continuations, served as vLLM's speculators conversion (which names the three options): outputs
+    unchanged, engine acceptance = this project's decoder per position. vLLM builds the norms from the config keys,
+    so a wrong key or weight name would change its drafts and fail the comparison."""
+    norms = {"norm_before_fc": True, "fc_norm": True, "norm_output": True}
+    head = fit_good_head(heads["target"], sequences=heads["sequences"], kind="eagle3", aux_layers=(1, 2, 4),
+                         draft_vocab_size=256, d2t=heads["d2t"], eagle31=norms)
+    head.save_pretrained(tmp_path / "eagle31")
+    code, log, out = evaluate(["serve-check", "--recipe", "stories260k-eagle3", "--base", str(heads["base"]), "--head",
+                               str(tmp_path / "eagle31"), "--engine-python", vllm_python, "--num-prompts", "6",
+                               "eval.max_new_tokens=48"], tmp_path, "eagle31-check")
+    assert code == 0, log[-3000:]
+    r = json.loads((out / "serve_check" / "report.json").read_text())
+    assert all(r["draft_config"][k] is True for k in norms)
+    assert r["method"] == "eagle3" and r["identical_outputs"] == 6 and r["passed"]
+    assert r["project_acceptance"]["mean_length"] > 1.5
+    assert all(abs(x - 1) <= r["tolerance"] for x in [r["ratio"], *r["position_ratios"]])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -140,13 +140,15 @@ def tiny_mistral(sliding_window: int | None = 4096, **kw):
 
 
 def random_head(target, seed: int = 0, bias: bool = True, kind: str = "eagle2", aux_layers=EAGLE3_AUX,
-                draft_vocab_size: int | None = None) -> "EagleHead | Eagle3Head":
+                draft_vocab_size: int | None = None, eagle31: dict | None = None) -> "EagleHead | Eagle3Head":
     """A freshly initialised head for `target` (its embedding copied from the target). kind="eagle3": an
-    `Eagle3Head` on `aux_layers` whose draft vocabulary is the first `draft_vocab_size` ids (None = all)."""
+    `Eagle3Head` on `aux_layers` whose draft vocabulary is the first `draft_vocab_size` ids (None = all), with the
+    EAGLE-3.1 options `eagle31` ({"fc_norm": True, ...}; None = none)."""
     torch.manual_seed(seed)
     if kind != "eagle2":  # eagle3, peagle (P-EAGLE: the EAGLE-3 layout drafting in parallel)
-        return head_kind(kind).module.from_target(target, aux_layers=list(aux_layers),
-                                                  draft_vocab_size=draft_vocab_size).eval()
+        config = head_config_from_target(target.config, kind=kind, aux_layers=list(aux_layers),
+                                         draft_vocab_size=draft_vocab_size)
+        return head_kind(kind).module(replace(config, **(eagle31 or {}))).bind_target(target).eval()
     head = EagleHead(head_config_from_target(target.config, bias=bias))
     head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.detach())
     return head.eval()
@@ -224,7 +226,8 @@ FIT_CURRICULA = {"eagle3": EAGLE3_CURRICULUM, "peagle": PEAGLE_CURRICULUM}
 
 def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, curriculum=None,
                   feat_weight: float = 1.0, seed: int = 0, kind: str = "eagle2", aux_layers=EAGLE3_AUX,
-                  draft_vocab_size: int | None = None, d2t: torch.Tensor | None = None) -> "EagleHead | Eagle3Head":
+                  draft_vocab_size: int | None = None, d2t: torch.Tensor | None = None,
+                  eagle31: dict | None = None) -> "EagleHead | Eagle3Head":
     """An `EagleHead` fitted (memorised) on the target's greedy continuations of `prompts`.
 
     `sequences` (prompt + greedy continuation, [1, T] each) can be passed instead of generating them.
@@ -233,11 +236,12 @@ def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, cu
     feeds the predictions of step d-1 as features, like a d-deep draft), deepened by a curriculum.
     ~3 s on one CPU thread; typically > 90% top-1 on those continuations at every depth 1..5.
     kind="eagle3": an `Eagle3Head` (draft vocabulary `d2t`, default the first `draft_vocab_size` ids) fitted by CE
-    over its draft vocabulary on every step of `unroll` (targets outside the draft vocabulary are ignored).
+    over its draft vocabulary on every step of `unroll` (targets outside the draft vocabulary are ignored);
+    `eagle31`: its EAGLE-3.1 options (random_head).
     """
     if kind != "eagle2":
         return _fit_eagle3(target, prompts, new_tokens, sequences, curriculum or FIT_CURRICULA[kind], seed, aux_layers,
-                           draft_vocab_size, d2t, kind)
+                           draft_vocab_size, d2t, kind, eagle31)
     curriculum = curriculum or GOOD_HEAD_CURRICULUM
     ids, mask, feats, greedy = _greedy_batch(target, prompts, new_tokens, sequences)
     lm_head = target.get_output_embeddings()
@@ -265,9 +269,11 @@ def fit_good_head(target, prompts=None, new_tokens: int = 40, sequences=None, cu
     return head.eval()
 
 
-def _fit_eagle3(target, prompts, new_tokens, sequences, curriculum, seed, aux_layers, draft_vocab_size, d2t, kind):
+def _fit_eagle3(target, prompts, new_tokens, sequences, curriculum, seed, aux_layers, draft_vocab_size, d2t, kind,
+                eagle31=None):
     ids, mask, aux, greedy = _greedy_batch(target, prompts, new_tokens, sequences, aux_layers=list(aux_layers))
-    head = random_head(target, seed=seed, kind=kind, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size)
+    head = random_head(target, seed=seed, kind=kind, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size,
+                       eagle31=eagle31)
     if d2t is not None:
         head.set_vocab(d2t)
     draft_of = torch.full((head.config.vocab_size,), -100, dtype=torch.long)  # target id -> draft id (-100: ignored)

@@ -9,12 +9,13 @@ one class per kind, keyed by the library's kind objects (eagle/head_kinds.py). E
 EAGLE-2: fc over the final hidden state, ONE step with the feature loss, both token distributions through the target's
 lm_head (chunked: train.loss_chunk); eval chains rolled out through the head's decoder, plus all-fed steps.
 EAGLE-3: fc over three aux layers, the training-time-test unroll of `head.ttt_steps` steps (steps >= 2 at every
-`head.ttt_row_stride`-th position, the offset cycling with the micro-step so every position is covered), the soft CE
-over the draft vocabulary (built from the training split's loss tokens); eval chains read off one unroll.
+`head.ttt_row_stride`-th position, the offset cycling with the micro-step so every position is covered), the token
+loss (recipe `loss.token`) over the draft vocabulary (built from the training split's loss tokens); eval chains read off one unroll.
 P-EAGLE: EAGLE-3's, the unroll being the head's parallel one (k draft positions from one forward, mask inputs).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -25,12 +26,13 @@ import torch.nn.functional as F
 from data_prep.feature_layers import feature_layers
 from eagle.eagle2 import EagleHead
 from eagle.head_config import head_config_from_target
-from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadKind, head_kind, text_config
+from eagle.head_kinds import EAGLE2, EAGLE3, EAGLE31_NORMS, PEAGLE, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
 from recipes import RecipeError
 from recipes.head import align_weights, check_head_fits_target, ttt_weights
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
-from train.loss import ChunkedSoftCE, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
+from train.loss import ChunkedTokenLoss, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
+from train.losses import TokenLoss, feature_loss, smooth_l1, token_loss
 from train.held_out import all_fed_rollout, chain_rollout
 
 
@@ -61,6 +63,7 @@ class TrainingKind:
         self.hidden = int(text_config(target_config).hidden_size)
         self.steps, self.step_weights, self.feature_weight = 1, [self.t.token_weight], 0.0
         self.stride = 1  # steps >= 2 run at every stride-th index (offset cycling with the micro-step)
+        self.token_loss, self.feature_loss = token_loss(cfg), feature_loss(cfg)  # recipe `loss` (train/losses.py)
 
     def describe(self) -> str | None:
         """What the trainer says about this kind's setup, if anything."""
@@ -156,11 +159,14 @@ class TrainingKind:
 # ----------------------------------------------------------------------------- EAGLE-2
 class NextFeatureTargets:
     """EAGLE-2's one step: the head predicts the next feature; token distributions of prediction and truth through the
-    target's frozen lm_head [V, H]; `chunk` > 0: `chunk` loss positions at a time (`ChunkedSoftCE`: only [chunk, V]
-    logits at once, same value and gradient up to float summation order)."""
+    target's frozen lm_head [V, H]; `chunk` > 0: `chunk` loss positions at a time (`ChunkedTokenLoss`: only [chunk, V]
+    logits at once, same value and gradient up to float summation order). token_loss / feature_loss: the recipe's
+    (train/losses.py; default soft CE and SmoothL1)."""
 
-    def __init__(self, final: torch.Tensor, lm_head: torch.Tensor, chunk: int = 0, steps: int = 1):
+    def __init__(self, final: torch.Tensor, lm_head: torch.Tensor, chunk: int = 0, steps: int = 1,
+                 token_loss: TokenLoss | None = None, feature_loss=smooth_l1):
         self.final, self.lm_head, self.chunk = final, lm_head, chunk
+        self.token_loss, self.feature_loss = token_loss or TokenLoss(), feature_loss
         self.final_ext = F.pad(final, (0, 0, 0, steps - 1)) if steps > 1 else final  # [B, T + k - 1, H]
 
     def score(self, p: torch.Tensor, j: int, rows: torch.Tensor, sel: torch.Tensor) -> StepScore:
@@ -168,17 +174,17 @@ class NextFeatureTargets:
         lm_head = self.lm_head
         truth = self.final if j == 1 else self.final_ext[:, rows + j - 1]  # [B, R, H]
         f = truth[sel].to(p.dtype)  # [N, H] the true next features
-        feature = F.smooth_l1_loss(p.float(), f.float(), reduction="none").mean(-1).mean()
+        feature = self.feature_loss(p.float(), f.float()).mean()
         if self.chunk and self.chunk < p.shape[0]:
             correct = torch.zeros(3, dtype=torch.long)
-            token = ChunkedSoftCE.apply(p, f, lm_head, self.chunk, correct)
+            token = ChunkedTokenLoss.apply(p, f, lm_head, self.chunk, correct, self.token_loss)
             return StepScore(token, [int(c) for c in correct], feature)
         head_logits = F.linear(p.to(lm_head.dtype), lm_head).float()  # [N, V]
         with torch.no_grad():
             target_logits = F.linear(f.to(lm_head.dtype), lm_head).float()  # [N, V]
             target_p = target_logits.softmax(-1)
             target_top = greedy_ids(target_logits)  # [N]
-        token = -(target_p * head_logits.log_softmax(-1)).sum(-1).mean()
+        token = self.token_loss.rows(head_logits.log_softmax(-1), target_p).mean()
         with torch.no_grad():
             correct = topk_hits(head_logits, target_top)
         return StepScore(token, [int(c) for c in correct], feature)
@@ -232,7 +238,7 @@ class Eagle2Training(TrainingKind):
         return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
 
     def targets(self, head, final, lm_head, steps):
-        return NextFeatureTargets(final, lm_head, self.t.loss_chunk, steps)
+        return NextFeatureTargets(final, lm_head, self.t.loss_chunk, steps, self.token_loss, self.feature_loss)
 
     def eval_loss(self, metrics: dict, loss_mean: float) -> float:
         """Step 1's loss (the plain EAGLE-2 objective, comparable across align_steps); the chains measure the rest."""
@@ -271,7 +277,7 @@ class Eagle2Training(TrainingKind):
                   "train.loss_chunk", ("forward",) if chunk else ("forward", "backward"))]
         if chunk:  # only the [N, H] gradient is kept for the backward
             items.append(("token-loss gradient", every * s.hidden * 4, f"[{every}, {s.hidden}] float32 (kept for "
-                          "backward by ChunkedSoftCE)", "", ("forward", "backward")))
+                          "backward by ChunkedTokenLoss)", "", ("forward", "backward")))
         return items
 
 
@@ -287,31 +293,33 @@ def loss_bytes(s, rows: int, n_positions: int, cb: int, chunk: int) -> float:
 class DraftVocabTargets:
     """EAGLE-3's steps: the target's next-token distribution over the draft vocabulary (renormalised there) probs
     [B, T, Vd] and its argmax over the FULL vocabulary top [B, T], at every position (padded for `steps` unrolled
-    steps); the head scores its step outputs with its own lm_head over the draft vocabulary."""
+    steps); the head scores its step outputs with its own lm_head over the draft vocabulary with `token_loss` (the
+    recipe's, train/losses.py; default the soft CE)."""
 
-    def __init__(self, head, probs: torch.Tensor, top: torch.Tensor, steps: int):
-        self.head, self.probs, self.top = head, probs, top
+    def __init__(self, head, probs: torch.Tensor, top: torch.Tensor, steps: int, token_loss: TokenLoss | None = None):
+        self.head, self.probs, self.top, self.token_loss = head, probs, top, token_loss or TokenLoss()
         self.draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd] target id per draft id
         self.probs_ext = F.pad(probs, (0, 0, 0, steps - 1))  # [B, T + k - 1, Vd]
         self.top_ext = F.pad(top, (0, steps - 1), value=-1)  # [B, T + k - 1]
 
     @classmethod
     @torch.no_grad()
-    def of(cls, head, final: torch.Tensor, lm_head: torch.Tensor, steps: int) -> "DraftVocabTargets":
+    def of(cls, head, final: torch.Tensor, lm_head: torch.Tensor, steps: int,
+           token_loss: TokenLoss | None = None) -> "DraftVocabTargets":
         """From the target's final states final [B, T, H] through its lm_head [V, H]."""
         draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd]
         logits = F.linear(final.to(lm_head.dtype), lm_head).float()  # [B, T, V]
-        return cls(head, logits[..., draft_ids].softmax(-1), greedy_ids(logits), steps)
+        return cls(head, logits[..., draft_ids].softmax(-1), greedy_ids(logits), steps, token_loss)
 
     def score(self, h: torch.Tensor, j: int, rows: torch.Tensor, sel: torch.Tensor) -> StepScore:
         logits = self.head.draft_logits(h).float()  # [N, Vd]
         p = self.probs_ext[:, rows + j - 1][sel]  # [N, Vd]
-        ce = -(p * logits.log_softmax(-1)).sum(-1).mean()
+        token = self.token_loss.rows(logits.log_softmax(-1), p).mean()
         with torch.no_grad():
             want = self.top_ext[:, rows + j - 1][sel]  # [N] target argmax (full vocabulary)
             ranked = self.draft_ids[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]  # [N, 3] target ids
             hit = ranked == want[:, None]  # [N, 3]
-        return StepScore(ce, [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)])
+        return StepScore(token, [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)])
 
 
 class Eagle3Training(TrainingKind):
@@ -338,16 +346,19 @@ class Eagle3Training(TrainingKind):
         h = self.cfg.head
         V = int(text_config(target_config).vocab_size)
         size = h.draft_vocab_size or V  # <= V: recipes.head.check_head_fits_target (training_kind)
-        expect = head_config_from_target(target_config, kind=self.kind.name, aux_layers=self.layers[:-1],
-                                         draft_vocab_size=size)
+        expect = dataclasses.replace(head_config_from_target(target_config, kind=self.kind.name,
+                                                             aux_layers=self.layers[:-1], draft_vocab_size=size),
+                                     **{k: bool(h[k]) for k in EAGLE31_NORMS})
         counts = count_loss_tokens(source, train_indices, V, self.cfg.data.max_length)
         module = self.kind.module
         if h.init_from:
             head = module.from_pretrained(h.init_from)
-            got = (head.config.hidden_size, head.config.vocab_size, list(head.config.aux_layers or []))
-            want = (expect.hidden_size, expect.vocab_size, list(expect.aux_layers))
+            got = (head.config.hidden_size, head.config.vocab_size, list(head.config.aux_layers or []),
+                   *(getattr(head.config, k) for k in EAGLE31_NORMS))
+            want = (expect.hidden_size, expect.vocab_size, list(expect.aux_layers), *(getattr(expect, k) for k in EAGLE31_NORMS))
             if got != want:
-                raise ValueError(f"head.init_from={h.init_from}: hidden/vocab/aux layers {got} do not match the recipe's {want}")
+                raise ValueError(f"head.init_from={h.init_from}: hidden/vocab/aux layers/{'/'.join(EAGLE31_NORMS)} {got} "
+                                 f"do not match the recipe's {want}")
         else:
             head = module(self.complete_config(expect, counts))
             d2t, t2d = build_draft_vocab(counts, size)
@@ -365,13 +376,14 @@ class Eagle3Training(TrainingKind):
 
     def summary(self) -> dict:
         return {"head_kind": self.kind.name, "aux_layers": self.layers[:-1], "ttt_steps": self.steps,
-                "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info}
+                "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info,
+                **{k: bool(self.cfg.head[k]) for k in EAGLE31_NORMS}}
 
     def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
         return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
 
     def targets(self, head, final, lm_head, steps):
-        return DraftVocabTargets.of(head, final, lm_head, steps)
+        return DraftVocabTargets.of(head, final, lm_head, steps, self.token_loss)
 
     def eval_batch(self, head, features, batch, lm_head, k: int) -> EvalBatch:
         """The unroll IS the self-fed chain: step j at index s sees the true prefix 0..s (step 1) and its own chain's
@@ -396,11 +408,13 @@ class Eagle3Training(TrainingKind):
 
     @staticmethod
     def plan_shape(shape, hc, head_cfg) -> None:
-        """fc [H, 3H]; q/k/v read [embed, hidden] (2H); its own lm_head [Vd, H]; two more norms; 4H cached per token."""
+        """fc [H, 3H]; q/k/v read [embed, hidden] (2H); its own lm_head [Vd, H]; two more norms (and EAGLE-3.1's 3H of
+        norms before fc per option); 4H cached per token."""
         H, D = hc.hidden_size, hc.head_dim
         vd = int(head_cfg.get("draft_vocab_size") or hc.vocab_size)
         qkv_out = (hc.num_attention_heads + 2 * hc.num_key_value_heads) * D
         shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
+        shape.head_trainable += 3 * H * (bool(head_cfg.get("norm_before_fc")) + bool(head_cfg.get("fc_norm")))  # EAGLE-3.1
         shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
         shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(head_cfg.get("ttt_steps", 7)), 4
         shape.ttt_row_stride = int(head_cfg.get("ttt_row_stride", 1))

@@ -1,11 +1,12 @@
 """The training objective of every head kind: one loss over the unrolled draft steps (`draft_loss`).
 
-For each unrolled step j the soft CE between the target's next-token distribution and the head's, averaged over
-that step's loss positions, weighted by w_j and summed over steps; for kinds whose head predicts the target's next
-feature, plus w_feat * SmoothL1(predicted, true next feature). What each step is scored against comes from the head
+For each unrolled step j the token loss (recipe `loss.token`, train/losses.py; default the soft CE) between the
+target's next-token distribution and the head's, averaged over that step's loss positions, weighted by w_j and summed
+over steps; for kinds whose head predicts the target's next feature, plus w_feat * the feature loss (`loss.feature`,
+default SmoothL1) between predicted and true next feature. What each step is scored against comes from the head
 kind (train/head_kinds.py):
   EAGLE-2: one step (w_1 = train.token_weight) with the feature loss; both distributions through the target's frozen
-           lm_head over the full vocabulary (`ChunkedSoftCE` with train.loss_chunk); with head.align_steps = k > 1
+           lm_head over the full vocabulary (`ChunkedTokenLoss` with train.loss_chunk); with head.align_steps = k > 1
            (HASS-style alignment) k unrolled steps, step j's token and feature losses both weighted by
            head.align_step_weights[j];
   EAGLE-3: k unrolled steps (the training-time test, w_j = head.ttt_step_weights); the head's own lm_head over its
@@ -64,20 +65,20 @@ def shift(inputs: torch.Tensor, final: torch.Tensor, input_ids: torch.Tensor, at
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar to backpropagate
-    feature: torch.Tensor  # scalar, mean SmoothL1 over positions (detached; 0 for kinds without a feature loss)
-    token: torch.Tensor  # scalar, step 1's mean soft CE over positions (detached)
+    feature: torch.Tensor  # scalar, mean feature loss over positions (detached; 0 for kinds without a feature loss)
+    token: torch.Tensor  # scalar, step 1's mean token loss over positions (detached)
     positions: int  # step 1's loss positions in the batch
     topk_correct: list[int]  # [top1, top2, top3]: step 1's positions where the target's argmax is in the head's top-k
     step_hits: list[int] = field(default_factory=list)  # top-1 hits of each unrolled step j = 1..k
     step_counts: list[int] = field(default_factory=list)  # loss positions of each unrolled step
-    step_loss: list[float] = field(default_factory=list)  # mean soft CE of each unrolled step
+    step_loss: list[float] = field(default_factory=list)  # mean token loss of each unrolled step
 
 
 @dataclass
 class StepScore:
-    token: torch.Tensor  # scalar: the step's mean soft CE over its loss positions
+    token: torch.Tensor  # scalar: the step's mean token loss over its loss positions
     topk_correct: list[int]  # [top1, top2, top3] hits
-    feature: torch.Tensor | None = None  # scalar: mean SmoothL1 to the true next feature, for kinds that predict it
+    feature: torch.Tensor | None = None  # scalar: mean feature loss to the true next feature, for kinds that predict it
 
 
 class StepTargets(Protocol):
@@ -131,20 +132,21 @@ def topk_hits(head_logits: torch.Tensor, target_top: torch.Tensor) -> torch.Tens
     return torch.stack([hit[:, :k].any(-1).sum() for k in (1, 2, 3)]).cpu()
 
 
-class ChunkedSoftCE(torch.autograd.Function):
-    """mean over rows of -sum_v softmax(f W^T)_v * log_softmax(p W^T)_v, `chunk` rows at a time.
+class ChunkedTokenLoss(torch.autograd.Function):
+    """mean over rows of the recipe's token loss (train/losses.py: TokenLoss) between softmax(f W^T) (the target) and
+    softmax(p W^T) (the head), `chunk` rows at a time.
 
-    The forward also computes N * d loss / d p = (softmax(p W^T) - softmax(f W^T)) W per chunk (the soft CE
-    gradient, since the target distribution sums to 1) and keeps only that [N, H] float32 tensor for the
-    backward: no [N, V] tensor is ever held, and the logits are not recomputed. Dtypes follow the unchunked
-    path: logits from a matmul in lm_head's dtype, softmax math in float32, the gradient's matmul in lm_head's
-    dtype on values in [-1, 1] (the 1/N and the loss scale are applied in float32 afterwards, so fp16 does not
-    underflow).
+    The forward also computes N * d loss / d p = (d loss_rows / d logits) W per chunk (for ce the closed form
+    softmax(p W^T) - softmax(f W^T), since the target distribution sums to 1; for the other losses autograd on the
+    chunk's logits) and keeps only that [N, H] float32 tensor for the backward: no [N, V] tensor is ever held, and
+    the logits are not recomputed. Dtypes follow the unchunked path: logits from a matmul in lm_head's dtype, loss
+    math in float32, the gradient's matmul in lm_head's dtype (the 1/N and the loss scale are applied in float32
+    afterwards, so fp16 does not underflow).
     `correct` [3] (long, CPU) receives the top-1/2/3 hit counts.
     """
 
     @staticmethod
-    def forward(ctx, p, f, lm_head, chunk: int, correct):  # p, f [N, H]; lm_head [V, H]
+    def forward(ctx, p, f, lm_head, chunk: int, correct, loss):  # p, f [N, H]; lm_head [V, H]; loss: a TokenLoss
         n = p.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=p.device)
         grad = torch.empty(p.shape, dtype=torch.promote_types(lm_head.dtype, torch.float32), device=p.device)  # [N, H], N x the gradient
@@ -152,12 +154,10 @@ class ChunkedSoftCE(torch.autograd.Function):
             e = min(s + chunk, n)
             head_logits = F.linear(p[s:e].to(lm_head.dtype), lm_head).float()  # [c, V]
             target_logits = F.linear(f[s:e].to(lm_head.dtype), lm_head).float()  # [c, V]
-            target_p = target_logits.softmax(-1)
-            logp = head_logits.log_softmax(-1)
-            total += -(target_p * logp).sum()
             correct += topk_hits(head_logits, greedy_ids(target_logits))
+            value, d_logits = loss.logit_grad(head_logits, target_logits.softmax(-1))  # d_logits [c, V] = N x d mean / d logits
+            total += value
             del head_logits, target_logits
-            d_logits = logp.exp_().sub_(target_p)  # [c, V] = N x d mean / d head_logits
             grad[s:e] = d_logits.to(lm_head.dtype) @ lm_head  # [c, H]
         ctx.save_for_backward(grad)
         ctx.p_dtype, ctx.n = p.dtype, n
@@ -166,4 +166,4 @@ class ChunkedSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
-        return (grad * (grad_out.to(grad.dtype) / ctx.n)).to(ctx.p_dtype), None, None, None, None
+        return (grad * (grad_out.to(grad.dtype) / ctx.n)).to(ctx.p_dtype), None, None, None, None, None

@@ -533,7 +533,7 @@ class Trainer:
             "train_tokens": int(totals[0]), "train_time_s": totals[1] / ctx.world_size,
             "train_tokens_per_s": totals[0] / max(totals[1] / ctx.world_size, 1e-9),
             "train_cpu_s": totals[2],  # process CPU time of the training steps, summed over ranks (all threads)
-            "stopped_early": self.stopped_early,
+            "stopped_early": self.stopped_early, "token_loss": self.part.token_loss.name,
             **self.part.summary(),
         }
         if self.stopped_early:
