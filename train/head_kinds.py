@@ -338,7 +338,8 @@ class Eagle3Training(TrainingKind):
     def describe(self) -> str:
         return (f"EAGLE-3 head: aux layers {self.layers[:-1]}, {self.steps} unrolled steps (weights "
                 f"{', '.join(f'{w:.2f}' for w in self.step_weights)}), row stride {self.stride}; draft vocabulary "
-                + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in self.vocab_info.items()))
+                + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in self.vocab_info.items())
+                + "".join(f"; EAGLE-3.1 {k}" for k in EAGLE31_NORMS if self.cfg.head[k]))
 
     def new_head(self, target_config, source, train_indices, lm_head):
         """A fresh EAGLE-3 head with the draft vocabulary of the training split (or head.init_from, its vocabulary kept);
