@@ -16,7 +16,7 @@ import torch
 from eagle.head_decoder import HeadDecoder
 from eagle.head_module import HeadModule
 from eagle.score_calibration import ScoreCalibration
-from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree
+from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree, sampled_chain
 
 
 class Drafter:
@@ -151,13 +151,7 @@ class Drafter:
             if d < length:  # the head's prediction after this token (position of node d, like draft_static)
                 feature = self.decoder.forward(feature, tokens[d : d + 1], committed + d - 1)
         self.decoder.truncate(committed)
-        q_all = torch.stack([torch.zeros_like(q_rows[0])] + q_rows)  # [N, V]
-        prob = q_all.gather(1, tokens[:, None])[:, 0]
-        prob[0] = 1.0
-        n = length + 1
-        return DraftTree(tokens=tokens, parents=torch.arange(-1, n - 1, device=dev), depth=torch.arange(n, device=dev),
-                         prob=prob, path_logprob=prob.log().cumsum(0),
-                         ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril(), draft_probs=q_all)
+        return sampled_chain(tokens, torch.stack(q_rows))
 
     @torch.no_grad()
     def draft_static(self, root: torch.Tensor, feature: torch.Tensor, spec: StaticTreeSpec) -> DraftTree:

@@ -18,7 +18,7 @@ import torch
 
 from eagle.draft import Drafter
 from eagle.score_calibration import ScoreCalibration
-from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree
+from eagle.tree import DraftTree, StaticTreeSpec, rerank_tree, sampled_chain
 
 
 class ParallelDrafter(Drafter):
@@ -123,14 +123,6 @@ class ParallelDrafter(Drafter):
                             generator: torch.Generator | None = None) -> DraftTree:
         """A chain of `length` tokens, token d SAMPLED from q_d at `temperature` (all q from one forward); q kept for
         `verify_chain_sampling`."""
-        dev = root.device
         q = self.decoder.probs(self.outputs(length), temperature)  # [length, V]
         drawn = torch.multinomial(q, 1, generator=generator)[:, 0]  # [length]
-        tokens = torch.cat([root[:1], drawn])
-        q_all = torch.cat([torch.zeros_like(q[:1]), q])  # [N, V], row 0 unused
-        prob = q_all.gather(1, tokens[:, None])[:, 0]
-        prob[0] = 1.0
-        n = length + 1
-        return DraftTree(tokens=tokens, parents=torch.arange(-1, n - 1, device=dev), depth=torch.arange(n, device=dev),
-                         prob=prob, path_logprob=prob.log().cumsum(0),
-                         ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril(), draft_probs=q_all)
+        return sampled_chain(torch.cat([root[:1], drawn]), q)

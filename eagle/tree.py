@@ -72,6 +72,18 @@ class DraftTree:
         return kids
 
 
+def sampled_chain(tokens: torch.Tensor, q_rows: torch.Tensor) -> DraftTree:
+    """The chain root -> tokens[1] -> ... whose token d was SAMPLED from q_rows[d - 1]: tokens [N] (tokens[0] the
+    root), q_rows [N-1, V]. `draft_probs` keeps every q (row 0, the root's, zeros) for `verify_chain_sampling`."""
+    n, dev = tokens.numel(), tokens.device
+    q_all = torch.cat([torch.zeros_like(q_rows[:1]), q_rows])  # [N, V]
+    prob = q_all.gather(1, tokens[:, None])[:, 0]
+    prob[0] = 1.0
+    return DraftTree(tokens=tokens, parents=torch.arange(-1, n - 1, device=dev), depth=torch.arange(n, device=dev),
+                     prob=prob, path_logprob=prob.log().cumsum(0),
+                     ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril(), draft_probs=q_all)
+
+
 def rerank_tree(
     root_token: int | torch.Tensor,
     cand_tokens: torch.Tensor,

@@ -14,7 +14,7 @@ from eagle.head import EagleHead
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function, float64
 from recipes import RecipeError, load_config
 from test_train_helpers import gloo_world, overrides, save_target, write_cache
-from tiny_models import assert_unroll_ignores_padding, random_head, single_thread, tiny_target  # noqa: F401
+from tiny_models import assert_unroll_ignores_padding, enlarge_weights, random_head, single_thread, tiny_target  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 # one head step: fc over [embed; feature] (2H = 128 terms), then a decoder layer
@@ -23,12 +23,7 @@ STEP_REDUCTIONS, STEP_TERMS = 1 + LAYER_REDUCTIONS, 2 * 64
 
 def big_head(target, seed: int = 0, std: float = 0.2) -> EagleHead:
     """A random EAGLE-2 head with weights large enough that every unrolled step's output differs visibly."""
-    head = random_head(target, seed=seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if not name.startswith("embed_tokens"):
-                p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else std * torch.randn_like(p))
-    return head.eval()
+    return enlarge_weights(random_head(target, seed=seed), std)
 
 
 @pytest.fixture(scope="module")

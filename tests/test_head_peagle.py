@@ -15,7 +15,7 @@ from eagle.peagle import PeagleHead
 from eagle.static_trees import MC_SIM_7B_63
 from eagle.tree import StaticTreeSpec
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function
-from tiny_models import single_thread, tiny_target  # noqa: F401
+from tiny_models import enlarge_weights, single_thread, tiny_target  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]
 AUX = [1, 2, 3]
@@ -27,11 +27,7 @@ def pe_head(target, seed: int = 0, std: float = 0.2, mask_token_id: int = 5) -> 
     torch.manual_seed(seed)
     head = PeagleHead.from_target(target, aux_layers=AUX)
     head.kind.with_mask_token(head.config, mask_token_id)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if not name.startswith("embed_tokens"):
-                p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else std * torch.randn_like(p))
-    return head.eval()
+    return enlarge_weights(head, std)
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,16 @@ def tiny_mistral(sliding_window: int | None = 4096, **kw):
     return tiny_target("mistral", sliding_window=sliding_window, **kw)
 
 
+def enlarge_weights(head, std: float = 0.2):
+    """`head` with its weights (all but embed_tokens) redrawn large enough that every unrolled step's or draft
+    position's output differs visibly: norms 1 + N(0, 0.1), the rest N(0, std). Returns it in eval mode."""
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if not name.startswith("embed_tokens"):
+                p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else std * torch.randn_like(p))
+    return head.eval()
+
+
 def random_head(target, seed: int = 0, bias: bool = True, kind: str = "eagle2", aux_layers=EAGLE3_AUX,
                 draft_vocab_size: int | None = None, eagle31: dict | None = None) -> "EagleHead | Eagle3Head":
     """A freshly initialised head for `target` (its embedding copied from the target). kind="eagle3": an
