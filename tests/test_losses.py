@@ -17,16 +17,16 @@ from train.loss import draft_loss
 from train.losses import FEATURE_LOSSES, TOKEN_LOSSES, TokenLoss, expected_acceptance
 
 # p (the target) and q (the head) over 3 tokens, and every loss worked out by hand from them:
-# min(p, q) = (0.2, 0.3, 0.2), alpha = 0.7.
+# min(p, q) = (0.2, 0.3, 0.2), expected acceptance sum min(p, q) = 0.7.
 P, Q = (0.5, 0.3, 0.2), (0.2, 0.5, 0.3)
-ALPHA = 0.7
+ACCEPT = 0.7
 KL_PQ = sum(p * math.log(p / q) for p, q in zip(P, Q))
 M = tuple((p + q) / 2 for p, q in zip(P, Q))
 HAND = {
     "ce": -sum(p * math.log(q) for p, q in zip(P, Q)),
-    "tv": 1 - ALPHA,  # = (|0.5-0.2| + |0.3-0.5| + |0.2-0.3|) / 2 = 0.3
-    "nla": -math.log(ALPHA),
-    "lk": math.exp(-3.0 * ALPHA) * KL_PQ + (1 - math.exp(-3.0 * ALPHA)) * (1 - ALPHA),
+    "tv": 1 - ACCEPT,  # = (|0.5-0.2| + |0.3-0.5| + |0.2-0.3|) / 2 = 0.3
+    "nla": -math.log(ACCEPT),
+    "lk": math.exp(-3.0 * ACCEPT) * KL_PQ + (1 - math.exp(-3.0 * ACCEPT)) * (1 - ACCEPT),
     "rkl": sum(q * math.log(q / p) for p, q in zip(P, Q)),
     "jsd": 0.5 * (sum(p * math.log(p / m) for p, m in zip(P, M)) + sum(q * math.log(q / m) for q, m in zip(Q, M))),
 }
@@ -44,7 +44,7 @@ def test_each_token_loss_equals_its_formula_on_a_hand_computed_case(name):
     got = TokenLoss(name, eta=3.0).rows(logq, p)
     assert got.shape == (1,)
     assert_same_function(got, torch.tensor([HAND[name]], dtype=torch.float64), terms=6, chained=3)
-    assert float(expected_acceptance(logq, p)) == pytest.approx(ALPHA, abs=1e-15)
+    assert float(expected_acceptance(logq, p)) == pytest.approx(ACCEPT, abs=1e-15)
 
 
 def test_feature_losses_equal_their_formulas():
