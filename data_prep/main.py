@@ -43,7 +43,8 @@ from data_prep.target import (load_target_config, load_target_model, load_target
                               resolve_target_path, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
 from data_prep.tool_calls import tool_call_format  # noqa: E402
-from data_prep.vllm_features import cache_shard_vllm, staging_bytes_per_token  # noqa: E402
+from data_prep.vllm_features import (UNREQUESTED, cache_shard_vllm, capture_layer_ids,  # noqa: E402
+                                     capture_work_dir, staging_bytes_per_token)
 from data_prep.vllm_server import recipe_server  # noqa: E402
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
 from eagle.device import pick_device  # noqa: E402
@@ -74,6 +75,7 @@ class Run:
         self.progress = progress
         self._tokenizer = None
         self._model = None
+        self.server = None  # the one vLLM server regenerating AND capturing (`shared_server`), once started
 
     @property
     def is_main(self) -> bool:
@@ -165,10 +167,37 @@ def make_backend(run: Run, api_base: str | None = None):
     raise ValueError(f"data.backend must be 'hf' or 'openai', got {d.backend!r}")
 
 
+def shares_server(cfg) -> bool:
+    """data.backend=openai data.serve=true data.feature_source=vllm: ONE vLLM server, started by this process when
+    the first stage needs it and stopped at its end, regenerates the answers and captures the cache's states."""
+    d = cfg.data
+    return d.backend == "openai" and bool(d.serve) and d.feature_source == "vllm"
+
+
+def shared_server(run: Run):
+    """The running regenerate-and-capture server (`shares_server`), started on the first call: the recipe's
+    regeneration server (`recipe_server`) with the cache's hidden-state ids captured (`vllm_server.capture_args`)."""
+    if run.server is None:
+        path = resolve_target_path(run.cfg.target)
+        config = load_target_config(path, run.cfg.target.revision)
+        layer_ids = capture_layer_ids(feature_layers(run.cfg.head, config), int(text_config(config).num_hidden_layers))
+        name = f"shard{run.shard}of{run.num_shards}"
+        log_path = run.data_dir / f"vllm_server_{name}.log"
+        run.log(f"starting vLLM for {path}, regenerating and capturing hidden states {layer_ids} (log {log_path}); "
+                "importing vllm takes minutes")
+        server = recipe_server(run.cfg, path, run.cfg.data.api_model or path, run.data_dir / "served_target",
+                               log_path, capture=(layer_ids, capture_work_dir(run.data_dir, run.shard) / UNREQUESTED))
+        run.server = server.__enter__()  # started and ready (stopped on a failed start); run_stages stops it
+    return run.server
+
+
 def regeneration_server(run: Run):
-    """data.serve: the vLLM server this process starts for its regeneration (a context manager), else a null one."""
+    """data.serve: the vLLM server this process starts for its regeneration (a context manager), else a null one;
+    with `shares_server` the run's one server, left running for the cache stage."""
     if not run.cfg.data.serve:
         return contextlib.nullcontext()
+    if shares_server(run.cfg):
+        return contextlib.nullcontext(shared_server(run))
     path = resolve_target_path(run.cfg.target)
     name = f"shard{run.shard}of{run.num_shards}"
     run.log(f"starting vLLM for {path} (log {run.data_dir / f'vllm_server_{name}.log'}); importing vllm takes minutes")
@@ -284,7 +313,7 @@ def stage_cache(run: Run) -> None:
     check_disk(out, remaining, meta["hidden_size"], d.cache_dtype, d.disk_headroom_gb + staging, layers)
     if engine:
         stats = cache_shard_vllm(run.cfg, meta["target"], config, records, writer, run.shard, run.num_shards, layers,
-                                 run.data_dir)
+                                 run.data_dir, server=(lambda: shared_server(run)) if shares_server(run.cfg) else None)
     else:
         stats = cache_shard(run.model(), records, writer, run.shard, run.num_shards, progress=run.progress,
                             layers=layers)
@@ -350,7 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with run_lock(run.data_dir, f"shard{shard}of{num_shards}", "data prep"):  # a busy folder: refused at once
             preflight(run, stage)  # the whole run's inputs, before the first stage writes (a failure leaves no folder)
-            run_stages(run, stage, args.inspect)
+            try:
+                run_stages(run, stage, args.inspect)
+            finally:
+                if run.server is not None:  # the regenerate-and-capture server, whichever stage started it
+                    run.server.stop()
     finally:
         if distributed:
             dist.barrier()

@@ -11,6 +11,11 @@ replaces only that method: the same slots read out of the same cache tensor (vLL
 same file contents ({"hidden_states" [T, layers, H], "token_ids" [T]}, safetensors), written synchronously on the
 worker; a failed write (a full disk) is recorded in `<file>.error` beside the file instead of only logged, so the
 caller can name it.
+
+Served (`vllm serve`, data_prep/vllm_server.py `capture_args`) the same engine also answers ordinary requests
+(the regeneration); with `kv_connector_extra_config.capture_only_requested` only the requests that name a
+`kv_transfer_params.hidden_states_path` are captured, the others keep vLLM's plain path (no file, no lock, their
+blocks freed at once).
 """
 from __future__ import annotations
 
@@ -51,16 +56,34 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
             if lock_fd is not None:
                 os.close(lock_fd)
 
+    def build_connector_meta(self, scheduler_output):
+        """The parent's metadata; with `capture_only_requested`, new requests without a hidden_states_path are
+        forgotten here, so neither a lock nor a file is made for them (request_finished then frees their blocks)."""
+        meta = super().build_connector_meta(scheduler_output)
+        if self._kv_transfer_config.get_from_extra_config("capture_only_requested", False):
+            for new_req in scheduler_output.scheduled_new_reqs:
+                extra = (new_req.sampling_params.extra_args if new_req.sampling_params else None) or {}
+                if not (extra.get("kv_transfer_params") or {}).get("hidden_states_path"):
+                    meta.new_req_filenames.pop(new_req.req_id, None)
+                    self._request_filenames.pop(new_req.req_id, None)
+        return meta
+
     def get_finished(self, finished_req_ids):
         """The parent's bookkeeping with the writes done synchronously: a request is reported sent once it has
         finished AND its file is written (then its blocks may be freed)."""
         written = self.__dict__.setdefault("_written", set())
+        captured = self.__dict__.setdefault("_captured", set())  # requests given a file (new_req_filenames)
         if self.has_connector_metadata():
-            for pending in getattr(self._get_connector_metadata(), "pending_saves", []):
+            meta = self._get_connector_metadata()
+            captured.update(getattr(meta, "new_req_filenames", {}))
+            for pending in getattr(meta, "pending_saves", []):
                 self._submit_async_write(pending)
                 written.add(pending.req_id)
+        if self._kv_transfer_config.get_from_extra_config("capture_only_requested", False):
+            finished_req_ids = {r for r in finished_req_ids if r in captured}  # the rest never wait for a write
         self._accumulated_finished_req_ids.update(finished_req_ids)
         done = {r for r in self._accumulated_finished_req_ids if r in written}
         self._accumulated_finished_req_ids -= done
         written -= done
+        captured -= done
         return done or None, None

@@ -12,6 +12,12 @@ stream before the final norm, the cache's final state is after it, so the target
 committed. Targets whose head_dim vLLM's CPU attention lacks are served as exactly equivalent padded copies
 (data_prep/vllm_server.py `servable_target`); their residual streams are the original's.
 
+With `data.backend=openai data.serve=true` the engine is not a second one: data prep starts ONE `vllm serve`
+(data_prep/main.py `shared_server`, with `vllm_server.capture_args`), which answers the regeneration requests
+(greedy replies equal to a plain server's: the capture method drafts the token it sampled) and, after tokenize, the
+capture requests (`server_capture`: each record's token ids as a /v1/completions prompt with max_tokens 1 and the
+file to write), so the cache is the offline engine's; a rerun whose regeneration is done starts it for the cache.
+
 Failures: an engine without the capture support (no `extract_hidden_states`, no hidden-states connector) is one
 EngineCaptureError line naming the interpreter and vLLM's refusal; a capture folder that runs out of disk (or any
 failed write) keeps every record that was captured (committed to the cache) and names the first failure in one
@@ -19,10 +25,15 @@ line; the rerun resumes with the rest (the writer skips committed ids).
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,13 +42,15 @@ from safetensors.torch import load_file
 
 from data_prep.cache_features import CacheStats
 from data_prep.feature_cache import FeatureCacheWriter
-from data_prep.vllm_server import engine_env, resolve_engine_python, servable_target
+from data_prep.vllm_server import VLLMServer, engine_env, resolve_engine_python, servable_target
 from eagle.cli_errors import UserError
 from eagle.head_kinds import text_config
 from eagle.state_files import StateFile, read_json_state, register
 
 ENGINE_CAPTURE = Path(__file__).resolve().parent / "engine_capture.py"
 CAPTURE_DIR = "vllm_capture"  # beside the cache (in the data folder): per-record files, deleted once committed
+UNREQUESTED = "unrequested"  # in a capture folder: the server connector's default path, for requests naming none
+#   (never written: the shared server captures only requests that name their file; its presence means a bug)
 CAPTURE_RESULT = register(StateFile(
     "result.json", "DATA_DIR/vllm_capture-SHARD", writer="data_prep/engine_capture.py (under the engine's interpreter)",
     schema={"files": {"*": str}, "errors": {"*": str}, "error?": str, "*": object},
@@ -102,6 +115,11 @@ def staging_bytes_per_token(hidden_size: int, layers: list[int] | None) -> int:
     return hidden_size * len(layers or [None]) * 4 + 8
 
 
+def capture_work_dir(data_dir: Path, shard: int) -> Path:
+    """The capture folder of one shard (beside the cache); its files/ holds the per-record states until committed."""
+    return Path(data_dir) / f"{CAPTURE_DIR}-{shard:05d}"
+
+
 def engine_capture(engine_python: str, model: str, dtype: str, records: list[dict], layer_ids: list[int],
                    capture_dir: Path, seed: int, max_model_len: int, log_path: Path) -> dict:
     """Run data_prep/engine_capture.py on `records` ({"name", "input_ids"}); its RESULT (see that file)."""
@@ -124,29 +142,82 @@ def engine_capture(engine_python: str, model: str, dtype: str, records: list[dic
     return result
 
 
+def server_capture(server: VLLMServer, records: list[dict], capture_dir: Path, concurrency: int,
+                   timeout_s: float) -> dict:
+    """The engine script's RESULT from a running capture server (`vllm_server.capture_args`): each record ({"name",
+    "input_ids"}) is one /v1/completions request with its token ids as the prompt, max_tokens 1, greedy, and
+    `kv_transfer_params.hidden_states_path` = capture_dir/NAME.safetensors (`concurrency` in flight, batched by
+    vLLM's scheduler); the file is read once the connector releases its `.lock`."""
+    capture_dir.mkdir(parents=True, exist_ok=True)
+    out = {"vllm_version": "server", "files": {}, "errors": {}}
+
+    def one(rec: dict) -> tuple[str, str, str]:
+        path = capture_dir / f"{rec['name']}.safetensors"
+        body = {"model": server.served_model_name, "prompt": list(rec["input_ids"]), "max_tokens": 1,
+                "temperature": 0.0, "kv_transfer_params": {"hidden_states_path": str(path)}}
+        req = urllib.request.Request(server.url + "/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            return rec["name"], "error", f"HTTP {e.code}: {' '.join(e.read().decode(errors='replace').split())[:300]}"
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineCaptureError(server.died() or f"the capture server at {server.url} did not answer: {e}") \
+                from None
+        lock, deadline = f"{path}.lock", time.monotonic() + timeout_s
+        if os.path.exists(lock):  # the connector holds it exclusively until the file is written
+            with open(lock) as f:
+                while True:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            return rec["name"], "error", f"the engine did not finish writing it in {timeout_s:.0f} s"
+                        time.sleep(0.02)
+        if path.exists():
+            return rec["name"], "file", str(path)
+        err = Path(f"{path}.error")
+        return rec["name"], "error", err.read_text() if err.exists() else "the engine wrote no file for it"
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        for name, kind, value in pool.map(one, records):
+            out["files" if kind == "file" else "errors"][name] = value
+    out["capture_s"] = time.perf_counter() - start
+    return out
+
+
 def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer: FeatureCacheWriter, shard: int,
-                     num_shards: int, layers: list[int] | None, data_dir: Path) -> CacheStats:
-    """`cache_features.cache_shard` with vLLM computing the states (module docstring)."""
+                     num_shards: int, layers: list[int] | None, data_dir: Path, server=None) -> CacheStats:
+    """`cache_features.cache_shard` with vLLM computing the states (module docstring). `server`: a callable giving
+    the running capture server (data prep's one server for regeneration and capture, `vllm_server.capture_args`),
+    called only when there is work; None = a second, offline engine (data_prep/engine_capture.py)."""
     mine = [r for i, r in enumerate(records) if i % num_shards == shard]
     stats = CacheStats(records_total=len(mine))
     todo = [r for r in mine if r["id"] not in writer]
     stats.records_skipped_done = len(mine) - len(todo)
     if not todo:
         return stats
-    engine_python = resolve_engine_python(cfg.data.engine_python)
     num_layers = int(text_config(config).num_hidden_layers)
     layer_ids = capture_layer_ids(layers, num_layers)
-    work = data_dir / f"{CAPTURE_DIR}-{shard:05d}"
-    model, _ = servable_target(target_path, work / "models")
+    work = capture_work_dir(data_dir, shard)
     limit = int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
     longest = max(len(r["input_ids"]) for r in todo) + 1  # the prompt and the one token generated
     norm = FinalNorm(target_path, config)
     names = {f"r{i:08d}": r for i, r in enumerate(todo)}  # file names free of whatever characters ids hold
     start = time.perf_counter()
+    named = [{"name": n, "input_ids": list(r["input_ids"])} for n, r in names.items()]
     try:
-        result = engine_capture(engine_python, model, str(cfg.target.dtype),
-                                [{"name": n, "input_ids": list(r["input_ids"])} for n, r in names.items()], layer_ids,
-                                work, int(cfg.seed), min(longest, limit) if limit else longest, work / "engine.log")
+        if server is not None:
+            result = server_capture(server(), named, work / "files", int(cfg.data.gen_batch_size),
+                                    float(cfg.data.api_timeout_s))
+        else:
+            model, _ = servable_target(target_path, work / "models")
+            result = engine_capture(resolve_engine_python(cfg.data.engine_python), model, str(cfg.target.dtype),
+                                    named, layer_ids, work, int(cfg.seed), min(longest, limit) if limit else longest,
+                                    work / "engine.log")
         for name, path in result["files"].items():
             rec = names[name]
             hidden = features_of(load_file(path), rec["input_ids"], layer_ids, num_layers, norm,
@@ -158,8 +229,9 @@ def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer:
         writer.flush()  # what was read is committed, whatever stopped the loop; then the capture files may go
         shutil.rmtree(work / "files", ignore_errors=True)
     stats.seconds = time.perf_counter() - start  # engine start-up included: what a user waits for
-    print(f"[cache] vLLM {result.get('vllm_version')}: engine start {result.get('load_s', 0):.1f} s, capture "
-          f"{result.get('capture_s', 0):.1f} s for {len(result['files'])} records", flush=True)
+    print(f"[cache] vLLM {result.get('vllm_version')}: "
+          + (f"engine start {result['load_s']:.1f} s, " if "load_s" in result else "")
+          + f"capture {result.get('capture_s', 0):.1f} s for {len(result['files'])} records", flush=True)
     errors = result.get("errors") or {}
     if errors:
         name, why = next(iter(errors.items()))
@@ -171,4 +243,5 @@ def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer:
 
 
 __all__ = ["EngineCaptureError", "capture_layer_ids", "FinalNorm", "features_of", "engine_capture",
-           "cache_shard_vllm", "staging_bytes_per_token", "CAPTURE_DIR"]
+           "server_capture", "capture_work_dir", "cache_shard_vllm", "UNREQUESTED", "staging_bytes_per_token",
+           "CAPTURE_DIR"]

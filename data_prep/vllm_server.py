@@ -11,6 +11,7 @@ head_dim with exactly equivalent copies), the engine's environment, and the chec
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -237,10 +238,27 @@ def serve_args(dtype: str, seed: int, max_model_len: int, chat_template: str | N
     return args
 
 
-def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log_path: Path) -> VLLMServer:
+def capture_args(layer_ids: list[int], storage: Path) -> list[str]:
+    """`vllm serve` arguments that make the server capture hidden states too (data_prep/vllm_features.py
+    `server_capture`): the speculative method `extract_hidden_states` with the hidden-state ids `layer_ids` (it
+    drafts the token it sampled, so greedy replies are a plain server's) and this project's hidden-states connector
+    (data_prep/vllm_capture_connector.py, found beside vllm_cli.py), capturing only the requests that name a
+    hidden_states_path; prefix caching off, so every captured state is computed for its own request, as offline."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    kv = {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "vllm_capture_connector",
+          "kv_role": "kv_producer", "kv_connector_extra_config": {
+              "shared_storage_path": str(storage), "allow_custom_save_path": True, "capture_only_requested": True}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+            "--no-enable-prefix-caching"]
+
+
+def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log_path: Path,
+                  capture: tuple[list[int], Path] | None = None) -> VLLMServer:
     """The server `data.serve` starts for regeneration: the target (padded when vLLM's CPU attention needs it),
     `serve_args` with a context of data.max_length + data.max_new_tokens (capped at the target's
-    max_position_embeddings), then data.serve_args."""
+    max_position_embeddings), then data.serve_args. `capture` (hidden-state ids, capture folder): the same server
+    also captures those states for the cache stage (`capture_args`)."""
     d = cfg.data
     engine_python = resolve_engine_python(d.engine_python)
     model, _ = servable_target(target_path, work)
@@ -249,9 +267,12 @@ def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log
     context = d.max_length + d.max_new_tokens
     args = serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, cfg.target.chat_template,
                       work)
+    if capture is not None:
+        args += capture_args(*capture)
     return VLLMServer(engine_python, model, log_path, served_model_name=served_model_name,
                       args=args + [str(a) for a in d.serve_args])
 
 
 __all__ = ["VLLM_CLI", "ENGINE_PYTHON_ENV", "SUPPORTED_HEAD_DIMS", "EngineServerError", "resolve_engine_python",
-           "check_engine", "engine_env", "servable_target", "free_port", "VLLMServer", "serve_args", "recipe_server"]
+           "check_engine", "engine_env", "servable_target", "free_port", "VLLMServer", "serve_args", "capture_args",
+           "recipe_server"]

@@ -1,11 +1,17 @@
 """The feature cache from vLLM (`data.feature_source=vllm`, data_prep/vllm_features.py) without an engine: vLLM's
 hidden-state ids against the cache's (its id L is before the final norm), the capture files checked and turned into
 the same cache the transformers path writes, a capture that fails part-way (a full disk) keeps what it captured and
-resumes, and an engine without the capture support is one line. Against real vLLM: tests/test_vllm_features.py."""
+resumes, and an engine without the capture support is one line; the served capture (one server regenerating and
+capturing) against a fake server that writes as the connector does. Against real vLLM: tests/test_vllm_features.py."""
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -15,6 +21,7 @@ import data_prep.vllm_features as vf
 from data_prep.cache_features import cache_shard
 from data_prep.feature_cache import FeatureCacheReader, FeatureCacheWriter
 from data_prep.vllm_features import EngineCaptureError, FinalNorm, capture_layer_ids, features_of
+from data_prep.vllm_server import VLLM_CLI, capture_args
 from eagle.cli_errors import is_expected
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function
 from recipes import RecipeError, load_config
@@ -132,6 +139,108 @@ def test_the_engine_cache_equals_the_transformers_cache(target, tmp_path, monkey
         # two float32 computations of the 2-layer target (+ the final norm): the rounding bound of that depth
         assert_same_function(got["hidden_states"], r["hidden_states"], terms=64,
                              chained=LAYER_REDUCTIONS * LAYERS + 1)
+
+
+class FakeCaptureServer:
+    """A /v1/completions server writing what the served connector writes: the `.lock` taken before the reply and
+    released once the file is written (after it, as vLLM's worker may); names in `fail` get a `.error`, names in
+    `refuse` an HTTP 400."""
+
+    def __init__(self, model, layer_ids, fail=frozenset(), refuse=frozenset()):
+        self.bodies, self.served_model_name, self.model_lock = [], "served", threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.bodies.append(body)
+                path = body["kv_transfer_params"]["hidden_states_path"]
+                name = os.path.basename(path).split(".")[0]
+                if name in refuse:
+                    self.send_response(400)
+                    self.end_headers()
+                    self.wfile.write(b'{"error": "prompt too long"}')
+                    return
+                fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+
+                def write():
+                    try:
+                        time.sleep(0.2)
+                        if name in fail:
+                            open(path + ".error", "w").write("OSError: [Errno 28] No space left on device")
+                        else:
+                            with outer.model_lock:  # engine_states hooks the model: one request at a time
+                                states = engine_states(model, body["prompt"], layer_ids).contiguous()
+                            save_file({"hidden_states": states, "token_ids": torch.tensor(body["prompt"])}, path)
+                    finally:
+                        os.close(fd)
+                threading.Thread(target=write).start()
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b'{"choices": [{"text": "x"}]}')
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def died(self):
+        return None
+
+
+def test_the_served_capture_equals_the_transformers_cache(target, tmp_path):
+    model, path = target
+    layers = [1, 0, 1, LAYERS]
+    cfg = load_config("tiny", [f"target.path={path}", "data.cache_dtype=float32", "data.gen_batch_size=3"])
+    meta = {"target": str(path), "config_hash": "h", "hidden_size": 32, "feature_layers": layers}
+    recs = records(9)
+    hf = FeatureCacheWriter(tmp_path / "hf", meta, dtype="float32")
+    cache_shard(model, recs, hf, 0, 1, progress=False, layers=layers)
+    hf.close()
+    # a full disk for one record and a refused request for another: the 7 others committed, one line naming both
+    fake = FakeCaptureServer(model, layers, fail={"r00000002"}, refuse={"r00000005"})
+    writer = FeatureCacheWriter(tmp_path / "vllm", meta, dtype="float32")
+    with pytest.raises(EngineCaptureError, match=r"could not write 2 of 9 records .*the 7 captured are committed"):
+        vf.cache_shard_vllm(cfg, str(path), model.config, recs, writer, 0, 1, layers, tmp_path / "data",
+                            server=lambda: fake)
+    fake.httpd.shutdown()
+    assert sorted(b["prompt"] for b in fake.bodies) == sorted(r["input_ids"] for r in recs)
+    assert all(b["max_tokens"] == 1 and b["temperature"] == 0.0 and b["model"] == "served" for b in fake.bodies)
+    started = []
+    fake = FakeCaptureServer(model, layers)
+    writer = FeatureCacheWriter(tmp_path / "vllm", meta, dtype="float32")  # the rerun: only the two missing
+    stats = vf.cache_shard_vllm(cfg, str(path), model.config, recs, writer, 0, 1, layers, tmp_path / "data",
+                                server=lambda: started.append(1) or fake)
+    writer.close()
+    assert (stats.records_skipped_done, stats.records_cached, len(fake.bodies), started) == (7, 2, 2, [1])
+    writer = FeatureCacheWriter(tmp_path / "vllm", meta, dtype="float32")  # nothing left: the server is not asked for
+    vf.cache_shard_vllm(cfg, str(path), model.config, recs, writer, 0, 1, layers, tmp_path / "data",
+                        server=lambda: started.append(1) or fake)
+    writer.close()
+    fake.httpd.shutdown()
+    assert started == [1]
+    a, b = FeatureCacheReader(tmp_path / "hf"), FeatureCacheReader(tmp_path / "vllm")
+    rows = {r["id"]: r for r in b}
+    assert sorted(a.ids) == sorted(rows)
+    for r in a:
+        got = rows[r["id"]]
+        assert torch.equal(got["input_ids"], r["input_ids"]) and torch.equal(got["loss_mask"], r["loss_mask"])
+        assert_same_function(got["hidden_states"], r["hidden_states"], terms=64, chained=LAYER_REDUCTIONS * LAYERS + 1)
+    assert not (tmp_path / "data" / f"{vf.CAPTURE_DIR}-00000" / "files").exists()
+
+
+def test_the_capture_server_arguments(tmp_path):
+    args = capture_args([0, 1, 4], tmp_path / "u")
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}}}
+    assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "vllm_capture_connector"
+    assert kv["kv_connector_extra_config"]["capture_only_requested"] is True and "--no-enable-prefix-caching" in args
+    assert (VLLM_CLI.parent / "vllm_capture_connector.py").exists()  # beside vllm_cli.py: on the server's sys.path
 
 
 def test_an_engine_without_capture_support_or_that_crashes_is_one_line(tmp_path, monkeypatch):
