@@ -73,8 +73,9 @@ NOT_STATE = {
     "export/model_card.py": (2, "command lines in the card (one with the fitted speculative config)"),
     "data_prep/engine_capture.py": (3, "runs under the engine's interpreter (no project imports): reads the request "
                                        "written just before, writes CAPTURE_RESULT (read back through the loader)"),
-    "data_prep/vllm_features.py": (3, "the target's safetensors index (an input); writes the engine script's "
-                                      "request, read by it at once"),
+    "data_prep/vllm_features.py": (4, "the target's safetensors index (an input); writes the engine script's "
+                                      "request, read by it at once; the capture request body sent to the server"),
+    "data_prep/vllm_server.py": (2, "vllm serve's --speculative-config / --kv-transfer-config arguments"),
     "evaluation/serve_check.py": (1, "serve-check's report.json, for people, never read back"),
     "evaluation/serve_sweep.py": (3, "the ShareGPT prompt file vllm bench reads; command-line arguments; the "
                                      "speculative config shown in sweep.md"),
