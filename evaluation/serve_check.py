@@ -51,7 +51,7 @@ from evaluation import serve_check_sampling
 from evaluation.engine_process import ENGINES, ServeCheckError, engine_runs
 from evaluation.head_health import acceptance_warning, warn
 from export.head_kinds import check_vllm_method, export_kind, served_kind, write_engine_head
-from export.speculative_schedule import SCHEDULE_KEY, ScheduleError, k_at
+from export.speculative_schedule import SCHEDULE_KEY, ScheduleError, k_at, vllm_speculative_config
 
 log = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = 0.05  # relative difference of mean acceptance lengths (T = 0)
@@ -170,15 +170,15 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
         target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
         draft_config = read_head_json(draft)
         kind = export_kind(served_kind(draft_config))
-        method = engine_method or kind.vllm_method
-        parallel = kind.parallel_drafting if parallel_drafting is None else parallel_drafting
+        # the kind's method (+ parallel_drafting); --engine-method / --parallel-drafting override them on purpose
+        spec = kind.vllm_spec(method=engine_method or None, parallel_drafting=parallel_drafting)
+        method, parallel = spec["method"], bool(spec.get("parallel_drafting"))
         check_vllm_method(method, draft_config, s.head_path, parallel)  # the traps, named before any engine time is spent
         request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(s.gen.max_length),
                    "prompts": prompts, "max_tokens": int(s.gen.max_new_tokens),
                    "stop_token_ids": list(s.gen.eos_token_id or []), "seed": int(s.cfg.seed),
                    "patch_cpu_expand": bool(patch_engine)}
-        spec_config = {"method": method, **({"parallel_drafting": True} if parallel else {}), "model": draft,
-                       "num_speculative_tokens": k}
+        spec_config = vllm_speculative_config(spec, draft, k)
         if schedule_config is not None:
             spec_config[SCHEDULE_KEY] = schedule_config[SCHEDULE_KEY]
             report = schedule_check(s, prompts, engine, engine_python, work, request, spec_config, target, padded,

@@ -42,7 +42,7 @@ from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind
 from export.speculative_schedule import (SPEC_CONFIG_FILE, fit_schedule, schedule_text, speculative_config,
-                                         write_speculative_config)
+                                         vllm_speculative_config, write_speculative_config)
 from recipes.layout import SERVE_SWEEP_DIR
 
 log = logging.getLogger(__name__)
@@ -319,9 +319,9 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
         return got
 
     for k in ks:
-        points += run_point(k, f"k{k}", {**kind_spec, "model": draft, "num_speculative_tokens": k} if k else None)
+        points += run_point(k, f"k{k}", vllm_speculative_config(kind_spec, draft, k) if k else None)
     schedule = fit_schedule(points, max(concurrency))
-    served = speculative_config(method, draft, schedule, parallel_drafting=kind_spec.get("parallel_drafting", False))  # the temporary engine folder: what this sweep serves
+    served = speculative_config(kind_spec, draft, schedule)  # the temporary engine folder: what this sweep serves
     shipped = None
     if served:  # the file names the folder a user serves: `python -m train.export --head HEAD --format vllm`'s
         shipped = {**served, "model": engine_head_folder(s.head_path, engine_format or "vllm")}

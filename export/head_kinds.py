@@ -31,9 +31,15 @@ class ExportKind:
     speculators_type = ""  # vLLM's speculators_model_type of the kind's vllm folder ("" = vllm_method)
     sglang_refusal = ""  # why SGLang cannot serve the kind ("" = it can, as sglang_algorithm)
 
-    def vllm_spec(self) -> dict:
-        """The kind's vLLM speculative-config keys beyond model / num_speculative_tokens."""
-        return {"method": self.vllm_method, **({"parallel_drafting": True} if self.parallel_drafting else {})}
+    def vllm_spec(self, method: str | None = None, parallel_drafting: bool | None = None) -> dict:
+        """The kind's vLLM speculative-config keys beyond model / num_speculative_tokens: {"method": vllm_method}, plus
+        "parallel_drafting": true for a kind that drafts in parallel (P-EAGLE). The one place these keys are made:
+        export/speculative_schedule.py `vllm_speculative_config` adds the draft folder and k, `speculative_config`
+        a schedule. `method` / `parallel_drafting` (None: the kind's own) override them on purpose: serve-check's
+        --engine-method / --parallel-drafting, serving a head the wrong way to show the trap."""
+        method = self.vllm_method if method is None else method
+        parallel = self.parallel_drafting if parallel_drafting is None else parallel_drafting
+        return {"method": method, **({"parallel_drafting": True} if parallel else {})}
 
     def write_engine_folder(self, config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path, fmt: str,
                             target_config=None, dtype: str | None = None, verifier: str | None = None,

@@ -11,7 +11,7 @@ from eagle.decoding_config import DecodingConfig
 from eagle.head_kinds import EAGLE2
 from export.engine_formats import ENGINE_VERSIONS
 from export.head_kinds import EXPORT, ExportKind, export_kind, served_kind
-from export.speculative_schedule import SCHEDULE_KEY, SPEC_CONFIG_FILE, schedule_text
+from export.speculative_schedule import SCHEDULE_KEY, SPEC_CONFIG_FILE, schedule_text, vllm_speculative_config
 from recipes.layout import SERVE_SWEEP_DIR
 
 
@@ -196,7 +196,7 @@ def serving_commands(base: str, draft: str, fmt: str, kind: ExportKind = EXPORT[
         convert = "" if fmt == engine else (
             f"python -m train.export {flag} {official} --base {base} --format {engine} --out {path}\n")
         if engine == "vllm":
-            spec = json.dumps({**kind.vllm_spec(), "model": path, "num_speculative_tokens": num_speculative_tokens})
+            spec = json.dumps(vllm_speculative_config(kind.vllm_spec(), path, num_speculative_tokens))
             out[engine] = f"{convert}vllm serve {base} --speculative-config '{spec}'"
         elif kind.sglang_refusal:
             out[engine] = f"# {kind.sglang_refusal}"

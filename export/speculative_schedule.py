@@ -139,15 +139,22 @@ def k_at(schedule: list[list[int]], batch: int, num_speculative_tokens: int) -> 
     return min(k, num_speculative_tokens)
 
 
-def speculative_config(method: str, model: str, schedule: list[list[int]], parallel_drafting: bool = False) -> dict | None:
-    """vLLM's --speculative-config for the schedule: num_speculative_tokens = its longest chain (`parallel_drafting`:
-    a P-EAGLE head's, drafting them in one forward); None when the schedule never speculates (then serve without
-    --speculative-config)."""
+def vllm_speculative_config(spec: dict, model: str, num_speculative_tokens: int) -> dict:
+    """vLLM's --speculative-config serving the draft folder `model` with chains of `num_speculative_tokens`: `spec` is
+    the head kind's keys (export/head_kinds.py `ExportKind.vllm_spec`: method, and parallel_drafting for a P-EAGLE
+    head), then model and num_speculative_tokens, in that key order (speculative_config.json and the printed
+    commands carry it as written). Every --speculative-config of a head is built here."""
+    return {**spec, "model": str(model), "num_speculative_tokens": num_speculative_tokens}
+
+
+def speculative_config(spec: dict, model: str, schedule: list[list[int]]) -> dict | None:
+    """vLLM's --speculative-config for the schedule (`spec`: the head kind's keys, `vllm_speculative_config`):
+    num_speculative_tokens = its longest chain (a P-EAGLE head's parallel_drafting drafts them in one forward);
+    None when the schedule never speculates (then serve without --speculative-config)."""
     longest = max(k for _, _, k in schedule)
     if longest == 0:
         return None
-    return {"method": method, **({"parallel_drafting": True} if parallel_drafting else {}), "model": str(model),
-            "num_speculative_tokens": longest, SCHEDULE_KEY: schedule}
+    return {**vllm_speculative_config(spec, model, longest), SCHEDULE_KEY: schedule}
 
 
 def check_speculative_config(config, where: str) -> dict:

@@ -4,19 +4,25 @@ sweep's schedule point in its report, and the schedule in the model card and the
 tests/test_vllm_engine.py (slow)."""
 from __future__ import annotations
 
+import ast
 import json
 import math
 
 import pytest
 
 from eagle.cli_errors import UserError, is_expected
+from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE
 from evaluation.serve_sweep import best_k, markdown, plot, schedule_comparison
+from export.head_kinds import EXPORT
 from export.hub import push_to_hub
+from export.model_card import serving_commands
 from export.speculative_schedule import (SCHEDULE_KEY, ScheduleError, check_speculative_config, fit_schedule,
                                          interpolated_throughput, k_at, read_speculative_config, schedule_text,
-                                         speculative_config, validate_schedule, write_speculative_config)
+                                         speculative_config, validate_schedule, vllm_speculative_config,
+                                         write_speculative_config)
 from recipes import load_config
 from test_engine_formats import perturbed_head
+from test_head_kinds import REPO, STAGES
 from test_serve_engine_logic import bench_json
 
 
@@ -42,7 +48,7 @@ def test_no_speculation_wins_only_everywhere():
     # fastest at every batch size: one range of k = 0, and no config (serve without --speculative-config)
     tps = {(0, 1): 200, (2, 1): 150, (0, 16): 2000, (2, 16): 700}
     assert fit_schedule(points_of(tps), 16) == [[1, 16, 0]]
-    assert speculative_config("eagle", "H", fit_schedule(points_of(tps), 16)) is None
+    assert speculative_config({"method": "eagle"}, "H", fit_schedule(points_of(tps), 16)) is None
     t = math.log(2) / math.log(16)
     assert interpolated_throughput([1, 16], [150, 700], 2) == pytest.approx(150 + 550 * t)
     assert interpolated_throughput([4, 16], [150, 700], 2) == 150  # below the first level: the first measurement
@@ -89,10 +95,10 @@ def test_a_schedule_vllm_would_refuse_is_one_line(schedule, why):
 
 def test_the_config_file(tmp_path):
     schedule = [[1, 2, 4], [3, 24, 2], [25, 64, 0]]
-    config = speculative_config("eagle3", "H-vllm", schedule)
+    config = speculative_config({"method": "eagle3"}, "H-vllm", schedule)
     assert config == {"method": "eagle3", "model": "H-vllm", "num_speculative_tokens": 4, SCHEDULE_KEY: schedule}
-    assert speculative_config("eagle", "H", [[1, 64, 0]]) is None  # never speculates: serve without the flag
-    parallel = speculative_config("eagle3", "P-vllm", schedule, parallel_drafting=True)  # a P-EAGLE head's
+    assert speculative_config({"method": "eagle"}, "H", [[1, 64, 0]]) is None  # never speculates: serve without the flag
+    parallel = speculative_config(EXPORT[PEAGLE].vllm_spec(), "P-vllm", schedule)  # a P-EAGLE head's
     assert parallel == {**config, "model": "P-vllm", "parallel_drafting": True}
     assert read_speculative_config(write_speculative_config(tmp_path / "p.json", parallel)) == parallel
     path = write_speculative_config(tmp_path / "speculative_config.json", config)
@@ -134,7 +140,7 @@ def test_the_schedule_point_is_compared_per_level_and_summed(tmp_path):
               "requests_per_level": {"1": 16, "16": 64}, "max_new_tokens": 32, "load_average": [1, 1, 1],
               "points": points, "best": best_k(points),
               "schedule": {"rule": "R", "fitted": schedule, "points": sched, "comparison": cmp,
-                           "speculative_config": speculative_config("eagle", "H-vllm", schedule)}}
+                           "speculative_config": speculative_config({"method": "eagle"}, "H-vllm", schedule)}}
     md = markdown(report)
     assert "| schedule | 140 (0.20 / 0.30; 2.00) | 950 (0.22 / 0.32; 2.00) |" in md
     assert "Draft length per batch size (fitted by R): batch 1-16: k = 2." in md
@@ -151,7 +157,7 @@ def test_the_schedule_reaches_the_model_card_and_the_hub_upload(tmp_path):
                                "export.repo_id=someone/head-x"])
     points = sweep_points(tmp_path, {(0, 1): 100, (3, 1): 180, (0, 64): 900, (3, 64): 600})
     schedule = fit_schedule(points, 64)
-    shipped = speculative_config("eagle", str(tmp_path / "run" / "head-vllm"), schedule)
+    shipped = speculative_config({"method": "eagle"}, str(tmp_path / "run" / "head-vllm"), schedule)
     sweep_dir = tmp_path / "run" / "eval" / "serve_sweep"
     sweep_dir.mkdir(parents=True)
     (sweep_dir / "sweep.json").write_text(json.dumps({
@@ -176,3 +182,68 @@ def test_the_schedule_reaches_the_model_card_and_the_hub_upload(tmp_path):
     result = push_to_hub(cfg, dry_run=True)
     assert "speculative_config.json" not in result["files"]
     assert SCHEDULE_KEY not in (tmp_path / "run" / "hub_upload" / "README.md").read_text()
+
+
+# Each head kind's vLLM --speculative-config, as the bytes vLLM is given (the model card's command, serve-sweep's
+# speculative_config.json, serve-check's runs): the kind's keys come from export/head_kinds.py `vllm_spec` alone, the
+# draft folder, k and schedule from export/speculative_schedule.py alone; a divergence fails here.
+KIND_SPECS = {EAGLE2: '{"method": "eagle"}', EAGLE3: '{"method": "eagle3"}',
+              PEAGLE: '{"method": "eagle3", "parallel_drafting": true}'}
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_SPECS, key=lambda k: k.name), ids=lambda k: k.name)
+def test_each_kinds_speculative_config_is_pinned(kind, tmp_path):
+    spec = EXPORT[kind].vllm_spec()
+    assert json.dumps(spec) == KIND_SPECS[kind]
+    one_k = json.dumps(vllm_speculative_config(spec, "H-vllm", 3))
+    assert one_k == KIND_SPECS[kind][:-1] + ', "model": "H-vllm", "num_speculative_tokens": 3}'
+    command = serving_commands("BASE", "H-vllm", "vllm", EXPORT[kind], num_speculative_tokens=3)["vllm"]
+    assert command == f"vllm serve BASE --speculative-config '{one_k}'"
+    schedule = [[1, 2, 4], [3, 24, 2], [25, 64, 0]]
+    path = write_speculative_config(tmp_path / "speculative_config.json", speculative_config(spec, "H-vllm", schedule))
+    assert path.read_text() == (KIND_SPECS[kind][:-1] + ', "model": "H-vllm", "num_speculative_tokens": 4, '
+                                f'"{SCHEDULE_KEY}": [[1, 2, 4], [3, 24, 2], [25, 64, 0]]}}\n')
+    assert speculative_config(spec, "H-vllm", [[1, 64, 0]]) is None
+
+
+def test_serve_checks_deliberate_override():
+    """serve-check's --engine-method / --parallel-drafting: the kind's keys with one changed (None keeps the kind's),
+    still in the kind's key order."""
+    assert EXPORT[PEAGLE].vllm_spec(method=None, parallel_drafting=None) == EXPORT[PEAGLE].vllm_spec()
+    assert json.dumps(EXPORT[PEAGLE].vllm_spec(parallel_drafting=False)) == KIND_SPECS[EAGLE3]  # the sequential trap
+    assert json.dumps(EXPORT[EAGLE3].vllm_spec(parallel_drafting=True)) == KIND_SPECS[PEAGLE]
+    assert json.dumps(EXPORT[EAGLE3].vllm_spec(method="eagle")) == KIND_SPECS[EAGLE2]
+    assert json.dumps(vllm_speculative_config(EXPORT[EAGLE2].vllm_spec(parallel_drafting=True), "H", 2)) == (
+        '{"method": "eagle", "parallel_drafting": true, "model": "H", "num_speculative_tokens": 2}')
+
+
+def hand_built_speculative_configs(source: str, where: str) -> list[str]:
+    """Dict displays that build a head's --speculative-config (keys "model" and "num_speculative_tokens") or its
+    `"parallel_drafting": True`, as `where:line`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = {k.value: v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)}
+            parallel = keys.get("parallel_drafting")
+            if {"model", "num_speculative_tokens"} <= set(keys) or (
+                    isinstance(parallel, ast.Constant) and parallel.value is True):
+                found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def test_the_speculative_config_is_built_in_one_place():
+    """data_prep's `extract_hidden_states` configs (no draft model, no head kind; data_prep cannot import export)
+    are not a head's and do not match."""
+    # vllm_spec; vllm_speculative_config and the speculative_config.json state file's schema and example
+    homes = {"export/head_kinds.py": 1, "export/speculative_schedule.py": 3}
+    found = {}
+    for stage in STAGES:
+        for path in sorted((REPO / stage).rglob("*.py")):
+            where = str(path.relative_to(REPO))
+            hits = hand_built_speculative_configs(path.read_text(), where)
+            if hits:
+                found[where] = hits
+    assert {w: len(h) for w, h in found.items()} == homes, found
+    assert hand_built_speculative_configs('x = {"method": m, "parallel_drafting": True}\n'
+                                          'y = {**s, "model": d, "num_speculative_tokens": k}\n', "m.py") == [
+        "m.py:1", "m.py:2"]
