@@ -36,7 +36,8 @@ P-EAGLE (the EAGLE-3 layout + `mask_hidden [1, 3H]` + config `mask_token_id`):
   PeagleLlamaForCausalLM, `mask_token_id` -> `pard_token`, `norm_before_residual` default false), weights as
   EAGLE-3's plus `mask_hidden` (llama_eagle3.py loads it into its [1, fc_input_size] buffer only when the engine runs
   with `parallel_drafting`, and refuses a parallel run without it). vLLM serves it as `"method": "eagle3",
-  "parallel_drafting": true`.
+  "parallel_drafting": true`. `update_peagle` keeps EAGLE-3.1's `norm_before_fc` only: a P-EAGLE head with `fc_norm`
+  or `norm_output` is refused (`Speculator.norms`).
 - `sglang`: refused (no P-EAGLE loader: export/head_kinds.py `PeagleExport`, which also holds its `Speculator`).
 """
 from __future__ import annotations
@@ -193,6 +194,7 @@ class Speculator(NamedTuple):
     architecture: str  # the top-level architectures entry (vLLM reads transformer_layer_config + the algorithm)
     config_keys: tuple[str, ...] = ()  # head config keys the algorithm's config needs, copied to the top level
     weights: tuple[str, ...] = ()  # tensors it needs beyond EAGLE-3's
+    norms: tuple[str, ...] = EAGLE31_NORMS  # the EAGLE-3.1 keys its config reader keeps (the others it drops)
 
 
 EAGLE3_SPECULATOR = Speculator("eagle3", "Eagle3Speculator")  # the default; other kinds' own: export/head_kinds.py
@@ -283,6 +285,11 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
         return out, dict(sd)
     if fmt != "vllm":
         raise EngineFormatError(f"format {fmt!r}: expected one of {FORMATS}")
+    dropped = [n for n in norms if n not in speculator.norms]
+    if dropped:
+        raise EngineFormatError(f"the head uses EAGLE-3.1's {', '.join(dropped)}, which vLLM's speculators "
+                                f"`{speculator.algorithm}` config drops (it keeps {', '.join(speculator.norms) or 'none'}): "
+                                "vLLM would serve another function; train without them for this kind")
     if not verifier:
         raise EngineFormatError("the vLLM speculators format names its verifier: pass the target (--base)")
     layer = {k: cfg[k] for k in LAYER_KEYS if k in cfg}

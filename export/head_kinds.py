@@ -155,8 +155,9 @@ class Eagle3Export(ExportKind):
 
 
 # vLLM's speculators `peagle` (transformers_utils/configs/speculators/algos.py `update_peagle`): mask_token_id (required,
-# becomes pard_token) and the mask_hidden weight
-PEAGLE_SPECULATOR = Speculator("peagle", "PeagleSpeculator", ("mask_token_id",), ("mask_hidden",))
+# becomes pard_token) and the mask_hidden weight; of EAGLE-3.1's norms it keeps only norm_before_fc (fc_norm and
+# norm_output are not copied into the model config, so their weights would not load / the function would differ)
+PEAGLE_SPECULATOR = Speculator("peagle", "PeagleSpeculator", ("mask_token_id",), ("mask_hidden",), ("norm_before_fc",))
 
 
 class PeagleExport(Eagle3Export):

@@ -12,8 +12,8 @@ What vLLM 0.32 reads (site-packages/vllm/...):
 - transformers_utils/configs/speculators/algos.py `update_eagle3`: top-level `draft_vocab_size`, `target_hidden_size`,
   `norm_before_residual` (default true), `norm_before_fc`, `fc_norm`, `norm_output` (default false),
   `eagle_aux_hidden_state_layer_ids`; `update_peagle`: the same (norm_before_residual default false) plus
-  `mask_token_id` (required, -> pard_token), but no `fc_norm` / `norm_output`: so no case here is a P-EAGLE head with
-  fc_norm or norm_output, whose top-level keys vLLM 0.32 drops (its fc_norm weights then have no module to load into).
+  `mask_token_id` (required, -> pard_token), but no `fc_norm` / `norm_output`: a P-EAGLE head with either is refused by
+  the vllm export (vLLM 0.32 would drop the keys; its fc_norm weights then have no module to load into).
 - model_executor/models/llama_eagle3.py `Eagle3LlamaForCausalLM.load_weights`: `d2t` (renamed
   draft_id_to_target_id, only for a smaller draft vocabulary), `t2d` (skipped), `mask_hidden` ([1, fc_input_size]
   buffer, parallel drafting), `lm_head.weight`, everything else under `model.`: `fc.weight` [H, 3H],
@@ -34,6 +34,7 @@ from eagle.head_config import head_config_from_target, read_head_json
 from eagle.head_files import engine_export
 from eagle.head_kinds import EAGLE3, PEAGLE
 from eagle.peagle import PeagleHead
+from export.engine_formats import EngineFormatError
 from export.head_kinds import EXPORT, check_vllm_method, served_kind, write_engine_head
 from tiny_models import single_thread, tiny_target  # noqa: F401
 
@@ -142,3 +143,14 @@ def test_the_vllm_export_is_the_layout_vllm_reads(case, target, tmp_path):
     assert served_kind(config) is kind
     check_vllm_method(EXPORT[kind].vllm_spec()["method"], config, str(hand), kind is PEAGLE)
     assert engine_export(str(hand / "config.json"), str(hand / "model.safetensors")) == "vLLM"
+
+
+@pytest.mark.parametrize("norm", ["fc_norm", "norm_output"])
+def test_a_peagle_head_with_a_norm_vllm_drops_is_refused(norm, target, tmp_path):
+    """update_peagle keeps norm_before_fc only: a P-EAGLE folder with fc_norm / norm_output would be served as another
+    function (fc_norm's weights have no module), so the vllm export refuses it in one line naming the key."""
+    make_head(target, PEAGLE, {norm: True}).save_pretrained(tmp_path / "head")
+    target.save_pretrained(tmp_path / "target")
+    with pytest.raises(EngineFormatError, match=rf"EAGLE-3.1's {norm}, which vLLM's speculators `peagle` config drops"):
+        write_engine_head(tmp_path / "head", tmp_path / "vllm", "vllm", target.config, verifier=str(tmp_path / "target"))
+    assert not (tmp_path / "vllm").exists()
