@@ -33,13 +33,24 @@ class HeadSettings:
     mask_token_id: int = -1  # the target token id draft positions 2..k read; -1 = the smallest id absent from the loss tokens
 
 
-def ttt_weights(head) -> list[float]:
-    """The per-step loss weights of an eagle3 head section: head.ttt_step_weights, or 0.8^(j-1) for j = 1..ttt_steps."""
+def dpace(loss) -> bool:
+    """The recipe's loss section (None: a recipe without it) weights the unrolled steps by D-PACE (recipes/loss.py)."""
+    return getattr(loss, "position_weighting", "fixed") == "dpace"
+
+
+def ttt_weights(head, loss=None) -> list[float]:
+    """The per-step loss weights of an eagle3 head section: head.ttt_step_weights, or 0.8^(j-1) for j = 1..ttt_steps;
+    1 each under loss.position_weighting=dpace (its per-chain weights replace the decay: train/loss.py)."""
+    if dpace(loss):
+        return [1.0] * head.ttt_steps
     return [float(w) for w in head.ttt_step_weights] or [0.8 ** j for j in range(head.ttt_steps)]
 
 
-def align_weights(head) -> list[float]:
-    """The per-step loss weights of an eagle2 head section: head.align_step_weights, or 0.8^(j-1) for j = 1..align_steps."""
+def align_weights(head, loss=None) -> list[float]:
+    """The per-step loss weights of an eagle2 head section: head.align_step_weights, or 0.8^(j-1) for j = 1..align_steps;
+    1 each under loss.position_weighting=dpace."""
+    if dpace(loss):
+        return [1.0] * head.align_steps
     return [float(w) for w in head.align_step_weights] or [0.8 ** j for j in range(head.align_steps)]
 
 
@@ -94,16 +105,18 @@ class KindPart(NamedTuple):
     check_keys: Callable  # their check, on the section alone
     check_target: Callable | None = None  # the checks that need the target's config (None: nothing to check)
     feature_loss: bool = False  # the kind's head predicts the target's next feature (loss.feature applies)
+    steps: str = ""  # the key of its unrolled step count ("{steps}" -> "{step}_weights" their weights)
 
 
 # The recipe's per-kind part, keyed by the kind objects (eagle/head_kinds.py).
 KIND_KEYS = {EAGLE2: KindPart(("align_steps", "align_step_weights", "align_row_stride"), validate_eagle2_keys,
-                              feature_loss=True),
+                              feature_loss=True, steps="align_steps"),
              EAGLE3: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
                                "lm_head_init", "norm_before_fc", "fc_norm", "norm_output"), validate_eagle3_keys,
-                              check_eagle3_fits_target),
+                              check_eagle3_fits_target, steps="ttt_steps"),
              PEAGLE: KindPart(("aux_layers", "draft_vocab_size", "ttt_steps", "ttt_step_weights", "ttt_row_stride",
-                               "lm_head_init", "mask_token_id"), validate_peagle_keys, check_peagle_fits_target)}
+                               "lm_head_init", "mask_token_id"), validate_peagle_keys, check_peagle_fits_target,
+                              steps="ttt_steps")}
 
 
 def validate_head_section(h) -> None:
@@ -133,3 +146,11 @@ def has_feature_loss(h) -> bool:
     """The head section's kind trains a next-feature loss (loss.feature applies to it)."""
     part = KIND_KEYS.get(HEAD_KINDS.get(h.kind))
     return part is not None and part.feature_loss
+
+
+def step_keys(h) -> tuple[str, str]:
+    """The head section's keys of its unrolled step count and their weights (head.align_steps /
+    head.align_step_weights, head.ttt_steps / head.ttt_step_weights); ("", "") for a kind without unrolled steps."""
+    part = KIND_KEYS.get(HEAD_KINDS.get(h.kind))
+    steps = part.steps if part is not None else ""
+    return steps, steps.replace("_steps", "_step_weights")

@@ -19,7 +19,7 @@ from recipes.chat_templates import shipped_templates
 from recipes.check import RecipeError, check
 from recipes.data import DataSettings, validate_data_section
 from recipes.eval import EvalSettings, validate_eval_section
-from recipes.head import HeadSettings, has_feature_loss, validate_head_section
+from recipes.head import HeadSettings, validate_head_section
 from recipes.loss import LossSettings, validate_loss_section
 from recipes.train import ExportSettings, LoggingSettings, TrainSettings, validate_train_sections
 
@@ -94,7 +94,7 @@ def validate_recipe(cfg: DictConfig) -> None:
     validate_data_section(cfg.data)
     validate_head_section(cfg.head)
     validate_train_sections(cfg)
-    validate_loss_section(cfg.loss, cfg.head.kind, has_feature_loss(cfg.head))
+    validate_loss_section(cfg.loss, cfg.head)
     validate_eval_section(cfg.eval)
 
 

@@ -170,6 +170,34 @@ def test_acceptance_losses_train_and_resume_exactly(any_toy, tmp_path, dist_ctx)
         assert "fc_norm.2.weight" in a and "input_norm.weight" in a
 
 
+def test_dpace_position_weighting_trains_and_resumes_exactly(any_toy, tmp_path, dist_ctx):
+    """loss.position_weighting=dpace (D-PACE, train/losses.py) on every multi-step kind (EAGLE-3 and P-EAGLE with a row
+    stride, aligned EAGLE-2): the training loss falls, a stop + resume is bit-identical, and the run's summary and
+    exported recipe name it; a single-step EAGLE-2 head refuses it with one line."""
+    toy = any_toy
+    common = ("loss.position_weighting=dpace", "loss.dpace_alpha=0.4", "train.lr=3e-3", "train.checkpoint_every=3",
+              "train.eval_every=4", "logging.log_every=1", "train.noise=uniform")
+    if not toy.get("extra"):  # plain EAGLE-2: one step, nothing to weight
+        from recipes import RecipeError
+        with pytest.raises(RecipeError, match=r"^loss.position_weighting='dpace': D-PACE weights the unrolled steps"):
+            run_train(toy, tmp_path / "straight", *common, steps=8, ctx=dist_ctx)
+        return
+    straight = run_train(toy, tmp_path / "straight", *common, steps=8, ctx=dist_ctx)
+    run_train(toy, tmp_path / "resumed", *common, "train.stop_after=4", steps=8, ctx=dist_ctx)
+    second = run_train(toy, tmp_path / "resumed", *common, steps=8, ctx=dist_ctx)
+    assert straight["position_weighting"] == second["position_weighting"] == "dpace"
+    assert straight["dpace_alpha"] == 0.4
+    a = load_file(tmp_path / "straight" / "head" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "head" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight["eval"] == second["eval"]
+    logs = [json.loads(line) for line in (tmp_path / "straight" / "train" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in logs if "train/loss" in r]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    recipe = (tmp_path / "resumed" / "head" / "recipe.yaml").read_text()
+    assert "position_weighting: dpace" in recipe and "dpace_alpha: 0.4" in recipe
+
+
 def test_dataloader_workers_do_not_change_the_run(toy, tmp_path, dist_ctx):
     a = run_train(toy, tmp_path / "a", "train.num_workers=0", steps=5, ctx=dist_ctx)
     b = run_train(toy, tmp_path / "b", "train.num_workers=2", steps=5, ctx=dist_ctx)

@@ -32,7 +32,7 @@ from recipes import RecipeError
 from recipes.head import align_weights, check_head_fits_target, ttt_weights
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedTokenLoss, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
-from train.losses import TokenLoss, feature_loss, smooth_l1, token_loss
+from train.losses import TokenLoss, confidence, feature_loss, position_weighting, smooth_l1, token_loss
 from train.held_out import all_fed_rollout, chain_rollout
 
 
@@ -64,6 +64,14 @@ class TrainingKind:
         self.steps, self.step_weights, self.feature_weight = 1, [self.t.token_weight], 0.0
         self.stride = 1  # steps >= 2 run at every stride-th index (offset cycling with the micro-step)
         self.token_loss, self.feature_loss = token_loss(cfg), feature_loss(cfg)  # recipe `loss` (train/losses.py)
+        self.weighting = position_weighting(cfg)  # None (fixed step weights) | DPace: per-chain step weights
+        self.loss_cfg = cfg.get("loss") if hasattr(cfg, "get") else getattr(cfg, "loss", None)
+
+    def weights_text(self, w: list[float]) -> str:
+        """How the describe line states the unrolled steps' weights."""
+        if self.weighting is not None:
+            return f"D-PACE weights, alpha {self.weighting.alpha}"
+        return "weights " + ", ".join(f"{x:.2f}" for x in w)
 
     def describe(self) -> str | None:
         """What the trainer says about this kind's setup, if anything."""
@@ -106,7 +114,7 @@ class TrainingKind:
         noise = torch.Generator(s.inputs.device).manual_seed((seed * 1_000_003 + micro) % 2**63)
         hiddens = self.unroll(engine, add_input_noise(s.inputs, t.noise, t.noise_std, noise), s.next_ids,
                               s.attention_mask, self.steps, rows)
-        return draft_loss(hiddens, s.weights, targets, self.step_weights, self.feature_weight, rows)
+        return draft_loss(hiddens, s.weights, targets, self.step_weights, self.feature_weight, rows, self.weighting)
 
     def eval_loss(self, metrics: dict, loss_mean: float) -> float:
         """eval/loss: the mean training loss over the held-out positions."""
@@ -174,20 +182,22 @@ class NextFeatureTargets:
         lm_head = self.lm_head
         truth = self.final if j == 1 else self.final_ext[:, rows + j - 1]  # [B, R, H]
         f = truth[sel].to(p.dtype)  # [N, H] the true next features
-        feature = self.feature_loss(p.float(), f.float()).mean()
+        feature = self.feature_loss(p.float(), f.float())  # [N]
         if self.chunk and self.chunk < p.shape[0]:
             correct = torch.zeros(3, dtype=torch.long)
-            token = ChunkedTokenLoss.apply(p, f, lm_head, self.chunk, correct, self.token_loss)
-            return StepScore(token, [int(c) for c in correct], feature)
+            conf = torch.empty(p.shape[0], dtype=torch.float32, device=p.device)
+            token = ChunkedTokenLoss.apply(p, f, lm_head, self.chunk, correct, self.token_loss, conf)
+            return StepScore(token, [int(c) for c in correct], feature, conf)
         head_logits = F.linear(p.to(lm_head.dtype), lm_head).float()  # [N, V]
         with torch.no_grad():
             target_logits = F.linear(f.to(lm_head.dtype), lm_head).float()  # [N, V]
             target_p = target_logits.softmax(-1)
             target_top = greedy_ids(target_logits)  # [N]
-        token = self.token_loss.rows(head_logits.log_softmax(-1), target_p).mean()
+        logq = head_logits.log_softmax(-1)
+        token = self.token_loss.rows(logq, target_p)  # [N]
         with torch.no_grad():
             correct = topk_hits(head_logits, target_top)
-        return StepScore(token, [int(c) for c in correct], feature)
+        return StepScore(token, [int(c) for c in correct], feature, confidence(logq, target_p))
 
 
 class Eagle2Training(TrainingKind):
@@ -202,7 +212,7 @@ class Eagle2Training(TrainingKind):
         h = cfg.head
         if h.align_steps > 1:  # HASS-style alignment: k unrolled steps, each with its token and feature loss
             self.steps, self.stride = h.align_steps, h.align_row_stride
-            w = align_weights(h)
+            w = align_weights(h, self.loss_cfg)
             self.step_weights = [self.t.token_weight * x for x in w]
             self.feature_weight = [self.t.feature_weight * x for x in w]
             self.logged_steps = self.steps
@@ -210,14 +220,14 @@ class Eagle2Training(TrainingKind):
     def describe(self) -> str | None:
         if self.steps == 1:
             return None
-        return (f"EAGLE-2 head with multi-step alignment: {self.steps} unrolled steps (step weights "
-                f"{', '.join(f'{w:.2f}' for w in align_weights(self.cfg.head))}), row stride {self.stride}")
+        return (f"EAGLE-2 head with multi-step alignment: {self.steps} unrolled steps (step "
+                f"{self.weights_text(align_weights(self.cfg.head, self.loss_cfg))}), row stride {self.stride}")
 
     def summary(self) -> dict:
         if self.steps == 1:
             return {}
         h = self.cfg.head
-        return {"head_kind": self.kind.name, "align_steps": self.steps, "align_step_weights": align_weights(h),
+        return {"head_kind": self.kind.name, "align_steps": self.steps, "align_step_weights": align_weights(h, self.loss_cfg),
                 "align_row_stride": self.stride}
 
     def new_head(self, target_config, source, train_indices, lm_head):
@@ -314,12 +324,13 @@ class DraftVocabTargets:
     def score(self, h: torch.Tensor, j: int, rows: torch.Tensor, sel: torch.Tensor) -> StepScore:
         logits = self.head.draft_logits(h).float()  # [N, Vd]
         p = self.probs_ext[:, rows + j - 1][sel]  # [N, Vd]
-        token = self.token_loss.rows(logits.log_softmax(-1), p).mean()
+        logq = logits.log_softmax(-1)
+        token = self.token_loss.rows(logq, p)  # [N]
         with torch.no_grad():
             want = self.top_ext[:, rows + j - 1][sel]  # [N] target argmax (full vocabulary)
             ranked = self.draft_ids[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]  # [N, 3] target ids
             hit = ranked == want[:, None]  # [N, 3]
-        return StepScore(token, [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)])
+        return StepScore(token, [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)], confidence=confidence(logq, p))
 
 
 class Eagle3Training(TrainingKind):
@@ -331,13 +342,13 @@ class Eagle3Training(TrainingKind):
         super().__init__(cfg, target_config)
         self.steps = cfg.head.ttt_steps
         self.logged_steps = self.extra_steps = self.steps
-        self.step_weights = ttt_weights(cfg.head)
+        self.step_weights = ttt_weights(cfg.head, self.loss_cfg)
         self.stride = cfg.head.ttt_row_stride
         self.vocab_info: dict = {}
 
     def describe(self) -> str:
-        return (f"EAGLE-3 head: aux layers {self.layers[:-1]}, {self.steps} unrolled steps (weights "
-                f"{', '.join(f'{w:.2f}' for w in self.step_weights)}), row stride {self.stride}; draft vocabulary "
+        return (f"EAGLE-3 head: aux layers {self.layers[:-1]}, {self.steps} unrolled steps "
+                f"({self.weights_text(self.step_weights)}), row stride {self.stride}; draft vocabulary "
                 + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in self.vocab_info.items())
                 + "".join(f"; EAGLE-3.1 {k}" for k in EAGLE31_NORMS if self.cfg.head[k]))
 
@@ -393,7 +404,7 @@ class Eagle3Training(TrainingKind):
         s = self.shifted(features, batch)
         targets = self.targets(head, s.final, lm_head, self.steps)
         hiddens = head.unroll(s.inputs, s.next_ids, s.attention_mask, steps=max(k, self.steps))  # [B, T-1, H] each
-        out = draft_loss(hiddens[: self.steps], s.weights, targets, self.step_weights)
+        out = draft_loss(hiddens[: self.steps], s.weights, targets, self.step_weights, weighting=self.weighting)
         # draft (as target ids) of step j at index s, compared with the target's argmax at s + j - 1 (shifted index)
         drafts = torch.stack([targets.draft_ids[head.draft_logits(h).argmax(-1)] for h in hiddens[:k]], dim=-1)
         T1 = targets.top.shape[1]

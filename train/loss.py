@@ -11,6 +11,9 @@ kind (train/head_kinds.py):
            head.align_step_weights[j];
   EAGLE-3: k unrolled steps (the training-time test, w_j = head.ttt_step_weights); the head's own lm_head over its
            draft vocabulary against the target's distribution restricted to it (renormalised); no feature loss.
+With loss.position_weighting=dpace (train/losses.py: D-PACE) each row's step-j token (and feature) loss is further
+weighted by its chain's D-PACE weight (`dpace_row_weights`; the step weights are then 1 x train.token_weight /
+feature_weight): step j at index t belongs to the chain drafted at t, whose steps' confidences give the weights.
 Accuracy counts a hit only when the draft token (as a target id) is the target's argmax over the FULL vocabulary.
 Plus the input-feature noise augmentation. Loss math in float32."""
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.sampling import greedy_ids
+from train.losses import DPace
 
 
 def add_input_noise(features: torch.Tensor, kind: str, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -76,9 +80,19 @@ class LossOutput:
 
 @dataclass
 class StepScore:
-    token: torch.Tensor  # scalar: the step's mean token loss over its loss positions
+    token_rows: torch.Tensor  # [N]: the step's token loss at each of its loss positions
     topk_correct: list[int]  # [top1, top2, top3] hits
-    feature: torch.Tensor | None = None  # scalar: mean feature loss to the true next feature, for kinds that predict it
+    feature_rows: torch.Tensor | None = None  # [N]: feature loss to the true next feature, for kinds that predict it
+    confidence: torch.Tensor | None = None  # [N] no grad: the head's probability of the target's top token (D-PACE)
+
+    @property
+    def token(self) -> torch.Tensor:
+        """scalar: the step's mean token loss over its loss positions"""
+        return self.token_rows.mean()
+
+    @property
+    def feature(self) -> torch.Tensor | None:
+        return None if self.feature_rows is None else self.feature_rows.mean()
 
 
 class StepTargets(Protocol):
@@ -89,32 +103,43 @@ class StepTargets(Protocol):
 
 
 def draft_loss(hiddens: list[torch.Tensor], weights: torch.Tensor, targets: StepTargets, step_weights: list[float],
-               feature_weight: float | list[float] = 0.0, rows: torch.Tensor | None = None) -> LossOutput:
+               feature_weight: float | list[float] = 0.0, rows: torch.Tensor | None = None,
+               weighting: DPace | None = None) -> LossOutput:
     """THE training loss (module docstring). hiddens: the head's unrolled outputs, step 1 [B, T, H], steps j >= 2
     [B, R, H] at the indices `rows` [R] (None = all T); weights [B, T] (0/1) from `shift`. Step j at index t is
     scored at t + j - 1 (masked when that runs off the sequence or is no loss position). feature_weight: one weight,
-    or one per step (EAGLE-2 with multi-step alignment); the reported feature loss is step 1's."""
+    or one per step (EAGLE-2 with multi-step alignment); the reported feature loss is step 1's. weighting: None =
+    fixed (step_weights alone), or D-PACE's per-chain weights on top of them (`dpace_row_weights`). The reported
+    token / step losses are the unweighted means."""
     B, T = weights.shape
     k = len(hiddens)
     w_ext = F.pad(weights, (0, k - 1))  # [B, T + k - 1]
     idx_all = torch.arange(T, device=weights.device)  # [T]
-    loss = hiddens[0].new_zeros((), dtype=torch.float32)
-    feature = torch.zeros(())
-    step_loss, hits, counts, topk, token = [], [], [], [0, 0, 0], torch.zeros(())
+    sels, scores = [], []
     for j, h in enumerate(hiddens, start=1):
         idx = idx_all if j == 1 or rows is None else rows.to(weights.device)  # [R]
         sel = w_ext[:, idx + j - 1].bool()  # [B, R]
-        n = int(sel.sum())
-        if n == 0:
+        sels.append(sel)
+        scores.append(targets.score(h[sel], j, idx, sel) if sel.any() else None)
+    row_w = [None] * k
+    if weighting is not None and k > 1:
+        row_w = dpace_row_weights(weighting, sels, scores, None if rows is None else rows.to(weights.device))
+    loss = hiddens[0].new_zeros((), dtype=torch.float32)
+    feature = torch.zeros(())
+    step_loss, hits, counts, topk, token = [], [], [], [0, 0, 0], torch.zeros(())
+    for j, (h, sel, score, rw) in enumerate(zip(hiddens, sels, scores, row_w), start=1):
+        if score is None:
             loss = loss + h.sum() * 0.0  # keep the graph: every rank runs its backward
             step_loss.append(0.0)
             hits.append(0)
             counts.append(0)
             continue
-        score = targets.score(h[sel], j, idx, sel)
-        loss = loss + step_weights[j - 1] * score.token
-        if score.feature is not None:
-            loss = loss + (feature_weight[j - 1] if isinstance(feature_weight, list) else feature_weight) * score.feature
+        n = int(sel.sum())
+        step_token = score.token if rw is None else (rw * score.token_rows).mean()
+        loss = loss + step_weights[j - 1] * step_token
+        if score.feature_rows is not None:
+            step_feature = score.feature if rw is None else (rw * score.feature_rows).mean()
+            loss = loss + (feature_weight[j - 1] if isinstance(feature_weight, list) else feature_weight) * step_feature
             if j == 1:
                 feature = score.feature.detach()
         step_loss.append(float(score.token.detach()))
@@ -125,6 +150,33 @@ def draft_loss(hiddens: list[torch.Tensor], weights: torch.Tensor, targets: Step
     return LossOutput(loss, feature, token, counts[0], topk, hits, counts, step_loss)
 
 
+def dpace_row_weights(weighting: DPace, sels: list[torch.Tensor], scores: list, rows: torch.Tensor | None
+                      ) -> list[torch.Tensor | None]:
+    """D-PACE's weight [N_j] of each scored row of each step j (train/losses.py: dpace_weights): the chain drafted at
+    index t is (step 1 at t, step 2 at t, ...), a masked step a no-op in it. With `rows` (steps >= 2 only at those
+    indices) the chains at `rows` are complete; step 1 at the other indices has no later steps to read, so it takes
+    w_1 = q~_1 x the mean continuation value w_1 / q~_1 of the complete chains of the batch (1 when there are none)."""
+    dense = []
+    for sel, score in zip(sels, scores):
+        d = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
+        if score is not None:
+            d[sel] = score.confidence.float()
+        dense.append(d)
+    first, first_mask = (dense[0], sels[0]) if rows is None else (dense[0][:, rows], sels[0][:, rows])
+    conf = torch.stack([first] + dense[1:], dim=-1)  # [B, R, k]
+    mask = torch.stack([first_mask] + sels[1:], dim=-1)  # [B, R, k]
+    w = weighting.weights(conf, mask)  # [B, R, k]
+    out = [w[..., j][sels[j]] for j in range(1, len(sels))]
+    if rows is None:
+        return [w[..., 0][sels[0]]] + out
+    with torch.no_grad():
+        complete = mask[..., 0]
+        value = (w[..., 0] / weighting.smooth(conf[..., 0]))[complete]  # continuation values of the complete chains
+        w1 = weighting.smooth(dense[0]) * (value.mean() if value.numel() else 1.0)  # [B, T]
+        w1[:, rows] = w[..., 0]
+    return [w1[sels[0]]] + out
+
+
 def topk_hits(head_logits: torch.Tensor, target_top: torch.Tensor) -> torch.Tensor:
     """[3] long: rows of head_logits [n, V] whose top-1 / top-2 / top-3 hold target_top [n]."""
     top3 = head_logits.topk(min(3, head_logits.shape[-1]), dim=-1).indices  # [n, <=3]
@@ -133,37 +185,37 @@ def topk_hits(head_logits: torch.Tensor, target_top: torch.Tensor) -> torch.Tens
 
 
 class ChunkedTokenLoss(torch.autograd.Function):
-    """mean over rows of the recipe's token loss (train/losses.py: TokenLoss) between softmax(f W^T) (the target) and
+    """The rows' token losses [N] (the recipe's, train/losses.py: TokenLoss) between softmax(f W^T) (the target) and
     softmax(p W^T) (the head), `chunk` rows at a time.
 
-    The forward also computes N * d loss / d p = (d loss_rows / d logits) W per chunk (for ce the closed form
+    The forward also computes d loss_r / d p_r = (d loss_r / d logits_r) W per chunk (for ce the closed form
     softmax(p W^T) - softmax(f W^T), since the target distribution sums to 1; for the other losses autograd on the
     chunk's logits) and keeps only that [N, H] float32 tensor for the backward: no [N, V] tensor is ever held, and
-    the logits are not recomputed. Dtypes follow the unchunked path: logits from a matmul in lm_head's dtype, loss
-    math in float32, the gradient's matmul in lm_head's dtype (the 1/N and the loss scale are applied in float32
-    afterwards, so fp16 does not underflow).
-    `correct` [3] (long, CPU) receives the top-1/2/3 hit counts.
+    the logits are not recomputed (row r's loss depends on p_r alone, so the backward is that row's gradient times
+    the row's incoming gradient: 1/N for the mean, a D-PACE weight / N). Dtypes follow the unchunked path: logits
+    from a matmul in lm_head's dtype, loss math in float32, the gradient's matmul in lm_head's dtype (the incoming
+    gradient, the loss scale included, applied in float32 afterwards, so fp16 does not underflow).
+    `correct` [3] (long, CPU) receives the top-1/2/3 hit counts, `conf` [N] float32 the rows' confidence.
     """
 
     @staticmethod
-    def forward(ctx, p, f, lm_head, chunk: int, correct, loss):  # p, f [N, H]; lm_head [V, H]; loss: a TokenLoss
+    def forward(ctx, p, f, lm_head, chunk: int, correct, loss, conf):  # p, f [N, H]; lm_head [V, H]; loss: a TokenLoss
         n = p.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=p.device)
-        grad = torch.empty(p.shape, dtype=torch.promote_types(lm_head.dtype, torch.float32), device=p.device)  # [N, H], N x the gradient
+        rows = torch.empty(n, dtype=torch.float32, device=p.device)
+        grad = torch.empty(p.shape, dtype=torch.promote_types(lm_head.dtype, torch.float32), device=p.device)  # [N, H]
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             head_logits = F.linear(p[s:e].to(lm_head.dtype), lm_head).float()  # [c, V]
             target_logits = F.linear(f[s:e].to(lm_head.dtype), lm_head).float()  # [c, V]
             correct += topk_hits(head_logits, greedy_ids(target_logits))
-            value, d_logits = loss.logit_grad(head_logits, target_logits.softmax(-1))  # d_logits [c, V] = N x d mean / d logits
-            total += value
+            rows[s:e], d_logits, conf[s:e] = loss.logit_grad(head_logits, target_logits.softmax(-1))  # d_logits [c, V]
             del head_logits, target_logits
             grad[s:e] = d_logits.to(lm_head.dtype) @ lm_head  # [c, H]
         ctx.save_for_backward(grad)
-        ctx.p_dtype, ctx.n = p.dtype, n
-        return total / n
+        ctx.p_dtype = p.dtype
+        return rows
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out):  # grad_out [N]
         (grad,) = ctx.saved_tensors
-        return (grad * (grad_out.to(grad.dtype) / ctx.n)).to(ctx.p_dtype), None, None, None, None, None
+        return (grad * grad_out.to(grad.dtype)[:, None]).to(ctx.p_dtype), None, None, None, None, None, None

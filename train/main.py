@@ -534,6 +534,8 @@ class Trainer:
             "train_tokens_per_s": totals[0] / max(totals[1] / ctx.world_size, 1e-9),
             "train_cpu_s": totals[2],  # process CPU time of the training steps, summed over ranks (all threads)
             "stopped_early": self.stopped_early, "token_loss": self.part.token_loss.name,
+            "position_weighting": "dpace" if self.part.weighting else "fixed",
+            **({"dpace_alpha": self.part.weighting.alpha} if self.part.weighting else {}),
             **self.part.summary(),
         }
         if self.stopped_early:
