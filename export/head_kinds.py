@@ -17,7 +17,6 @@ from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, kind_of_config
 from export.engine_formats import (EAGLE3_SPECULATOR, EngineFormatError, Speculator, convert_eagle3_folder,
                                    read_eagle3_folder, write_eagle2_engine_head)
-from recipes.head import align_weights
 
 
 class ExportKind:
@@ -88,10 +87,19 @@ class Eagle2Export(ExportKind):
         align = ""
         if steps > 1:
             align = (f"; HASS-style multi-step alignment: {steps} unrolled steps on its own features, step weights "
-                     + ", ".join(f"{x:.2f}" for x in align_weights(cfg.head)))
+                     + card_step_weights(cfg, "head.align_step_weights", ", ".join(f"{0.8 ** j:.2f}" for j in range(steps))))
         return (f"| loss | {t.feature_weight} x {loss_name(cfg, 'feature')}(feature) + {t.token_weight} x "
                 f"{loss_name(cfg, 'token')}(token); {t.noise} input "
                 f"noise {t.noise_std}{align} |")
+
+
+def card_step_weights(cfg, key: str, default: str = "0.8^(j-1)") -> str:
+    """The card's words for the unrolled steps' loss weights: D-PACE's per-chain weights (loss.position_weighting),
+    the recipe's explicit list (`key`), or `default` (the decay)."""
+    if OmegaConf.select(cfg, "loss.position_weighting", default="fixed") == "dpace":
+        return f"D-PACE (per-chain, from the head's confidences; alpha {OmegaConf.select(cfg, 'loss.dpace_alpha')})"
+    weights = OmegaConf.select(cfg, key, default=None)
+    return ", ".join(f"{float(x):.2f}" for x in weights) if weights else default
 
 
 def loss_name(cfg, part: str) -> str:
@@ -149,9 +157,8 @@ class Eagle3Export(ExportKind):
         ]
 
     def card_loss(self, cfg) -> str:
-        weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
         return (f"| loss | {loss_name(cfg, 'token')} over the draft vocabulary at each of {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
-                f"unrolled steps, step weights {list(weights) if weights else '0.8^(j-1)'}; no feature loss |")
+                f"unrolled steps, step weights {card_step_weights(cfg, 'head.ttt_step_weights')}; no feature loss |")
 
 
 # vLLM's speculators `peagle` (transformers_utils/configs/speculators/algos.py `update_peagle`): mask_token_id (required,
@@ -186,9 +193,8 @@ class PeagleExport(Eagle3Export):
         return lines
 
     def card_loss(self, cfg) -> str:
-        weights = OmegaConf.select(cfg, "head.ttt_step_weights", default=None)
-        return (f"| loss | soft CE over the draft vocabulary at each of the {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
-                f"parallel draft positions of one forward, position weights {list(weights) if weights else '0.8^(j-1)'} |")
+        return (f"| loss | {loss_name(cfg, 'token')} over the draft vocabulary at each of the {OmegaConf.select(cfg, 'head.ttt_steps', default='k')} "
+                f"parallel draft positions of one forward, position weights {card_step_weights(cfg, 'head.ttt_step_weights')} |")
 
 
 EXPORT: dict[HeadKind, ExportKind] = {EAGLE2: Eagle2Export(), EAGLE3: Eagle3Export(), PEAGLE: PeagleExport()}

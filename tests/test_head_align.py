@@ -186,3 +186,15 @@ def test_model_card_states_the_alignment():
     aligned = EXPORT[EAGLE2].card_loss(load_config("tiny", ["head.align_steps=3"]))
     assert "alignment" not in plain
     assert aligned.startswith(plain[:-2]) and "3 unrolled steps" in aligned and "1.00, 0.80, 0.64" in aligned
+
+
+def test_model_card_states_dpace():
+    """Under loss.position_weighting=dpace the card's loss row names D-PACE, not the fixed decay it no longer uses."""
+    from export.head_kinds import EXPORT
+    from eagle.head_kinds import EAGLE2, EAGLE3
+
+    e2 = EXPORT[EAGLE2].card_loss(load_config("tiny", ["head.align_steps=3", "loss.position_weighting=dpace"]))
+    e3 = EXPORT[EAGLE3].card_loss(load_config("tiny-eagle3", ["loss.position_weighting=dpace", "loss.dpace_alpha=0.25"]))
+    assert "step weights D-PACE" in e2 and "alpha 0.5" in e2 and "0.80" not in e2
+    assert "step weights D-PACE" in e3 and "alpha 0.25" in e3 and "0.8^" not in e3
+    assert "0.8^(j-1)" in EXPORT[EAGLE3].card_loss(load_config("tiny-eagle3", []))
