@@ -38,8 +38,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder
-from eagle.attention import sdpa_attention
+if __package__ in (None, ""):  # `python benchmarks/decode_bench.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder  # noqa: E402
+from eagle.attention import sdpa_attention  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_ROUND_MS = 6.6

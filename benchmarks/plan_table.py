@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recipes import load_config
-from train.plan import GB, Hardware, build_plan
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/plan_table.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from recipes import load_config  # noqa: E402
+from train.plan import GB, Hardware, build_plan  # noqa: E402
 
 RECIPES = [("llama3-8b", []), ("llama2-chat-7b", []), ("vicuna-7b", []), ("qwen2-7b", []), ("mixtral-8x7b", []),
            ("mixtral-8x7b", ["train.mode=online"]), ("llama3-8b", ["train.loss_chunk=0"]),

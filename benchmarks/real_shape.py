@@ -35,11 +35,14 @@ from pathlib import Path
 
 import torch
 
-from data_prep.feature_cache import CACHE_MANIFEST, bytes_per_token
-from data_prep.tokenized import write_tokenized
-from eagle.state_files import read_json_state
-from recipes import load_config
-from train.plan import Hardware, KNOWN_TARGETS, build_plan, format_plan, phase_bytes, plan_shape
+if __package__ in (None, ""):  # `python benchmarks/real_shape.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from data_prep.feature_cache import CACHE_MANIFEST, bytes_per_token  # noqa: E402
+from data_prep.tokenized import write_tokenized  # noqa: E402
+from eagle.state_files import read_json_state  # noqa: E402
+from recipes import load_config  # noqa: E402
+from train.plan import Hardware, KNOWN_TARGETS, build_plan, format_plan, phase_bytes, plan_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9

@@ -30,9 +30,12 @@ from pathlib import Path
 
 import torch
 
-from eagle import EaModel
-from eagle.decoding_config import DecodingConfig
-from eagle.eagle2 import EagleHead
+if __package__ in (None, ""):  # `python benchmarks/real_shape_decode.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from eagle import EaModel  # noqa: E402
+from eagle.decoding_config import DecodingConfig  # noqa: E402
+from eagle.eagle2 import EagleHead  # noqa: E402
 
 
 class Timed:

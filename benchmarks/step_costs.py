@@ -21,9 +21,12 @@ import torch
 
 from decode_bench import STOP_IDS, corpus_context, load_stories, story_prompts
 
-from data_prep.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target
-from eagle import DecodingConfig, EaModel, EagleHead
-from eagle.verify import verify_greedy
+if __package__ in (None, ""):  # `python benchmarks/step_costs.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from data_prep.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target  # noqa: E402
+from eagle import DecodingConfig, EaModel, EagleHead  # noqa: E402
+from eagle.verify import verify_greedy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

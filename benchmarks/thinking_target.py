@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
-from data_prep.default_target import (SIZES, build_model, evaluate_loss, heldout_conversations, pack_conversations,
+if __package__ in (None, ""):  # `python benchmarks/thinking_target.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from data_prep.default_target import (SIZES, build_model, evaluate_loss, heldout_conversations, pack_conversations,  # noqa: E402
                                       train_model)
-from data_prep.docstring_corpus import default_conversations, default_questions
-from recipes.chat_templates import read_template
+from data_prep.docstring_corpus import default_conversations, default_questions  # noqa: E402
+from recipes.chat_templates import read_template  # noqa: E402
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|pad|>"]
 THINK_TOKENS = ["<think>", "</think>"]  # added, not special: decoded replies keep them (as Qwen3's tokenizer does)

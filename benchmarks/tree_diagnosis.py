@@ -22,14 +22,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle import DecodingConfig, EaModel
-from eagle.static_trees import static_choices
-from eagle.tree import DraftTree, StaticTreeSpec
-from evaluation.autotune import fit_tree_calibration
-from evaluation.calibration import calibrate, node_outcomes
-from evaluation.chat_format import ChatFormat
-from evaluation.questions import load_questions
-from evaluation.runner import GenerationArgs
+import sys
+
+if __package__ in (None, ""):  # `python benchmarks/tree_diagnosis.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from eagle import DecodingConfig, EaModel  # noqa: E402
+from eagle.static_trees import static_choices  # noqa: E402
+from eagle.tree import DraftTree, StaticTreeSpec  # noqa: E402
+from evaluation.autotune import fit_tree_calibration  # noqa: E402
+from evaluation.calibration import calibrate, node_outcomes  # noqa: E402
+from evaluation.chat_format import ChatFormat  # noqa: E402
+from evaluation.questions import load_questions  # noqa: E402
+from evaluation.runner import GenerationArgs  # noqa: E402
 
 
 def token_path(tree: DraftTree, i: int) -> tuple[int, ...]:

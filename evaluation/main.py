@@ -31,39 +31,42 @@ from pathlib import Path
 
 import torch
 
-from data_prep.assistant_spans import label_tokens
-from data_prep.chat_template import stop_token_ids
-from data_prep.default_target import QUESTIONS_FILE, ensure_default_target
-from data_prep.target import load_target_config, resolve_target_path
-from data_prep.tool_calls import detect_format
-from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
-from eagle.decoding_config import DecodingConfig
-from eagle.ea_model import EaModel, load_calibrations, save_tree_config
-from eagle.head_config import check_head_fits_target
-from eagle.head_files import check_head_files, head_config_of, load_head
-from eagle.head_kinds import text_config
-from eagle.hub_ids import looks_local
-from eagle.sampling import SamplingParams
-from eagle.score_calibration import ScoreCalibration
-from evaluation.autotune import autotune_tree, fit_tree_calibration, grid
-from evaluation.calibration import calibrate, coverage_warning
-from evaluation.chat_format import ChatFormat
-from evaluation.engine_process import ENGINES
-from evaluation.head_health import acceptance_warning, warn, weights_warning
-from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches
-from evaluation.methods import Method, parse_methods
-from evaluation.metrics import compare_all_pairs, summarize
-from evaluation.questions import STANDARD_SET, QuestionError, load_questions
-from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,
+if __package__ in (None, ""):  # `python evaluation/main.py`: import the repo's packages (its root), not this folder's files
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from data_prep.assistant_spans import label_tokens  # noqa: E402
+from data_prep.chat_template import stop_token_ids  # noqa: E402
+from data_prep.default_target import QUESTIONS_FILE, ensure_default_target  # noqa: E402
+from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
+from data_prep.tool_calls import detect_format  # noqa: E402
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
+from eagle.decoding_config import DecodingConfig  # noqa: E402
+from eagle.ea_model import EaModel, load_calibrations, save_tree_config  # noqa: E402
+from eagle.head_config import check_head_fits_target  # noqa: E402
+from eagle.head_files import check_head_files, head_config_of, load_head  # noqa: E402
+from eagle.head_kinds import text_config  # noqa: E402
+from eagle.hub_ids import looks_local  # noqa: E402
+from eagle.sampling import SamplingParams  # noqa: E402
+from eagle.score_calibration import ScoreCalibration  # noqa: E402
+from evaluation.autotune import autotune_tree, fit_tree_calibration, grid  # noqa: E402
+from evaluation.calibration import calibrate, coverage_warning  # noqa: E402
+from evaluation.chat_format import ChatFormat  # noqa: E402
+from evaluation.engine_process import ENGINES  # noqa: E402
+from evaluation.head_health import acceptance_warning, warn, weights_warning  # noqa: E402
+from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
+from evaluation.methods import Method, parse_methods  # noqa: E402
+from evaluation.metrics import compare_all_pairs, summarize  # noqa: E402
+from evaluation.questions import STANDARD_SET, QuestionError, load_questions  # noqa: E402
+from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,  # noqa: E402
                                write_report)
-from evaluation.runner import GenerationArgs, run_benchmark
-from evaluation.serve_check import serve_check
-from evaluation.serve_sweep import parse_int_list, serve_sweep
-from evaluation.spans import compare_spans, summarize_spans
-from export.head_kinds import EXPORT
-from export.speculative_schedule import read_speculative_config
-from recipes import add_print_config, command_config, layout
-from recipes.chat_templates import read_template
+from evaluation.runner import GenerationArgs, run_benchmark  # noqa: E402
+from evaluation.serve_check import serve_check  # noqa: E402
+from evaluation.serve_sweep import parse_int_list, serve_sweep  # noqa: E402
+from evaluation.spans import compare_spans, summarize_spans  # noqa: E402
+from export.head_kinds import EXPORT  # noqa: E402
+from export.speculative_schedule import read_speculative_config  # noqa: E402
+from recipes import add_print_config, command_config, layout  # noqa: E402
+from recipes.chat_templates import read_template  # noqa: E402
 
 COMMANDS = {  # name -> what it does (its --help); bench runs when no command is named
     "bench": "speed-up and acceptance of every method of eval.methods on the prompts, with the greedy losslessness "

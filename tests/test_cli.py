@@ -107,6 +107,21 @@ def test_each_documented_invocation_answers_help(name):
     assert f"usage: {prog}" in proc.stdout, proc.stdout[:500]
 
 
+@pytest.mark.parametrize("name", sorted(n for n in INVOCATIONS if n.startswith("python ") and n.endswith(".py")))
+def test_a_script_run_by_path_imports_this_checkout(name, tmp_path):
+    """`python evaluation/main.py` puts evaluation/ first on sys.path, so without the script's own guard its
+    `import data_prep` would take whatever copy comes next (another checkout's editable install, a stale
+    site-packages copy). Decoy packages of every name on PYTHONPATH (which sys.path lists before site-packages, after
+    the script's folder) stand for that other copy: the script must still import this checkout."""
+    for package in OWN - {"tests"}:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"raise ImportError('decoy {package} imported')\n")
+    argv, prog = INVOCATIONS[name]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run([*argv, "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and f"usage: {prog}" in proc.stdout, f"{name}: {proc.stderr[-1500:]}"
+
+
 def test_every_command_readme_and_docs_show_is_one_that_is_run_here():
     shown = readme_commands()
     subcommands = {f"eagle-train {name}" for name in cli.SUBCOMMANDS} | {"eagle-train"}
