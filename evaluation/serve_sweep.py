@@ -41,7 +41,7 @@ from eagle.state_files import StateFile, StateFileError, read_json_state, regist
 from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind
-from export.speculative_schedule import (SPEC_CONFIG_FILE, fit_schedule, schedule_text, speculative_config,
+from export.speculative_schedule import (SPEC_CONFIG_FILE, ScheduleError, fit_schedule, schedule_text, speculative_config,
                                          vllm_speculative_config, write_speculative_config)
 from recipes.layout import SERVE_SWEEP_DIR
 
@@ -198,6 +198,8 @@ def schedule_lines(sched: dict | None) -> list[str]:
     if not sched:
         return []
     lines = ["", f"Draft length per batch size (fitted by {sched['rule']}): {schedule_text(sched['fitted'])}."]
+    if sched.get("refused"):
+        return lines + [f"Not written nor served: {sched['refused']}.", ""]
     if not sched.get("speculative_config"):
         return lines + ["No speculation is fastest at every batch size: serve without --speculative-config.", ""]
     lines += ["", f"`{SPEC_CONFIG_FILE}` (vLLM's --speculative-config):", "", "```json",
@@ -321,7 +323,11 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     for k in ks:
         points += run_point(k, f"k{k}", vllm_speculative_config(kind_spec, draft, k) if k else None)
     schedule = fit_schedule(points, max(concurrency))
-    served = speculative_config(kind_spec, draft, schedule)  # the temporary engine folder: what this sweep serves
+    try:
+        served, refused = speculative_config(kind_spec, draft, schedule), None  # the temporary engine folder
+    except ScheduleError as e:  # a P-EAGLE head's schedule with several k: vLLM 0.32 cannot serve it
+        served, refused = None, str(e)
+        log.warning("serve-sweep: the fitted schedule is not served and no %s is written: %s", SPEC_CONFIG_FILE, e)
     shipped = None
     if served:  # the file names the folder a user serves: `python -m train.export --head HEAD --format vllm`'s
         shipped = {**served, "model": engine_head_folder(s.head_path, engine_format or "vllm")}
@@ -331,7 +337,9 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
             p["schedule"] = True
     else:
         schedule_points = []
-        log.info("serve-sweep: no speculation is fastest at every batch size: no %s written", SPEC_CONFIG_FILE)
+        (out / SPEC_CONFIG_FILE).unlink(missing_ok=True)  # an earlier sweep's file would name a schedule not measured now
+        if not refused:
+            log.info("serve-sweep: no speculation is fastest at every batch size: no %s written", SPEC_CONFIG_FILE)
     head = Path(s.head_path)
     report = {"title": f"{head.parent.name}/{head.name} on {Path(s.target_path).name}", "target": s.target_path,
               "head": s.head_path, "method": method, "engine_version": version, "padded_head_dim": padded,
@@ -340,7 +348,7 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
               "max_new_tokens": s.gen.max_new_tokens, "load_average": [round(x, 2) for x in load],
               "points": points, "best": best_k(points),
               "schedule": {"rule": "export/speculative_schedule.py fit_schedule", "fitted": schedule,
-                           "speculative_config": shipped, "points": schedule_points,
+                           "speculative_config": shipped, "refused": refused, "points": schedule_points,
                            "comparison": schedule_comparison(points, schedule_points)},
               "seconds": time.perf_counter() - t0}
     write_json_state(out / SWEEP.name, report, SWEEP, indent=2)

@@ -147,13 +147,32 @@ def vllm_speculative_config(spec: dict, model: str, num_speculative_tokens: int)
     return {**spec, "model": str(model), "num_speculative_tokens": num_speculative_tokens}
 
 
+def parallel_schedule_refusal(spec: dict, schedule: list[list[int]], longest: int) -> str | None:
+    """Why vLLM 0.32 cannot serve `schedule` with `spec`, or None. With parallel_drafting its proposer drafts every
+    slot of num_speculative_tokens in one forward and reshapes them as that many columns after the per-batch-size k
+    replaced it (v1/spec_decode/llm_base_proposer.py `propose`): any k between 0 and the longest crashes the engine's
+    worker ("shape '[-1, k]' is invalid"), measured here with a P-EAGLE head. k = 0 (no speculation) is served."""
+    if not spec.get("parallel_drafting"):
+        return None
+    shorter = sorted({k for _, _, k in schedule if 0 < k < longest})
+    if not shorter:
+        return None
+    return (f"vLLM 0.32 cannot run a shorter k ({', '.join(map(str, shorter))}) than num_speculative_tokens = {longest} "
+            "with parallel_drafting (its proposer returns all the parallel slots: the worker crashes); serve a P-EAGLE "
+            "head with one fixed k (the sweep's best k per level), or a schedule of that k and 0 only")
+
+
 def speculative_config(spec: dict, model: str, schedule: list[list[int]]) -> dict | None:
     """vLLM's --speculative-config for the schedule (`spec`: the head kind's keys, `vllm_speculative_config`):
     num_speculative_tokens = its longest chain (a P-EAGLE head's parallel_drafting drafts them in one forward);
-    None when the schedule never speculates (then serve without --speculative-config)."""
+    None when the schedule never speculates (then serve without --speculative-config). ScheduleError when the
+    engine cannot serve it (`parallel_schedule_refusal`)."""
     longest = max(k for _, _, k in schedule)
     if longest == 0:
         return None
+    refusal = parallel_schedule_refusal(spec, schedule, longest)
+    if refusal:
+        raise ScheduleError(refusal)
     return {**vllm_speculative_config(spec, model, longest), SCHEDULE_KEY: schedule}
 
 
@@ -171,7 +190,11 @@ def check_speculative_config(config, where: str) -> dict:
     if SCHEDULE_KEY not in config:
         raise ScheduleError(f"{where}: no {SCHEDULE_KEY}: this file is one fixed k, pass --num-speculative-tokens "
                             "instead, or write the schedule serve-sweep fits")
-    return {**config, SCHEDULE_KEY: validate_schedule(config[SCHEDULE_KEY], where, n)}
+    schedule = validate_schedule(config[SCHEDULE_KEY], where, n)
+    refusal = parallel_schedule_refusal(config, schedule, n)
+    if refusal:
+        raise ScheduleError(f"{where}: {refusal}")
+    return {**config, SCHEDULE_KEY: schedule}
 
 
 def read_speculative_config(path: str | Path) -> dict:

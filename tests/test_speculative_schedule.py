@@ -98,8 +98,9 @@ def test_the_config_file(tmp_path):
     config = speculative_config({"method": "eagle3"}, "H-vllm", schedule)
     assert config == {"method": "eagle3", "model": "H-vllm", "num_speculative_tokens": 4, SCHEDULE_KEY: schedule}
     assert speculative_config({"method": "eagle"}, "H", [[1, 64, 0]]) is None  # never speculates: serve without the flag
-    parallel = speculative_config(EXPORT[PEAGLE].vllm_spec(), "P-vllm", schedule)  # a P-EAGLE head's
-    assert parallel == {**config, "model": "P-vllm", "parallel_drafting": True}
+    two = [[1, 24, 4], [25, 64, 0]]  # a P-EAGLE head's: one k and no speculation (vLLM 0.32 serves nothing between)
+    parallel = speculative_config(EXPORT[PEAGLE].vllm_spec(), "P-vllm", two)
+    assert parallel == {**config, "model": "P-vllm", "parallel_drafting": True, SCHEDULE_KEY: two}
     assert read_speculative_config(write_speculative_config(tmp_path / "p.json", parallel)) == parallel
     path = write_speculative_config(tmp_path / "speculative_config.json", config)
     assert json.loads(path.read_text()) == config and read_speculative_config(path) == config
@@ -116,6 +117,28 @@ def test_the_config_file(tmp_path):
     assert is_expected(e.value)
     with pytest.raises(ScheduleError, match="JSON object"):
         check_speculative_config([1], "x")
+
+
+def test_a_parallel_drafting_schedule_with_a_shorter_k_is_refused(tmp_path):
+    """vLLM 0.32 crashes its worker when a per-batch-size k below num_speculative_tokens meets parallel_drafting
+    (llm_base_proposer.py `propose` reshapes all the parallel slots as k columns; measured with a P-EAGLE head): the
+    schedule is refused in one line, when fitted and when read; the sequential kinds keep it."""
+    schedule = [[1, 2, 3], [3, 8, 2], [9, 64, 4]]
+    with pytest.raises(ScheduleError, match=r"shorter k \(2, 3\) than num_speculative_tokens = 4 with parallel_drafting") as e:
+        speculative_config(EXPORT[PEAGLE].vllm_spec(), "P-vllm", schedule)
+    assert is_expected(e.value) and "\n" not in str(e.value)
+    assert speculative_config(EXPORT[EAGLE3].vllm_spec(), "E-vllm", schedule)[SCHEDULE_KEY] == schedule
+    path = tmp_path / "speculative_config.json"
+    path.write_text(json.dumps({**EXPORT[PEAGLE].vllm_spec(), "model": "P", "num_speculative_tokens": 4,
+                                SCHEDULE_KEY: schedule}))
+    with pytest.raises(UserError, match=f"{path}: vLLM 0.32 cannot run a shorter k"):
+        read_speculative_config(path)
+    report = {"title": "h on t", "engine_version": "0.32.0", "method": "eagle3", "prompts_available": 100,
+              "requests_per_level": {"1": 16}, "max_new_tokens": 32, "load_average": [1, 1, 1],
+              "points": sweep_points(tmp_path, {(0, 1): 100, (4, 1): 150}), "best": {},
+              "schedule": {"rule": "R", "fitted": schedule, "points": [], "comparison": None,
+                           "speculative_config": None, "refused": str(e.value)}}
+    assert f"Not written nor served: {e.value}." in markdown(report)
 
 
 def sweep_points(tmp_path, tps: dict) -> list[dict]:
@@ -199,10 +222,12 @@ def test_each_kinds_speculative_config_is_pinned(kind, tmp_path):
     assert one_k == KIND_SPECS[kind][:-1] + ', "model": "H-vllm", "num_speculative_tokens": 3}'
     command = serving_commands("BASE", "H-vllm", "vllm", EXPORT[kind], num_speculative_tokens=3)["vllm"]
     assert command == f"vllm serve BASE --speculative-config '{one_k}'"
-    schedule = [[1, 2, 4], [3, 24, 2], [25, 64, 0]]
-    path = write_speculative_config(tmp_path / "speculative_config.json", speculative_config(spec, "H-vllm", schedule))
+    # a parallel-drafting kind's schedule holds one k and 0 (test_a_parallel_drafting_schedule_with_a_shorter_k_is_refused)
+    text = "[[1, 2, 4], [3, 24, 4], [25, 64, 0]]" if spec.get("parallel_drafting") else "[[1, 2, 4], [3, 24, 2], [25, 64, 0]]"
+    path = write_speculative_config(tmp_path / "speculative_config.json",
+                                    speculative_config(spec, "H-vllm", json.loads(text)))
     assert path.read_text() == (KIND_SPECS[kind][:-1] + ', "model": "H-vllm", "num_speculative_tokens": 4, '
-                                f'"{SCHEDULE_KEY}": [[1, 2, 4], [3, 24, 2], [25, 64, 0]]}}\n')
+                                f'"{SCHEDULE_KEY}": {text}}}\n')
     assert speculative_config(spec, "H-vllm", [[1, 64, 0]]) is None
 
 
