@@ -17,6 +17,7 @@ from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, kind_of_config
 from export.engine_formats import (EAGLE3_SPECULATOR, EngineFormatError, Speculator, convert_eagle3_folder,
                                    read_eagle3_folder, write_eagle2_engine_head)
+from recipes.head import align_weights, dpace
 
 
 class ExportKind:
@@ -87,7 +88,7 @@ class Eagle2Export(ExportKind):
         align = ""
         if steps > 1:
             align = (f"; HASS-style multi-step alignment: {steps} unrolled steps on its own features, step weights "
-                     + card_step_weights(cfg, "head.align_step_weights", ", ".join(f"{0.8 ** j:.2f}" for j in range(steps))))
+                     + card_step_weights(cfg, "head.align_step_weights", ", ".join(f"{x:.2f}" for x in align_weights(cfg.head))))
         return (f"| loss | {t.feature_weight} x {loss_name(cfg, 'feature')}(feature) + {t.token_weight} x "
                 f"{loss_name(cfg, 'token')}(token); {t.noise} input "
                 f"noise {t.noise_std}{align} |")
@@ -96,7 +97,7 @@ class Eagle2Export(ExportKind):
 def card_step_weights(cfg, key: str, default: str = "0.8^(j-1)") -> str:
     """The card's words for the unrolled steps' loss weights: D-PACE's per-chain weights (loss.position_weighting),
     the recipe's explicit list (`key`), or `default` (the decay)."""
-    if OmegaConf.select(cfg, "loss.position_weighting", default="fixed") == "dpace":
+    if dpace(OmegaConf.select(cfg, "loss", default=None)):
         return f"D-PACE (per-chain, from the head's confidences; alpha {OmegaConf.select(cfg, 'loss.dpace_alpha')})"
     weights = OmegaConf.select(cfg, key, default=None)
     return ", ".join(f"{float(x):.2f}" for x in weights) if weights else default

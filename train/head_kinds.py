@@ -32,7 +32,7 @@ from recipes import RecipeError
 from recipes.head import align_weights, check_head_fits_target, ttt_weights
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedTokenLoss, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
-from train.losses import TokenLoss, confidence, feature_loss, position_weighting, smooth_l1, token_loss
+from train.losses import TokenLoss, confidence, feature_loss, loss_section, position_weighting, smooth_l1, token_loss
 from train.held_out import all_fed_rollout, chain_rollout
 
 
@@ -65,7 +65,7 @@ class TrainingKind:
         self.stride = 1  # steps >= 2 run at every stride-th index (offset cycling with the micro-step)
         self.token_loss, self.feature_loss = token_loss(cfg), feature_loss(cfg)  # recipe `loss` (train/losses.py)
         self.weighting = position_weighting(cfg)  # None (fixed step weights) | DPace: per-chain step weights
-        self.loss_cfg = cfg.get("loss") if hasattr(cfg, "get") else getattr(cfg, "loss", None)
+        self.loss_cfg = loss_section(cfg)
 
     def weights_text(self, w: list[float]) -> str:
         """How the describe line states the unrolled steps' weights."""
