@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from train.checkpoint import weights_only_load
-from test_train_helpers import REPO, overrides, save_target, subprocess_env, write_cache
+from test_train_helpers import REPO, assert_same_training, overrides, save_target, subprocess_env, write_cache
 
 EAGLE3 = ("head.kind=eagle3", "head.aux_layers=[1,2,3]", "head.draft_vocab_size=100", "head.ttt_steps=3",
           "head.ttt_row_stride=2")  # as tests/test_train.py: steps 2-3 at every other position
@@ -76,8 +76,9 @@ def test_two_ranks_with_torchrun_zero2_bf16(toy, tmp_path):
 def test_zero0_checkpoint_of_two_ranks_resumes_on_one(toy2, tmp_path):
     """The shipped stories260k recipe's stage: a ZeRO-0 checkpoint written by 2 torchrun ranks resumes under plain
     `python` (1 rank, the global batch kept by train.grad_accum=2) with no universal conversion (its one model-states
-    file holds the whole optimizer state), and the head equals an uninterrupted 1-rank run's bit for bit. Every
-    stage x direction: tests/test_train_multinode.py (slow)."""
+    file holds the whole optimizer state), and its checkpoint and head equal an uninterrupted 1-rank run's up to
+    rounding (tests/test_train_helpers.py: assert_same_training says why not bit for bit). Every stage x direction:
+    tests/test_train_multinode.py (slow)."""
     plain = [sys.executable]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     common = ("train.zero_stage=0", "train.precision=fp32", "train.checkpoint_every=2")
@@ -92,12 +93,12 @@ def test_zero0_checkpoint_of_two_ranks_resumes_on_one(toy2, tmp_path):
     assert "written by 2 ranks under ZeRO stage 0" in proc.stdout and "continued on 1" in proc.stdout
     assert not (tmp_path / "resized" / "train" / "checkpoints" / "universal").exists()
     # where a difference starts: the step-2 checkpoint (2 ranks vs 1 rank accumulating 2 micro-batches), then the end
-    step2 = [checkpoint_tensors(tmp_path / run / "train" / "checkpoints" / "step-00000002") for run in ("straight", "resized")]
-    ends = [load_file(tmp_path / run / "head" / "model.safetensors") for run in ("straight", "resized")]
-    for what, (a, b) in (("step-2 checkpoint (model + optimizer)", step2), ("final head", ends)):
-        assert a.keys() == b.keys(), what
+    step2 = [checkpoint_tensors(tmp_path / run / "train" / "checkpoints" / "step-00000002") for run in ("resized", "straight")]
+    ends = [load_file(tmp_path / run / "head" / "model.safetensors") for run in ("resized", "straight")]
+    for what, steps, (a, b) in (("step-2 checkpoint (model + optimizer)", 2, step2), ("final head", 4, ends)):
         diffs = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if not torch.equal(a[k], b[k])}
-        assert not diffs, (f"{what} differs from the uninterrupted 1-rank run's: max |diff| {diffs}\n" + "\n".join(logs))
+        print(f"{what}: max |resized - uninterrupted| {max(diffs.values(), default=0.0):.3g}")
+        assert_same_training(a, b, steps, what=f"({what} vs the uninterrupted 1-rank run's)\n" + "\n".join(logs))
 
 
 def checkpoint_tensors(folder) -> dict[str, torch.Tensor]:
