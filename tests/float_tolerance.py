@@ -17,8 +17,9 @@ bug (a wrong mask, position or weight) moves results by O(magnitude), orders of 
 
 Where the claim is "these two code paths are the same function", tests compare in float64 (u = 1.1e-16), so the
 bound sits ~10 orders of magnitude below any bug. float32 (u = 6e-8) and bfloat16 (u = 3.9e-3) comparisons use
-the same bound with their own u. Exact claims (greedy tokens, byte-identical files, bit-identical resumes,
-"the same op sequence") stay exact and do not use this module.
+the same bound with their own u. Exact claims (greedy tokens, byte-identical files, bit-identical resumes on the
+same ranks, "the same op sequence") stay exact and do not use this module; a resume on another number of ranks is
+one function computed in other processes (tests/test_train_helpers.py: assert_same_training).
 
 `EAGLE_TOLERANCE_LOG=FILE` appends one JSON line per comparison (test, observed max difference, bound): the
 variants runner (tests/float_variants.py) reads it to report each test's headroom.
