@@ -38,8 +38,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):  # `python benchmarks/decode_bench.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# `python benchmarks/decode_bench.py`, or a top-level import of this folder (tests, a sibling script): the repo's
+# packages first (its root), this folder still importable after it
+if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder  # noqa: E402
 from eagle.attention import sdpa_attention  # noqa: E402

@@ -10,8 +10,10 @@ import sys
 
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python benchmarks/plan_table.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# `python benchmarks/plan_table.py`, or a top-level import of this folder (tests, a sibling script): the repo's
+# packages first (its root), this folder still importable after it
+if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes import load_config  # noqa: E402
 from train.plan import GB, Hardware, build_plan  # noqa: E402

@@ -35,8 +35,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/real_shape.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# `python benchmarks/real_shape.py`, or a top-level import of this folder (tests, a sibling script): the repo's
+# packages first (its root), this folder still importable after it
+if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data_prep.feature_cache import CACHE_MANIFEST, bytes_per_token  # noqa: E402
 from data_prep.tokenized import write_tokenized  # noqa: E402

@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/real_shape_decode.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# `python benchmarks/real_shape_decode.py`, or a top-level import of this folder (tests, a sibling script): the repo's
+# packages first (its root), this folder still importable after it
+if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle import EaModel  # noqa: E402
 from eagle.decoding_config import DecodingConfig  # noqa: E402

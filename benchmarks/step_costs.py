@@ -21,10 +21,12 @@ import torch
 
 from decode_bench import STOP_IDS, corpus_context, load_stories, story_prompts
 
-if __package__ in (None, ""):  # `python benchmarks/step_costs.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# `python benchmarks/step_costs.py`, or a top-level import of this folder (tests, a sibling script): the repo's
+# packages first (its root), this folder still importable after it
+if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from data_prep.default_target import CONVERSATIONS_FILE, QUESTIONS_FILE, ensure_default_target  # noqa: E402
+from data_prep import default_target  # noqa: E402  (used through the module: a test swaps in a small build)
 from eagle import DecodingConfig, EaModel, EagleHead  # noqa: E402
 from eagle.verify import verify_greedy  # noqa: E402
 
@@ -143,7 +145,7 @@ def load_default_target(head_arg: str | None, context: int):
     # lazy: transformers' model classes cost seconds at import; --help does not need them
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = ensure_default_target()
+    path = default_target.ensure_default_target()
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(path)
     if head_arg:
@@ -151,10 +153,10 @@ def load_default_target(head_arg: str | None, context: int):
     else:
         torch.manual_seed(0)
         head, what = EagleHead.from_target(base), "RANDOM head (piece costs only; tau is not meaningful)"
-    text = " ".join(t["value"] for r in json.loads((path / CONVERSATIONS_FILE).read_text())[:200]
+    text = " ".join(t["value"] for r in json.loads((path / default_target.CONVERSATIONS_FILE).read_text())[:200]
                     for t in r["conversations"])
     ctx = tok(text[: 20 * context], return_tensors="pt").input_ids[:, :context]  # [1, context]
-    questions = [json.loads(line) for line in (path / QUESTIONS_FILE).read_text().splitlines()[:10]]
+    questions = [json.loads(line) for line in (path / default_target.QUESTIONS_FILE).read_text().splitlines()[:10]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
     c = base.config

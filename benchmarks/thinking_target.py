@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/thinking_target.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# `python benchmarks/thinking_target.py`, or a top-level import of this folder (tests, a sibling script): the repo's
+# packages first (its root), this folder still importable after it
+if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data_prep.default_target import (SIZES, build_model, evaluate_loss, heldout_conversations, pack_conversations,  # noqa: E402
                                       train_model)

@@ -24,8 +24,10 @@ import torch
 
 import sys
 
-if __package__ in (None, ""):  # `python benchmarks/tree_diagnosis.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# `python benchmarks/tree_diagnosis.py`, or a top-level import of this folder (tests, a sibling script): the repo's
+# packages first (its root), this folder still importable after it
+if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle import DecodingConfig, EaModel  # noqa: E402
 from eagle.static_trees import static_choices  # noqa: E402

@@ -81,7 +81,9 @@ def test_step_costs_runs_on_the_default_target(tmp_path, monkeypatch, capsys):
     assert step_costs.main(["--default-target", "--total-token", "8", "--depth", "2", "--top-k", "2",
                             "--context", "64"]) == 0
     out = capsys.readouterr().out
-    assert "default target (2 layers x 32, vocab 320)" in out and "target forward, 1 token" in out
+    size = dt.SIZES["test"]  # the small build above, not the cached full-size target
+    assert f"default target ({size.num_layers} layers x {size.hidden_size}, vocab {size.vocab_size})" in out
+    assert "target forward, 1 token" in out
     assert "full generation loop, per round" in out
 
 

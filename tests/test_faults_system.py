@@ -182,6 +182,19 @@ def test_second_training_on_a_busy_folder_is_refused_until_the_holder_dies(toy, 
     assert code == 0, err
 
 
+def test_a_refused_launch_is_one_line_from_a_fresh_process(toy, tmp_path):
+    """The refusal as a user sees it, from a new process (the in-process tests here import DeepSpeed once, before
+    them): nothing a library prints at import (DeepSpeed's "Setting accelerator to CPU" warning) beside the line."""
+    run = tmp_path / "run"
+    holder = hold_lock(run / "train", "rank0")
+    try:
+        proc = cli_train(toy, run)
+        _, err = proc.communicate(timeout=300)
+        assert_one_line_error(proc.returncode, err, "in use by another training", f"pid {holder.pid}")
+    finally:
+        kill9(holder)
+
+
 def test_orphaned_workers_keep_the_folder_busy(toy, tmp_path, capsys):
     """The launcher dies (kill -9) but a forked worker still runs: the folder stays locked until it ends."""
     run = tmp_path / "run"

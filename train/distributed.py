@@ -124,8 +124,6 @@ def _scheduler_start_noise(record: logging.LogRecord) -> bool:
 def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0) -> DistContext:
     """Join (or create) the process group; idempotent, so several runs can share one process (tests). A collective
     that waits longer than `collective_timeout_s` for a peer fails (recipe `train.collective_timeout_s`)."""
-    deepspeed = import_deepspeed()
-
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun, deepspeed)
         die_with_launcher()
     if "RANK" not in os.environ:  # plain `python train/main.py`: a world of one on a free local port
@@ -136,6 +134,11 @@ def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0)
         os.environ["RANK"] = "0"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = pick_device(device, local_rank)
+    if dev.type == "cpu":
+        # the run has chosen the CPU: tell DeepSpeed, whose own detection lands there too but warns on every run
+        # ("Setting accelerator to CPU ..."), a second stderr line beside a refused launch's one `error:` line
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed = import_deepspeed()
     if dev.type == "cpu":
         # the shared-memory comm op is a ~50 s JIT compile; gloo is enough for a CPU run
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
