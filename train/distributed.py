@@ -97,14 +97,24 @@ def die_with_launcher() -> bool:
     return True
 
 
-def import_deepspeed():
+def import_deepspeed(accelerator: str | None = None):
     """`import deepspeed` with its log lines on stderr. DeepSpeed binds its logger's handler to sys.stdout at import
     and warns there ("Setting accelerator to CPU ..."): stdout is kept for what a command prints for machines
-    (`train.plan --json`, `--print-config`). Every project import of deepspeed goes through here first."""
+    (`train.plan --json`, `--print-config`). Every project import of deepspeed goes through here first.
+    `accelerator`: the device a run has already chosen ("cpu"), given to DeepSpeed's detection at import (as
+    DS_ACCELERATOR, for the import only: the environment is left as it was) so it does not warn that it fell back to
+    the CPU, a second stderr line beside a refused launch's one `error:` line. A user's DS_ACCELERATOR wins."""
     if "deepspeed" not in sys.modules:
-        with contextlib.redirect_stdout(sys.stderr):  # the handler created during the import takes sys.stderr
-            # lazy: deepspeed costs a second at import; only training, checkpoints and the plan's estimators need it
-            import deepspeed  # noqa: F401
+        told = accelerator is not None and "DS_ACCELERATOR" not in os.environ
+        if told:
+            os.environ["DS_ACCELERATOR"] = accelerator
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # the handler created during the import takes sys.stderr
+                # lazy: deepspeed costs a second at import; only training, checkpoints and the plan's estimators need it
+                import deepspeed  # noqa: F401
+        finally:
+            if told:
+                del os.environ["DS_ACCELERATOR"]
     ds_logger = logging.getLogger("DeepSpeed")
     for h in ds_logger.handlers:  # imported before us (by a library or a test): move it too
         if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.__stdout__):
@@ -134,11 +144,7 @@ def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0)
         os.environ["RANK"] = "0"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = pick_device(device, local_rank)
-    if dev.type == "cpu":
-        # the run has chosen the CPU: tell DeepSpeed, whose own detection lands there too but warns on every run
-        # ("Setting accelerator to CPU ..."), a second stderr line beside a refused launch's one `error:` line
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed = import_deepspeed()
+    deepspeed = import_deepspeed("cpu" if dev.type == "cpu" else None)
     if dev.type == "cpu":
         # the shared-memory comm op is a ~50 s JIT compile; gloo is enough for a CPU run
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
