@@ -18,6 +18,7 @@ from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, 
 from export.engine_formats import (EAGLE3_SPECULATOR, EngineFormatError, Speculator, convert_eagle3_folder,
                                    read_eagle3_folder, write_eagle2_engine_head)
 from recipes.head import align_weights, dpace
+from recipes.loss import loss_section
 
 
 class ExportKind:
@@ -97,15 +98,16 @@ class Eagle2Export(ExportKind):
 def card_step_weights(cfg, key: str, default: str = "0.8^(j-1)") -> str:
     """The card's words for the unrolled steps' loss weights: D-PACE's per-chain weights (loss.position_weighting),
     the recipe's explicit list (`key`), or `default` (the decay)."""
-    if dpace(OmegaConf.select(cfg, "loss", default=None)):
-        return f"D-PACE (per-chain, from the head's confidences; alpha {OmegaConf.select(cfg, 'loss.dpace_alpha')})"
+    loss = loss_section(cfg)
+    if dpace(loss):
+        return f"D-PACE (per-chain, from the head's confidences; alpha {loss.dpace_alpha})"
     weights = OmegaConf.select(cfg, key, default=None)
     return ", ".join(f"{float(x):.2f}" for x in weights) if weights else default
 
 
 def loss_name(cfg, part: str) -> str:
     """The model card's name of the recipe's token or feature loss (recipes older than the `loss` section: EAGLE's)."""
-    name = OmegaConf.select(cfg, f"loss.{part}", default=None) or ("ce" if part == "token" else "smooth_l1")
+    name = getattr(loss_section(cfg), part)
     return LOSS_NAMES.get(name, name)
 
 

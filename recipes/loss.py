@@ -24,6 +24,13 @@ class LossSettings:
     dpace_alpha: float = 0.5  # position_weighting=dpace: confidence smoothing (1 - a) c + a, in (0, 1] (the peers' default 0.5)
 
 
+def loss_section(cfg) -> LossSettings:
+    """The recipe's `loss` section (a DictConfig, or an object with the attribute); for a config written before the
+    section existed, LossSettings' defaults above (EAGLE's losses, fixed step weights)."""
+    section = cfg.get("loss") if hasattr(cfg, "get") else getattr(cfg, "loss", None)
+    return LossSettings() if section is None else section
+
+
 def validate_loss_section(loss, head) -> None:
     """Check the loss section against the head section (recipes/head.py)."""
     head_kind, feature_loss = head.kind, has_feature_loss(head)

@@ -30,9 +30,10 @@ from eagle.head_kinds import EAGLE2, EAGLE3, EAGLE31_NORMS, PEAGLE, HeadKind, he
 from eagle.sampling import greedy_ids
 from recipes import RecipeError
 from recipes.head import align_weights, check_head_fits_target, ttt_weights
+from recipes.loss import loss_section
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedTokenLoss, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
-from train.losses import TokenLoss, confidence, feature_loss, loss_section, position_weighting, smooth_l1, token_loss
+from train.losses import TokenLoss, confidence, feature_loss, position_weighting, smooth_l1, token_loss
 from train.held_out import all_fed_rollout, chain_rollout
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes.head import dpace
+from recipes.loss import loss_section
 
 # log(0) guard: a target probability of exactly 0 contributes 0 * log(0) = 0 to KL / JSD; log never sees 0
 _TINY = torch.finfo(torch.float32).tiny
@@ -182,16 +183,9 @@ class TokenLoss:
         return f"TokenLoss({self.name!r}" + (f", eta={self.eta})" if self.name == "lk" else ")")
 
 
-def loss_section(cfg):
-    """The recipe's `loss` section (a DictConfig or an object with the attribute), None for a recipe without it."""
-    return cfg.get("loss") if hasattr(cfg, "get") else getattr(cfg, "loss", None)
-
-
 def token_loss(cfg) -> TokenLoss:
     """The recipe's token loss (cfg.loss; a recipe without the section: ce, EAGLE's soft cross-entropy)."""
     section = loss_section(cfg)
-    if section is None:
-        return TokenLoss()
     return TokenLoss(section.token, section.lk_eta)
 
 
@@ -206,5 +200,4 @@ def position_weighting(cfg) -> DPace | None:
 
 def feature_loss(cfg) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The recipe's feature loss (a recipe without the section: smooth_l1, EAGLE's)."""
-    section = loss_section(cfg)
-    return FEATURE_LOSSES[section.feature if section is not None else "smooth_l1"]
+    return FEATURE_LOSSES[loss_section(cfg).feature]
