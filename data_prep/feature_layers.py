@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from eagle.head_kinds import HeadConfigError, head_kind, text_config
+from eagle.head_kinds import HeadConfigError, text_config
 from recipes import RecipeError
+from recipes.head import head_options, section_kind
 
 
 def feature_layers(head_cfg, target_config) -> list[int] | None:
     """The hidden-state ids a recipe's head needs, from its kind (eagle/head_kinds.py): None for eagle2 (final state
     only, the legacy layout), [a, b, c, L] for eagle3 (aux ids resolved against the target; a bad id raises
     RecipeError naming head.aux_layers)."""
-    aux = list(head_cfg.aux_layers)
+    options = head_options(head_cfg)
+    aux = list(getattr(options, "aux_layers", []))
     try:
-        return head_kind(head_cfg.kind).feature_layers(aux, int(text_config(target_config).num_hidden_layers))
+        return section_kind(head_cfg).feature_layers(options, int(text_config(target_config).num_hidden_layers))
     except HeadConfigError as e:
         hint = "" if aux else " (the default (2, L//2, L-3)); set head.aux_layers explicitly"
         raise RecipeError(f"head.aux_layers={aux}{hint}: {e}") from None

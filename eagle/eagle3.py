@@ -59,12 +59,12 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         super().__init__()
         self.check_kind(config)
         self.config = config
-        H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        H, V, Vd, o = config.hidden_size, config.vocab_size, config.options.draft_vocab_size, config.options
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's frozen embedding
-        self.input_norm = RMSNorm(N_AUX_LAYERS * H, config.rms_norm_eps) if config.norm_before_fc else None
+        self.input_norm = RMSNorm(N_AUX_LAYERS * H, config.rms_norm_eps) if o.norm_before_fc else None
         self.fc_norm = nn.ModuleList([RMSNorm(H, config.rms_norm_eps) for _ in range(N_AUX_LAYERS)]) \
-            if config.fc_norm else None
+            if o.fc_norm else None
         self.fc = nn.Linear(N_AUX_LAYERS * H, H, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
@@ -82,8 +82,8 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
     def from_target(cls, target_model, aux_layers=None, draft_vocab_size: int | None = None) -> "Eagle3Head":
         """A freshly initialised EAGLE-3 head for `target_model` (HF causal LM), its embedding copied in; the draft
         vocabulary is the first `draft_vocab_size` target ids until `set_vocab` installs a real one."""
-        head = cls(head_config_from_target(target_model.config, kind=cls.kind.name, aux_layers=aux_layers,
-                                           draft_vocab_size=draft_vocab_size))
+        head = cls(head_config_from_target(target_model.config, kind=cls.kind.name, aux_layers=list(aux_layers or []),
+                                           draft_vocab_size=draft_vocab_size or 0))
         head.bind_target(target_model)
         return head
 
@@ -91,7 +91,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         """Install a draft vocabulary: d2t int [Vd] (target id = draft id + d2t[draft id]); t2d bool [V] (derived from
         d2t when None). Checked: lengths, target ids in range and distinct, t2d consistent with d2t."""
         c = self.config
-        problems, derived = draft_vocab_problems(c.vocab_size, c.draft_vocab_size, d2t, t2d)
+        problems, derived = draft_vocab_problems(c.vocab_size, c.options.draft_vocab_size, d2t, t2d)
         if problems:
             raise HeadConfigError(problems[0])
         d2t = torch.as_tensor(d2t).long().flatten().cpu()
@@ -115,7 +115,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
 
     def feed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The feature a drafted node hands its children: its output hidden, or norm(hidden) with norm_output."""
-        return self.norm(hidden) if self.config.norm_output else hidden
+        return self.norm(hidden) if self.config.options.norm_output else hidden
 
     def _self_fed_input(self, emb: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A self-fed step's (attention input [.., 2H], residual [.., H]) from the token embedding and the previous
@@ -193,8 +193,8 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         head = cls(config)
         sd = dict(sd)
         d2t, t2d = sd.pop("d2t", None), sd.pop("t2d", None)
-        if d2t is None and config.draft_vocab_size != config.vocab_size:
-            raise HeadConfigError(f"{source} has no d2t but draft_vocab_size={config.draft_vocab_size} < "
+        if d2t is None and config.options.draft_vocab_size != config.vocab_size:
+            raise HeadConfigError(f"{source} has no d2t but draft_vocab_size={config.options.draft_vocab_size} < "
                                   f"vocab_size={config.vocab_size}")
         problems = layout_problems(config, {k: tuple(v.shape) for k, v in sd.items()},
                                    optional={"d2t", "t2d"})  # eagle/head_checks.py; the maps: set_vocab below

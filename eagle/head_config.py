@@ -2,11 +2,13 @@
 (eagle/head_kinds.py)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from eagle.cli_errors import FileFormatError
-from eagle.head_kinds import HeadConfigError, HeadKind, head_kind, kind_of_config, text_config
+from eagle.head_kinds import (DEFAULT_KIND, HEAD_KINDS, HeadConfigError, HeadKind, KindOptions, head_kind, kind_of_config,
+                              text_config)
 from eagle.state_files import StateFile, read_json_state, register
 
 
@@ -31,16 +33,13 @@ class HeadConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"
-    kind: str = "eagle2"  # a name in eagle.head_kinds.HEAD_KINDS: "eagle2" (EAGLE-1/2 head) or "eagle3"
-    aux_layers: list[int] | None = None  # eagle3: 3 target hidden_states ids (see module docstring); None = target default
-    draft_vocab_size: int | None = None  # eagle3: size of the draft vocabulary (None = the full vocabulary)
-    # eagle3, EAGLE-3.1's normalisations (vLLM's llama_eagle3.py, the speculators config keys of the same names):
-    norm_before_fc: bool = False  # one RMSNorm over the 3H aux input before fc (`input_norm.weight` [3H])
-    fc_norm: bool = False  # one RMSNorm per aux state before fc (`fc_norm.{0,1,2}.weight` [H]), after norm_before_fc
-    norm_output: bool = False  # drafted nodes take norm(h) (the final norm's output) as their feature instead of h
+    kind: str = DEFAULT_KIND.name  # a name in eagle.head_kinds.HEAD_KINDS
+    options: KindOptions | None = None  # the kind's own options (`kind.options`, e.g. Eagle3Options); None = its defaults
     extra: dict = field(default_factory=dict)  # unknown keys of a loaded config, written back unchanged
 
     def __post_init__(self):
+        if self.options is None:
+            self.options = self.head_kind.options()
         self.head_kind.check_config(self)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
@@ -78,7 +77,7 @@ class HeadConfig:
         n_layers = d.pop("num_hidden_layers", 1)
         if n_layers != 1:
             raise HeadConfigError(f"head config has num_hidden_layers={n_layers}; an EAGLE head has exactly 1")
-        kind_kwargs, kind_extra = kind.parse_config(d)
+        options, kind_extra = kind.parse_config(d)
         rope = d.pop("rope_parameters", None) or {}
         if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]
@@ -88,7 +87,7 @@ class HeadConfig:
             d["qkv_bias"] = bool(d["attention_bias"])
         if "dtype" in d and "torch_dtype" not in d:
             d["torch_dtype"] = d["dtype"]
-        known = {f.name for f in fields(cls)} - {"extra", "kind", "aux_layers"}
+        known = {f.name for f in fields(cls)} - {"extra", "kind", "options"}
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in d]
         if missing:
             raise ValueError(f"head config.json lacks required keys {missing}")
@@ -96,7 +95,13 @@ class HeadConfig:
         nullable = {"rope_scaling", "head_dim", "pad_token_id", "bos_token_id", "eos_token_id"}
         kwargs = {k: d[k] for k in known if k in d and (d[k] is not None or k in nullable)}
         extra = {k: v for k, v in d.items() if k not in known and k not in ("architectures", "model_type", "dtype")}
-        return cls(**kwargs, **kind_kwargs, extra={**extra, **kind_extra})
+        foreign = [(k, other) for other in HEAD_KINDS.values() if other is not kind for k in other.options.head_keys()
+                   if extra.get(k)]
+        if foreign:  # e.g. EAGLE-3.1's fc_norm on an EAGLE-2 head: its weights would never be built
+            key, other = foreign[0]
+            raise HeadConfigError(f"{key}={extra[key]!r}: a setting of an {other.title} head (kind={other.name!r}), "
+                                  f"not of this {kind.title} head; set kind={other.name!r} or drop the key")
+        return cls(**kwargs, kind=kind.name, options=options, extra={**extra, **kind_extra})
 
 
 def check_head_fits_target(config: HeadConfig, target_config) -> None:
@@ -106,13 +111,13 @@ def check_head_fits_target(config: HeadConfig, target_config) -> None:
     config.head_kind.fit_to_target(config, text_config(target_config))
 
 
-def head_config_from_target(target_config, bias: bool = True, kind: str = "eagle2", aux_layers=None,
-                            draft_vocab_size: int | None = None) -> HeadConfig:
-    """Derive the head's shape from a target's HF config (Llama, Mistral, Mixtral, Qwen2 families).
-
-    kind="eagle3": aux_layers (None = `default_aux_layers`) are validated against the target's layer count;
-    draft_vocab_size None = the full vocabulary; the head is a plain Llama layer (no fc / q/k/v bias)."""
+def head_config_from_target(target_config, bias: bool = True, kind: str = DEFAULT_KIND.name,
+                            options: KindOptions | None = None, **option_values) -> HeadConfig:
+    """Derive the head's shape from a target's HF config (Llama, Mistral, Mixtral, Qwen2 families), with the kind's
+    options (`options`, or its defaults updated by `option_values`, e.g. aux_layers=[1, 2, 4]) completed for the target
+    (`kind.from_target`: EAGLE-3's default aux layers (2, L//2, L-3), checked against its layer count)."""
     the_kind = head_kind(kind)
+    options = the_kind.options(**option_values) if options is None else dataclasses.replace(options, **option_values)
     c = text_config(target_config)
     rope = dict(getattr(c, "rope_parameters", None) or {})
     theta = rope.pop("rope_theta", None) or getattr(c, "rope_theta", 10000.0)
@@ -136,7 +141,7 @@ def head_config_from_target(target_config, bias: bool = True, kind: str = "eagle
         bos_token_id=getattr(c, "bos_token_id", None),
         eos_token_id=getattr(c, "eos_token_id", None),
     )
-    return HeadConfig(**the_kind.from_target(shape, c.num_hidden_layers, aux_layers, draft_vocab_size))
+    return HeadConfig(**the_kind.from_target(shape, c.num_hidden_layers, options))
 
 
 HEAD_CONFIG = register(StateFile(

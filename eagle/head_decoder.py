@@ -262,7 +262,7 @@ class Eagle3HeadDecoder(HeadDecoder):
         # EAGLE-3.1: the norms before fc, and whether forward hands out norm(h) (then `logits` reads it as normed)
         self.in_norm_w = None if head.input_norm is None else head.input_norm.weight.detach()  # [3H]
         self.fc_norm_w = None if head.fc_norm is None else [n.weight.detach() for n in head.fc_norm]  # 3 x [H]
-        self.norm_output = bool(head.config.norm_output)
+        self.norm_output = bool(head.config.options.norm_output)
         self.d2t = head.d2t
         w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()  # [(h + 2 kv) D, 2H]
         b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from eagle.cli_errors import FileFormatError, UserError, file_error
 from eagle.head_checks import expected_shapes
 from eagle.head_config import HeadConfig, read_head_config
-from eagle.head_kinds import HeadConfigError, kind_of_config
+from eagle.head_kinds import DEFAULT_KIND, HeadConfigError, kind_of_config
 from eagle.hub_ids import check_local_exists
 from eagle.state_files import StateFile, register
 
@@ -31,7 +31,7 @@ STORED_RECIPE = register(StateFile(
     rebuild="export the head again (rerun `python train/main.py --recipe RECIPE`: a finished run only exports), or "
             "delete it and pass the recipe the head was trained with (--recipe)",
     when_missing="a head exported by another tool: the command's --recipe describes it",
-    example={"name": "tiny", "target": {"path": "models/t"}, "data": {"source": ""}, "head": {"kind": "eagle2"},
+    example={"name": "tiny", "target": {"path": "models/t"}, "data": {"source": ""}, "head": {"kind": DEFAULT_KIND.name},
              "train": {"max_steps": 4}}))
 SUMMARY_FILE = "train_summary.json"  # the training run's summary
 TRAIN_SUMMARY = register(StateFile(

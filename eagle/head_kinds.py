@@ -1,10 +1,19 @@
-"""A head kind is one object: everything the library knows that differs between EAGLE-2 and EAGLE-3 heads.
+"""A head kind is one object: everything the library knows that differs between kinds of head (EAGLE-2, EAGLE-3, ...).
 
     kind = head_kind("eagle3")            # or config.head_kind, or head.kind (a head's module class names its kind)
     kind.module                            # Eagle3Head: the nn.Module (registered by `class Eagle3Head(HeadModule, kind=EAGLE3)`)
-    kind.feature_layers(aux, L)            # which target hidden states it reads: the feature-cache layout
+    kind.options                           # Eagle3Options: its own typed options (config.options, kind.options_of(recipe.head))
+    kind.feature_layers(options, L)        # which target hidden states it reads: the feature-cache layout
     kind.draft_vocab_size(config)          # the tokens one draft step chooses from
     kind.config_dict(config)               # its config.json layout (and parse_config / check_config / fit_to_target)
+
+Each kind owns a typed options class (`kind.options`: `Eagle2Options`, `Eagle3Options`, `PeagleOptions`), holding every
+`head.*` key only that kind reads: fields declared `head_key(default)` are part of the head (the kind writes them into
+config.json, `config_dict`, and reads them back, `parse_config`; a HeadConfig carries them as `config.options`), plain
+fields say how it is trained (the recipe only; in a HeadConfig they keep their defaults and mean nothing). A default is
+the recipe's: `[]` / `0` / `-1` mean "chosen later" (the target's default aux layers, the full vocabulary, a token the
+trainer picks). The recipe's `head` section is the shared keys plus the union of the kinds' fields (recipes/head.py);
+the comment after a field is its `--help` text.
 
 `HEAD_KINDS` maps every kind name (recipe `head.kind`, `HeadConfig.kind`) to its object. The stages keep their own
 per-kind part in one file each, keyed by these objects (recipes/head.py, train/head_kinds.py, export/head_kinds.py);
@@ -15,7 +24,10 @@ Aux layer ids (EAGLE-3) are HF `output_hidden_states` indices: id j = the residu
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 
@@ -25,8 +37,6 @@ N_AUX_LAYERS = 3  # EAGLE-3 fuses three target layers (low, middle, high): fc is
 class HeadConfigError(ValueError):
     """A head config, checkpoint or target that does not fit: the one-line message names the mismatch."""
 
-
-EAGLE31_NORMS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1's options of an EAGLE-3 head (HeadConfig)
 
 
 def text_config(target_config):
@@ -109,13 +119,94 @@ def llama_layer_config(c, architecture: str, after_vocab: dict, after_act: dict)
             "torch_dtype": c.torch_dtype}
 
 
+# ----------------------------------------------------------------------------- options
+Problem = tuple[str, object, str]  # (key, its value, what is expected)
+
+
+def head_key(default):
+    """A kind's option that is part of the head: its kind writes it into config.json (`HeadKind.config_dict`)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"head": True})
+    return field(default=default, metadata={"head": True})
+
+
+def decay_weights(steps: int) -> list[float]:
+    """EAGLE's step weights 0.8^(j-1), j = 1..steps."""
+    return [0.8 ** j for j in range(steps)]
+
+
+def failed(checks) -> list[Problem]:
+    """The problems of (condition, problem) pairs whose condition is false."""
+    return [problem for ok, problem in checks if not ok]
+
+
+@dataclass
+class KindOptions:
+    """The options of a kind without any of its own, and the interface every kind's options class has."""
+
+    steps_key: ClassVar[str] = ""  # the field counting the unrolled training steps ("" = the kind trains one step)
+    stride_key: ClassVar[str] = ""  # the field thinning steps >= 2 to every n-th position
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The kind's `head.*` recipe keys (beyond the shared ones)."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def head_keys(cls) -> tuple[str, ...]:
+        """The keys that are part of the head itself (config.json), not only of its training."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("head"))
+
+    @classmethod
+    def from_section(cls, section) -> "KindOptions":
+        """The options of a recipe's `head` section (a DictConfig or a dict); a key it lacks (the recipe.yaml of an
+        older export) takes its default; lists come out as plain lists."""
+        values = {f.name: section[f.name] for f in fields(cls) if f.name in section and section[f.name] is not None}
+        return cls(**{k: list(v) if not isinstance(v, (str, int, float, bool)) else v for k, v in values.items()})
+
+    def problems(self) -> list[Problem]:
+        """The values out of range; [] when every value is valid."""
+        return []
+
+    def target_problems(self, target_text_config) -> list[Problem]:
+        """What does not fit the target (its text config: num_hidden_layers, vocab_size)."""
+        return []
+
+    @property
+    def weights_key(self) -> str:
+        """The field of the unrolled steps' loss weights ("" = none)."""
+        return self.steps_key.replace("_steps", "_step_weights")
+
+    @property
+    def steps(self) -> int:
+        """Unrolled training steps per position (1 = one step on true features)."""
+        return int(getattr(self, self.steps_key)) if self.steps_key else 1
+
+    @property
+    def row_stride(self) -> int:
+        """Steps >= 2 run at every n-th position only."""
+        return int(getattr(self, self.stride_key)) if self.stride_key else 1
+
+    def step_weights(self, dpace: bool = False) -> list[float]:
+        """The loss weight of each unrolled step: the recipe's list, or 0.8^(j-1); 1 each under D-PACE (its per-chain
+        weights replace the decay: train/loss.py)."""
+        if dpace:
+            return [1.0] * self.steps
+        explicit = [float(w) for w in getattr(self, self.weights_key)] if self.weights_key else []
+        return explicit or decay_weights(self.steps)
+
+
+# ----------------------------------------------------------------------------- the kind interface
 class HeadKind:
-    """What a head kind is, for the library. Subclasses override what differs; `module` is the nn.Module class."""
+    """What a head kind is, for the library. Subclasses override what differs; `module` is the nn.Module class,
+    `options` the kind's options class."""
 
     name: str
     title: str
     saves_embedding: bool  # the checkpoint carries the target's embedding (else the target's is bound at load)
     module_file: str = ""  # the library module defining the kind's nn.Module, imported on first use of `module`
+    options: type[KindOptions] = KindOptions
+    predicts_features = False  # the head predicts the target's next feature (a feature loss applies: loss.feature)
     _module: type | None = None
 
     @property
@@ -134,25 +225,34 @@ class HeadKind:
     def __repr__(self) -> str:
         return f"<head kind {self.name}>"
 
+    def options_of(self, section) -> KindOptions:
+        """The kind's options in a recipe's `head` section (recipes/head.py checks them at load)."""
+        return self.options.from_section(section)
+
     # -- config ------------------------------------------------------------------------
     def check_config(self, c) -> None:
-        """Check (and complete) the kind's fields of a HeadConfig `c`, at construction."""
+        """Check (and complete) the kind's options of a HeadConfig `c`, at construction: they are this kind's options
+        class (a subclass kind's own checks the values of its head keys)."""
+        if type(c.options) is not self.options:
+            raise HeadConfigError(f"a {self.title} head (kind={self.name!r}) takes {self.options.__name__}, not "
+                                  f"{type(c.options).__name__} (another kind's options)")
 
     def recognises(self, d: dict) -> bool:
         """True when a config.json without a `kind` key describes a head of this kind."""
         return False
 
-    def parse_config(self, d: dict) -> tuple[dict, dict]:
-        """Take this kind's keys out of a config.json dict `d`: (HeadConfig kwargs, keys kept in `extra`)."""
-        return {}, {}
+    def parse_config(self, d: dict) -> tuple[KindOptions, dict]:
+        """Take this kind's keys out of a config.json dict `d`: (its options, keys kept in HeadConfig.extra)."""
+        return self.options(), {}
 
     def config_dict(self, c) -> dict:
         """The config.json dict of HeadConfig `c` in this kind's released layout."""
         raise NotImplementedError
 
-    def from_target(self, kwargs: dict, num_layers: int, aux_layers, draft_vocab_size) -> dict:
-        """HeadConfig kwargs for an L-layer target, from the shape kwargs every kind shares."""
-        return kwargs
+    def from_target(self, shape: dict, num_layers: int, options: KindOptions) -> dict:
+        """HeadConfig kwargs for an L-layer target, from the shape kwargs every kind shares and a recipe's options
+        (what the target decides filled in)."""
+        return {**shape, "kind": self.name, "options": options}
 
     def fit_to_target(self, c, target_text_config) -> None:
         """Check HeadConfig `c` fits a target (`target_text_config`: its hidden_size, vocab_size, num_hidden_layers; a
@@ -165,9 +265,9 @@ class HeadKind:
             raise HeadConfigError(f"head vocab_size={c.vocab_size} does not match the target's vocabulary ({vocab})")
 
     # -- which target states it reads, and what it drafts from ----------------------------
-    def feature_layers(self, aux_layers: list[int], num_layers: int) -> list[int] | None:
+    def feature_layers(self, options: KindOptions, num_layers: int) -> list[int] | None:
         """The target hidden-state ids the head trains on, in cache order (None = the final state only: the layout
-        of every EAGLE-2 cache). aux_layers: the recipe's `head.aux_layers` ([] = the kind's default)."""
+        of every EAGLE-2 cache), for a recipe's (or a head's) options."""
         return None
 
     def head_inputs(self, features, hidden_size: int):
@@ -192,18 +292,33 @@ class HeadKind:
         return []
 
 
+# ----------------------------------------------------------------------------- EAGLE-2
+@dataclass
+class Eagle2Options(KindOptions):
+    """EAGLE-1/2's options: HASS-style multi-step alignment (the head also trained on its own predicted features)."""
+
+    steps_key: ClassVar[str] = "align_steps"
+    stride_key: ClassVar[str] = "align_row_stride"
+    align_steps: int = 1  # unrolled steps per position; 1 = the plain EAGLE-2 training (one step on true features)
+    align_step_weights: list[float] = field(default_factory=list)  # weight of step j's token AND feature loss; [] = 0.8^(j-1)
+    align_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
+
+    def problems(self) -> list[Problem]:
+        w = list(self.align_step_weights)
+        return failed([
+            (self.align_steps >= 1, ("align_steps", self.align_steps, "expected >= 1 (1 = plain EAGLE-2 training)")),
+            (not w or (len(w) == self.align_steps and all(x >= 0 for x in w) and w[0] > 0),
+             ("align_step_weights", w, f"expected [] or {self.align_steps} weights >= 0 (one per head.align_steps), "
+                                       "the first > 0")),
+            (self.align_row_stride >= 1, ("align_row_stride", self.align_row_stride, "expected >= 1"))])
+
+
 class Eagle2Kind(HeadKind):
     """EAGLE-1/2: fc over [embed(token), the target's final hidden state]; predicts the next feature; drafts through
     the target's own lm_head over the full vocabulary. The released yuhuili/EAGLE-* layout."""
 
     name, title, saves_embedding, module_file = "eagle2", "EAGLE-2", True, "eagle.eagle2"
-
-    def check_config(self, c) -> None:
-        if c.aux_layers is not None or c.draft_vocab_size is not None:
-            raise HeadConfigError("aux_layers / draft_vocab_size are EAGLE-3 settings: set kind='eagle3'")
-        if any(getattr(c, k) for k in EAGLE31_NORMS):
-            raise HeadConfigError(f"{', '.join(k for k in EAGLE31_NORMS if getattr(c, k))}: EAGLE-3.1 settings of an "
-                                  "EAGLE-3 head: set kind='eagle3'")
+    options, predicts_features = Eagle2Options, True
 
     def config_dict(self, c) -> dict:
         """Official-format config dict (what the reference code reads as a LlamaConfig)."""
@@ -213,32 +328,88 @@ class Eagle2Kind(HeadKind):
         return {**c.extra, **d}
 
 
+# ----------------------------------------------------------------------------- EAGLE-3
+@dataclass
+class Eagle3Options(KindOptions):
+    """EAGLE-3's options: three target layers fused by fc, its own draft vocabulary, the training-time test, and
+    EAGLE-3.1's normalisations (vLLM's names, exported in its speculators config)."""
+
+    steps_key: ClassVar[str] = "ttt_steps"
+    stride_key: ClassVar[str] = "ttt_row_stride"
+    aux_layers: list[int] = head_key([])  # 3 ids, id j = HF hidden_states[j] (0 = embeddings); [] = (2, L//2, L-3)
+    draft_vocab_size: int = head_key(0)  # the N most frequent loss tokens of the training data (filled up by id if fewer occur); 0 = full
+    ttt_steps: int = 7  # training-time test: unrolled draft steps per position (1 = no self-fed steps)
+    ttt_step_weights: list[float] = field(default_factory=list)  # loss weight of step j (1-based); [] = 0.8^(j-1)
+    ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (offset cycles per micro-batch); 1 = all
+    lm_head_init: str = "target"  # target = the draft vocabulary's rows of the target's lm_head (a warm start) | random
+    norm_before_fc: bool = head_key(False)  # EAGLE-3.1: one RMSNorm over the 3 concatenated aux states before fc
+    fc_norm: bool = head_key(False)  # EAGLE-3.1: one RMSNorm per aux state before fc
+    norm_output: bool = head_key(False)  # EAGLE-3.1: drafted nodes read norm(h) (the final norm's output, what lm_head reads) instead of h
+
+    def norms(self) -> list[str]:
+        """EAGLE-3.1's options that are on."""
+        return [k for k in EAGLE31_NORMS if getattr(self, k)]
+
+    def problems(self) -> list[Problem]:
+        aux, w = list(self.aux_layers), list(self.ttt_step_weights)
+        return failed([
+            (not aux or (len(aux) == N_AUX_LAYERS and all(isinstance(a, int) and a >= 0 for a in aux)
+                         and aux == sorted(set(aux))),
+             ("aux_layers", aux, "expected [] (the target default) or 3 strictly increasing layer ids >= 0")),
+            (self.draft_vocab_size >= 0, ("draft_vocab_size", self.draft_vocab_size,
+                                          "expected >= 0 (0 = the full vocabulary)")),
+            (self.ttt_steps >= 1, ("ttt_steps", self.ttt_steps, "expected >= 1")),
+            (not w or (len(w) == self.ttt_steps and all(x >= 0 for x in w) and sum(w) > 0),
+             ("ttt_step_weights", w, f"expected [] or {self.ttt_steps} weights >= 0 (one per head.ttt_steps), not all 0")),
+            (self.ttt_row_stride >= 1, ("ttt_row_stride", self.ttt_row_stride, "expected >= 1")),
+            (self.lm_head_init in ("target", "random"), ("lm_head_init", self.lm_head_init,
+                                                         "expected 'target' or 'random'"))])
+
+    def target_problems(self, target_text_config) -> list[Problem]:
+        """The aux layers are layers of the target (the default too), the draft vocabulary no larger than its own."""
+        try:
+            fitted_aux_layers(list(self.aux_layers) or None, int(target_text_config.num_hidden_layers))
+        except HeadConfigError as e:
+            return [("aux_layers", list(self.aux_layers), str(e))]
+        vocab = int(target_text_config.vocab_size)
+        return failed([(self.draft_vocab_size <= vocab, (
+            "draft_vocab_size", self.draft_vocab_size, f"larger than the target's vocabulary ({vocab}); 0 = the full "
+                                                       "vocabulary"))])
+
+
+EAGLE31_NORMS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1's options of an EAGLE-3 head (Eagle3Options)
+
+
 class Eagle3Kind(HeadKind):
     """EAGLE-3: fc over three target layers (aux), its own lm_head over a draft vocabulary (d2t / t2d), trained on its
     own outputs (the training-time test). The released yuhuili/EAGLE3-* / SpecForge layout."""
 
     name, title, saves_embedding, module_file = "eagle3", "EAGLE-3", False, "eagle.eagle3"
+    options = Eagle3Options
 
     def check_config(self, c) -> None:
         c.bias = False  # EAGLE-3's fc has no bias
-        if c.draft_vocab_size is None:
-            c.draft_vocab_size = c.vocab_size
-        if not 1 <= c.draft_vocab_size <= c.vocab_size:
-            raise HeadConfigError(f"draft_vocab_size={c.draft_vocab_size} must be in [1, vocab_size={c.vocab_size}]")
-        if c.aux_layers is not None:
-            c.aux_layers = check_aux_layers(c.aux_layers)
+        super().check_config(c)
+        o = c.options
+        if not o.draft_vocab_size:
+            o.draft_vocab_size = c.vocab_size
+        if not 1 <= o.draft_vocab_size <= c.vocab_size:
+            raise HeadConfigError(f"draft_vocab_size={o.draft_vocab_size} must be in [1, vocab_size={c.vocab_size}]")
+        if o.aux_layers:
+            o.aux_layers = check_aux_layers(o.aux_layers)
 
     def recognises(self, d: dict) -> bool:
         return "draft_vocab_size" in d or any("eagle3" in str(a).lower() for a in d.get("architectures") or [])
 
-    def parse_config(self, d: dict) -> tuple[dict, dict]:
+    def parse_config(self, d: dict) -> tuple[KindOptions, dict]:
         eagle_config = dict(d.pop("eagle_config", None) or {})
         aux = eagle_config.pop("eagle_aux_hidden_state_layer_ids", None)
         top = d.pop("eagle_aux_hidden_state_layer_ids", None)
         aux = top if aux is None else aux
         eagle_config.pop("use_aux_hidden_state", None)  # always true for EAGLE-3; written back by config_dict
+        norms = {k: bool(d.pop(k)) for k in EAGLE31_NORMS if k in d}
         if "norm_before_fc" in eagle_config:  # vLLM reads it there first, then at the top level
-            d["norm_before_fc"] = bool(eagle_config.pop("norm_before_fc"))
+            norms["norm_before_fc"] = bool(eagle_config.pop("norm_before_fc"))
         if d.get("norm_before_residual"):
             raise HeadConfigError("head config has norm_before_residual=true (the residual starts at hidden_norm's "
                                   "output): this project's EAGLE-3 head keeps the released residual (the un-normed fc "
@@ -253,34 +424,42 @@ class Eagle3Kind(HeadKind):
         if target_h is not None and target_h != d.get("hidden_size"):
             raise HeadConfigError(f"head config has target_hidden_size={target_h} != hidden_size="
                                   f"{d.get('hidden_size')}: heads narrower than their target are not supported")
-        return {"kind": self.name, "aux_layers": aux}, ({"eagle_config": eagle_config} if eagle_config else {})
+        options = self.options(aux_layers=list(aux or []), draft_vocab_size=d.pop("draft_vocab_size", None) or 0, **norms,
+                               **self.own_keys(d))
+        return options, ({"eagle_config": eagle_config} if eagle_config else {})
+
+    def own_keys(self, d: dict) -> dict:
+        """Option values a subclass kind takes out of config.json `d` beyond EAGLE-3's (P-EAGLE: its mask token)."""
+        return {}
 
     def config_dict(self, c) -> dict:
         """The released EAGLE-3 layout (yuhuili/EAGLE3-*, SpecForge): a one-layer LlamaConfig with
         `draft_vocab_size` and `architectures: ["LlamaForCausalLMEagle3"]` (what SGLang requires; vLLM maps it to its
         EAGLE-3 Llama), the aux ids in `eagle_config.eagle_aux_hidden_state_layer_ids` (read by vLLM)."""
-        d = llama_layer_config(c, "LlamaForCausalLMEagle3", after_vocab={"draft_vocab_size": c.draft_vocab_size},
+        o = c.options
+        d = llama_layer_config(c, "LlamaForCausalLMEagle3", after_vocab={"draft_vocab_size": o.draft_vocab_size},
                                after_act={"attention_bias": c.qkv_bias, "tie_word_embeddings": False})
         extra = dict(c.extra)
         eagle_config = dict(extra.pop("eagle_config", None) or {})
-        if c.aux_layers is not None:
-            eagle_config.update(eagle_aux_hidden_state_layer_ids=list(c.aux_layers), use_aux_hidden_state=True)
+        if o.aux_layers:
+            eagle_config.update(eagle_aux_hidden_state_layer_ids=list(o.aux_layers), use_aux_hidden_state=True)
         if eagle_config:
             d["eagle_config"] = eagle_config
-        d.update({k: True for k in EAGLE31_NORMS if getattr(c, k)})  # written only when on: older heads unchanged
+        d.update({k: True for k in o.norms()})  # written only when on: older heads unchanged
         return {**extra, **d}
 
-    def from_target(self, kwargs: dict, num_layers: int, aux_layers, draft_vocab_size) -> dict:
-        ids = default_aux_layers(num_layers) if aux_layers is None else list(aux_layers)
+    def from_target(self, shape: dict, num_layers: int, options: KindOptions) -> dict:
+        """A plain Llama layer (no fc / q/k/v bias) with the aux ids resolved: the recipe's, or (2, L//2, L-3)."""
+        ids = default_aux_layers(num_layers) if not options.aux_layers else list(options.aux_layers)
         try:
             ids = check_aux_layers(ids, num_layers)
         except HeadConfigError as e:
-            if aux_layers is not None:
+            if options.aux_layers:
                 raise
             raise HeadConfigError(f"the default aux layers {ids} do not fit a {num_layers}-layer target ({e}); "
                                   f"set aux_layers explicitly") from None
-        return {**kwargs, "bias": False, "qkv_bias": False, "kind": self.name, "aux_layers": ids,
-                "draft_vocab_size": draft_vocab_size}
+        return super().from_target({**shape, "bias": False, "qkv_bias": False}, num_layers,
+                                   dataclasses.replace(options, aux_layers=ids))
 
     def fit_to_target(self, c, target_text_config) -> None:
         t = target_text_config
@@ -290,32 +469,53 @@ class Eagle3Kind(HeadKind):
         vocab = getattr(t, "vocab_size", None)
         if vocab is not None and c.vocab_size != vocab:
             raise HeadConfigError(f"EAGLE-3 head vocab_size={c.vocab_size} does not match the target's vocabulary ({vocab})")
-        c.aux_layers = fitted_aux_layers(c.aux_layers, t.num_hidden_layers)
+        c.options.aux_layers = fitted_aux_layers(list(c.options.aux_layers) or None, t.num_hidden_layers)
 
-    def feature_layers(self, aux_layers: list[int], num_layers: int) -> list[int]:
+    def feature_layers(self, options: KindOptions, num_layers: int) -> list[int]:
         """[a, b, c, L]: the three aux states (the head's input) + the final state (the token loss's target)."""
-        return [*check_aux_layers(list(aux_layers) or default_aux_layers(num_layers), num_layers), num_layers]
+        return [*check_aux_layers(list(options.aux_layers) or default_aux_layers(num_layers), num_layers), num_layers]
 
     def head_inputs(self, features, hidden_size: int):
         return features[..., :-hidden_size]  # the aux states [..., 3H]
 
     def draft_inputs(self, config) -> tuple[int, ...]:
-        return tuple(config.aux_layers)
+        return tuple(config.options.aux_layers)
 
     def draft_vocab_size(self, config) -> int:
-        return config.draft_vocab_size
+        return config.options.draft_vocab_size
 
     def optional_weights(self, config) -> set[str]:
         """The target's embedding and t2d (derived from d2t); d2t too for a full draft vocabulary."""
-        return {"embed_tokens.weight", "t2d"} | ({"d2t"} if config.draft_vocab_size == config.vocab_size else set())
+        full = config.options.draft_vocab_size == config.vocab_size
+        return {"embed_tokens.weight", "t2d"} | ({"d2t"} if full else set())
 
     def weight_problems(self, config, state_dict: dict) -> list[str]:
         """d2t / t2d: in range, distinct, consistent (`draft_vocab_problems`); d2t required for a partial vocabulary."""
-        d2t, t2d = state_dict.get("d2t"), state_dict.get("t2d")
+        d2t, t2d, size = state_dict.get("d2t"), state_dict.get("t2d"), config.options.draft_vocab_size
         if d2t is None:
-            return [] if config.draft_vocab_size == config.vocab_size else [
-                f"no d2t but draft_vocab_size={config.draft_vocab_size} < vocab_size={config.vocab_size}"]
-        return draft_vocab_problems(config.vocab_size, config.draft_vocab_size, d2t, t2d)[0]
+            return [] if size == config.vocab_size else [
+                f"no d2t but draft_vocab_size={size} < vocab_size={config.vocab_size}"]
+        return draft_vocab_problems(config.vocab_size, size, d2t, t2d)[0]
+
+
+# ----------------------------------------------------------------------------- P-EAGLE
+@dataclass
+class PeagleOptions(Eagle3Options):
+    """P-EAGLE's options: EAGLE-3's (its ttt_steps = the k draft positions of one forward, ttt_step_weights their
+    weights) plus the mask token."""
+
+    mask_token_id: int = head_key(-1)  # the target token id draft positions 2..k read; -1 = the smallest id absent from the loss tokens
+
+    def problems(self) -> list[Problem]:
+        return super().problems() + failed([(self.mask_token_id >= -1, (
+            "mask_token_id", self.mask_token_id,
+            "expected -1 (a token absent from the training loss tokens) or a target token id >= 0"))])
+
+    def target_problems(self, target_text_config) -> list[Problem]:
+        vocab = int(target_text_config.vocab_size)
+        return super().target_problems(target_text_config) + failed([(self.mask_token_id < vocab, (
+            "mask_token_id", self.mask_token_id,
+            f"not a token of the target's vocabulary [0, {vocab}); -1 = pick one absent from the loss tokens"))])
 
 
 class PeagleKind(Eagle3Kind):
@@ -323,14 +523,15 @@ class PeagleKind(Eagle3Kind):
     forward. Draft positions 2..k read the mask token `mask_token_id` (a target token id, through the target's frozen
     embedding) and the learned `mask_hidden` [1, 3H] (aux space, fused by fc like the target's aux states): vLLM's
     speculators `peagle` layout (`PeagleLlamaForCausalLM`, `mask_token_id` -> `pard_token`), served with
-    `"method": "eagle3", "parallel_drafting": true`. The id lives in the config's `mask_token_id` key (HeadConfig.extra)."""
+    `"method": "eagle3", "parallel_drafting": true`."""
 
     name, title, module_file = "peagle", "P-EAGLE", "eagle.peagle"
+    options = PeagleOptions
     architecture = "PeagleLlamaForCausalLM"
 
     def check_config(self, c) -> None:
         super().check_config(c)
-        m = c.extra.get("mask_token_id")
+        m = c.options.mask_token_id
         if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < c.vocab_size:
             raise HeadConfigError(f"mask_token_id={m!r}: a P-EAGLE head needs the mask token's id, an integer in "
                                   f"[0, vocab_size={c.vocab_size})")
@@ -338,25 +539,23 @@ class PeagleKind(Eagle3Kind):
     def recognises(self, d: dict) -> bool:
         return "mask_token_id" in d or any("peagle" in str(a).lower() for a in d.get("architectures") or [])
 
-    def parse_config(self, d: dict) -> tuple[dict, dict]:
-        kwargs, extra = super().parse_config(d)  # mask_token_id stays in d: HeadConfig keeps it in `extra`
-        return {**kwargs, "kind": self.name}, extra
+    def own_keys(self, d: dict) -> dict:
+        return {"mask_token_id": d.pop("mask_token_id", None)}  # None (absent): refused by check_config
 
     def config_dict(self, c) -> dict:
         """The EAGLE-3 released layout with `architectures: ["PeagleLlamaForCausalLM"]` and `mask_token_id`."""
-        return {**super().config_dict(c), "architectures": [self.architecture]}
+        return {**super().config_dict(c), "architectures": [self.architecture], "mask_token_id": c.options.mask_token_id}
 
-    def from_target(self, kwargs: dict, num_layers: int, aux_layers, draft_vocab_size) -> dict:
-        """As EAGLE-3's, with the mask token id 0 until the trainer picks one (`with_mask_token`)."""
-        out = super().from_target(kwargs, num_layers, aux_layers, draft_vocab_size)
-        return {**out, "kind": self.name, "extra": {**out.get("extra", {}), "mask_token_id": 0}}
-
-    def mask_token_id(self, config) -> int:
-        return int(config.extra["mask_token_id"])
+    def from_target(self, shape: dict, num_layers: int, options: KindOptions) -> dict:
+        """As EAGLE-3's, with the mask token id 0 until the trainer picks one (`with_mask_token`) when the recipe's is
+        -1 (chosen from the data)."""
+        if options.mask_token_id < 0:
+            options = dataclasses.replace(options, mask_token_id=0)
+        return super().from_target(shape, num_layers, options)
 
     def with_mask_token(self, config, mask_token_id: int):
         """`config` with its mask token set to `mask_token_id` (checked)."""
-        config.extra["mask_token_id"] = int(mask_token_id)
+        config.options.mask_token_id = int(mask_token_id)
         self.check_config(config)
         return config
 

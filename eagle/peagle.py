@@ -39,7 +39,7 @@ class PeagleHead(Eagle3Head, kind=PEAGLE):
 
     @property
     def mask_token_id(self) -> int:
-        return self.kind.mask_token_id(self.config)
+        return int(self.config.options.mask_token_id)
 
     def mask_feature(self) -> torch.Tensor:
         """fc(mask_hidden) [1, H]: the feature every mask position reads (vLLM: combine_hidden_states(mask_hidden))."""

@@ -17,7 +17,7 @@ from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, kind_of_config
 from export.engine_formats import (EAGLE3_SPECULATOR, EngineFormatError, Speculator, convert_eagle3_folder,
                                    read_eagle3_folder, write_eagle2_engine_head)
-from recipes.head import align_weights, dpace
+from recipes.head import dpace, head_options, step_weights
 from recipes.loss import loss_section
 
 
@@ -85,11 +85,11 @@ class Eagle2Export(ExportKind):
 
     def card_loss(self, cfg) -> str:
         t = cfg.train
-        steps = int(OmegaConf.select(cfg, "head.align_steps", default=1) or 1)  # recipes older than the key: 1
+        steps = head_options(cfg.head).steps  # recipes older than the keys: 1
         align = ""
         if steps > 1:
             align = (f"; HASS-style multi-step alignment: {steps} unrolled steps on its own features, step weights "
-                     + card_step_weights(cfg, "head.align_step_weights", ", ".join(f"{x:.2f}" for x in align_weights(cfg.head))))
+                     + card_step_weights(cfg, "head.align_step_weights", ", ".join(f"{x:.2f}" for x in step_weights(cfg.head))))
         return (f"| loss | {t.feature_weight} x {loss_name(cfg, 'feature')}(feature) + {t.token_weight} x "
                 f"{loss_name(cfg, 'token')}(token); {t.noise} input "
                 f"noise {t.noise_std}{align} |")

@@ -25,7 +25,7 @@ from eagle.atomic_folder import write_folder
 from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
 from eagle.head_config import read_head_json
 from eagle.head_files import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY
-from eagle.head_kinds import kind_of_config
+from eagle.head_kinds import DEFAULT_KIND, kind_of_config
 from eagle.state_files import read_json_state, read_yaml_state, write_yaml_state
 from export.head_kinds import check_head_folder, write_engine_head
 from export.eval_outputs import EVAL_REPORT, SWEEP
@@ -55,7 +55,7 @@ def trained_recipe(cfg, head_dir: Path, head_config: dict):
     stored = head_dir / RECIPE_FILE
     saved = read_yaml_state(stored, STORED_RECIPE)
     recipe = cfg if saved is None else OmegaConf.create(saved)
-    recipe_kind = OmegaConf.select(recipe, "head.kind", default="eagle2")
+    recipe_kind = OmegaConf.select(recipe, "head.kind", default=DEFAULT_KIND.name)
     if recipe_kind != kind.name:
         where = f"its {stored}" if stored.exists() else f"the recipe {cfg.name!r} (the head folder has no {RECIPE_FILE})"
         raise HubPushError(f"{head_dir} holds an {kind.title} head (kind {kind.name}) but {where} trains "

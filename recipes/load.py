@@ -168,7 +168,11 @@ def _key_type(key: str):
         hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
         if part not in hints:
             return typing.Any
-        tp = hints[part]
+        parent, tp = tp, hints[part]
+        if tp is typing.Any:  # a section whose dataclass is built with the schema (`Recipe.head`): that dataclass
+            made = next(f for f in dataclasses.fields(parent) if f.name == part).default_factory
+            tp = typing.Any if made is dataclasses.MISSING else type(made())
+            tp = tp if dataclasses.is_dataclass(tp) else typing.Any
     return tp
 
 

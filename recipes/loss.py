@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from recipes.check import check
-from recipes.head import has_feature_loss, step_keys
+from recipes.head import has_feature_loss, head_options
 
 TOKEN_LOSSES = ("ce", "tv", "nla", "lk", "rkl", "jsd")  # train/losses.py: TOKEN_LOSSES (tests pin the two lists equal)
 FEATURE_LOSSES = ("smooth_l1", "mse", "l1")
@@ -48,8 +48,8 @@ def validate_loss_section(loss, head) -> None:
     check(loss.position_weighting == "dpace" or loss.dpace_alpha == LossSettings.dpace_alpha, "loss.dpace_alpha",
           loss.dpace_alpha, "only used by loss.position_weighting=dpace")
     if loss.position_weighting == "dpace":
-        steps_key, weights_key = step_keys(head)
-        steps = getattr(head, steps_key) if steps_key else 1
+        options = head_options(head)
+        steps_key, weights_key, steps = options.steps_key, options.weights_key, options.steps
         setting = f" with head.{steps_key}={steps}" if steps_key else ""
         check(steps >= 2, "loss.position_weighting", loss.position_weighting,
               f"D-PACE weights the unrolled steps of a chain; head.kind={head_kind}{setting} trains one step"

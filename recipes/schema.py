@@ -9,6 +9,7 @@ import inspect
 import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -19,7 +20,7 @@ from recipes.chat_templates import shipped_templates
 from recipes.check import RecipeError, check
 from recipes.data import DataSettings, validate_data_section
 from recipes.eval import EvalSettings, validate_eval_section
-from recipes.head import HeadSettings, validate_head_section
+from recipes.head import head_settings, validate_head_section
 from recipes.loss import LossSettings, validate_loss_section
 from recipes.train import ExportSettings, LoggingSettings, TrainSettings, validate_train_sections
 
@@ -46,7 +47,8 @@ class Recipe:
     seed: int = 0
     target: TargetSettings = field(default_factory=TargetSettings)
     data: DataSettings = field(default_factory=DataSettings)
-    head: HeadSettings = field(default_factory=HeadSettings)
+    # the shared keys + every registered kind's options (recipes/head.py), built when a schema is made
+    head: Any = field(default_factory=lambda: head_settings()())
     train: TrainSettings = field(default_factory=TrainSettings)
     loss: LossSettings = field(default_factory=LossSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
@@ -103,10 +105,11 @@ def describe_recipe_keys() -> str:
 
     def comments(cls) -> dict[str, str]:
         out = {}
-        for line in inspect.getsource(cls).splitlines():
-            m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
-            if m:
-                out[m.group(1)] = m.group(2).strip()
+        for source in getattr(cls, "comment_sources", (cls,)):  # the head section: its shared keys + kinds' options
+            for line in inspect.getsource(source).splitlines():
+                m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+                if m:
+                    out.setdefault(m.group(1), m.group(2).strip())
         return out
 
     lines = []

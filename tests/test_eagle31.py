@@ -29,7 +29,7 @@ VARIANTS = {"norm_before_fc": {"norm_before_fc": True}, "fc_norm": {"fc_norm": T
 def head31(target, seed: int = 0, **norms) -> Eagle3Head:
     """A random EAGLE-3 head with the given EAGLE-3.1 options (every norm weight ~1 +- 0.1, so each one matters)."""
     torch.manual_seed(seed)
-    config = dataclasses.replace(head_config_from_target(target.config, kind="eagle3", aux_layers=AUX), **norms)
+    config = head_config_from_target(target.config, kind="eagle3", aux_layers=AUX, **norms)
     head = Eagle3Head(config).bind_target(target)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -48,9 +48,9 @@ def reference_chain31(head: Eagle3Head, aux: torch.Tensor, ids: torch.Tensor, t:
     Returns the output hidden (pre-norm) at t and of each node: [H] each."""
     c, layer, attn = head.config, head.midlayer, head.midlayer.self_attn
     x = aux[: t + 1]
-    if c.norm_before_fc:
+    if c.options.norm_before_fc:
         x = rms(x, head.input_norm.weight, c.rms_norm_eps)
-    if c.fc_norm:
+    if c.options.fc_norm:
         x = torch.cat([rms(a, n.weight, c.rms_norm_eps) for a, n in zip(x.chunk(3, -1), head.fc_norm)], -1)
     feat = (x @ head.fc.weight.t())[None]  # [1, t+1, H]
     cos, sin = head.rotary(torch.arange(t + 1)[None], feat.dtype)
@@ -60,7 +60,7 @@ def reference_chain31(head: Eagle3Head, aux: torch.Tensor, ids: torch.Tensor, t:
     h = layer.finish(feat, attn.o_proj(out.transpose(1, 2).reshape(1, t + 1, -1)))[0, t]
     outs = [h]
     for j in range(2, steps + 1):
-        f = rms(h, head.norm.weight, c.rms_norm_eps) if c.norm_output else h  # what the node hands its child
+        f = rms(h, head.norm.weight, c.rms_norm_eps) if c.options.norm_output else h  # what the node hands its child
         cos, sin = head.rotary(torch.tensor([[t + j - 1]]), feat.dtype)
         q, k, v = attn.qkv(layer.attn_input(head.embed_tokens(ids[t + j - 1 : t + j])[None], f[None, None]), cos, sin)
         K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
@@ -84,7 +84,8 @@ def test_unroll_is_the_eagle31_formula_and_differs_from_eagle3(target, variant):
     steps = 4
     with torch.no_grad():
         hs = head64.unroll(aux64, ids, steps=steps)
-        plain = Eagle3Head(dataclasses.replace(head.config, **{k: False for k in EAGLE31_NORMS}))
+        plain = Eagle3Head(dataclasses.replace(head.config, options=dataclasses.replace(
+            head.config.options, **{k: False for k in EAGLE31_NORMS})))
         plain.load_state_dict({k: v for k, v in head64.state_dict().items() if k in plain.state_dict()})
         hs_plain = plain.double().unroll(aux64, ids, steps=steps)
     for b in range(2):
@@ -148,7 +149,7 @@ def test_save_and_load_keep_the_options_under_vllms_names(target, tmp_path):
     sd = load_file(tmp_path / "model.safetensors")
     assert sd["input_norm.weight"].shape == (192,) and sd["fc_norm.2.weight"].shape == (64,)
     loaded = load_head(tmp_path).bind_target(target)
-    assert all(getattr(loaded.config, k) for k in EAGLE31_NORMS)
+    assert all(getattr(loaded.config.options, k) for k in EAGLE31_NORMS)
     for k, v in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     # a plain EAGLE-3 head writes none of the keys (older folders unchanged)
@@ -158,7 +159,7 @@ def test_save_and_load_keep_the_options_under_vllms_names(target, tmp_path):
     # vLLM's other place for norm_before_fc: eagle_config
     moved = {**cfg, "eagle_config": {**cfg["eagle_config"], "norm_before_fc": True}}
     del moved["norm_before_fc"]
-    assert HeadConfig.from_dict(moved).norm_before_fc
+    assert HeadConfig.from_dict(moved).options.norm_before_fc
 
 
 def test_a_folder_without_its_norm_weights_or_with_unknown_options_is_one_line(target, tmp_path):
@@ -169,8 +170,8 @@ def test_a_folder_without_its_norm_weights_or_with_unknown_options_is_one_line(t
         load_head(tmp_path)
     with pytest.raises(HeadConfigError, match="norm_before_residual=true"):
         HeadConfig.from_dict({**cfg, "norm_before_residual": True})
-    with pytest.raises(HeadConfigError, match="EAGLE-3.1 settings of an EAGLE-3 head"):
-        dataclasses.replace(head_config_from_target(target.config), fc_norm=True)
+    with pytest.raises(HeadConfigError, match=r"fc_norm=True: a setting of an EAGLE-3 head \(kind='eagle3'\)"):
+        HeadConfig.from_dict({**head_config_from_target(target.config).to_dict(), "fc_norm": True})
 
 
 def test_vllm_export_carries_the_options_and_sglang_refuses_them(target, tmp_path):

@@ -17,6 +17,7 @@ from eagle.head import (
     head_config_from_target,
     load_head,
 )
+from eagle.head_kinds import Eagle3Options
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function, float64
 from tiny_models import assert_unroll_ignores_padding, single_thread, tiny_target  # noqa: F401
 
@@ -81,7 +82,8 @@ def setup():
 def test_config_from_target_and_released_json_round_trip():
     target = tiny_target("qwen2", num_layers=8)
     c = head_config_from_target(target.config, kind="eagle3", draft_vocab_size=100)
-    assert (c.kind, c.aux_layers, c.draft_vocab_size, c.bias, c.qkv_bias) == ("eagle3", [2, 4, 5], 100, False, False)
+    assert (c.kind, c.options.aux_layers, c.options.draft_vocab_size, c.bias, c.qkv_bias) == ("eagle3", [2, 4, 5], 100,
+                                                                                             False, False)
     d = c.to_dict()
     assert d["architectures"] == ["LlamaForCausalLMEagle3"] and d["draft_vocab_size"] == 100
     assert d["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "use_aux_hidden_state": True}
@@ -109,17 +111,17 @@ def test_default_aux_layers_that_collapse_ask_for_explicit_ids():
     target = tiny_target("llama", num_layers=5)  # (2, 2, 2): stories260K's case
     with pytest.raises(HeadConfigError, match="set aux_layers explicitly"):
         head_config_from_target(target.config, kind="eagle3")
-    assert head_config_from_target(target.config, kind="eagle3", aux_layers=[1, 2, 4]).aux_layers == [1, 2, 4]
+    assert head_config_from_target(target.config, kind="eagle3", aux_layers=[1, 2, 4]).options.aux_layers == [1, 2, 4]
 
 
 def test_bad_configs():
     base = dict(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=40)
     with pytest.raises(HeadConfigError, match="kind"):
         HeadConfig(**base, kind="eagle4")
-    with pytest.raises(HeadConfigError, match="kind='eagle3'"):
-        HeadConfig(**base, aux_layers=[1, 2, 3])
+    with pytest.raises(HeadConfigError, match=r"kind='eagle2'\) takes Eagle2Options, not Eagle3Options"):
+        HeadConfig(**base, options=Eagle3Options(aux_layers=[1, 2, 3]))
     with pytest.raises(HeadConfigError, match="draft_vocab_size=41"):
-        HeadConfig(**base, kind="eagle3", draft_vocab_size=41)
+        HeadConfig(**base, kind="eagle3", options=Eagle3Options(draft_vocab_size=41))
     with pytest.raises(HeadConfigError, match="kind='eagle3'"):
         Eagle3Head(HeadConfig(**base))
 
@@ -295,8 +297,8 @@ def test_released_layout_loads_through_eamodel_from_pretrained(tmp_path, where):
     sd = write_released_folder(tmp_path / "head", target, where=where)
     model = EaModel.from_pretrained(str(tmp_path / "target"), str(tmp_path / "head"), torch_dtype=torch.float32)
     head = model.ea_layer
-    assert isinstance(head, Eagle3Head) and head.config.aux_layers == ([2, 4, 5] if where == "absent" else AUX)
-    assert model.aux_layers == tuple(head.config.aux_layers)
+    assert isinstance(head, Eagle3Head) and head.config.options.aux_layers == ([2, 4, 5] if where == "absent" else AUX)
+    assert model.aux_layers == tuple(head.config.options.aux_layers)
     for k, v in sd.items():
         assert torch.equal(head.state_dict()[k].to(v.dtype), v), k
     assert torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight)  # the target's

@@ -47,7 +47,7 @@ def test_config_round_trip_names_the_kind_and_its_mask_token(setup):
     assert d["architectures"] == ["PeagleLlamaForCausalLM"] and d["mask_token_id"] == 5
     assert d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX and "draft_vocab_size" in d
     back = HeadConfig.from_dict(json.loads(json.dumps(d)))
-    assert back.kind == "peagle" and back.head_kind.mask_token_id(back) == 5 and back.to_dict() == d
+    assert back.kind == "peagle" and back.options.mask_token_id == 5 and back.to_dict() == d
 
 
 @pytest.mark.parametrize("value,match", [(None, "mask_token_id=None"), (256, "mask_token_id=256"),

@@ -38,13 +38,13 @@ def test_every_recipe_names_its_head_kind(name):
 def test_published_eagle3_settings(name):
     """SpecForge's / the reference EAGLE-3 settings: lr 1e-4, 10 epochs, batch 1, 2048 tokens, cosine after warm-up,
     clip 0.5, ttt 7 steps weighted 0.8^j, token loss only, 32k draft vocabulary for the 128k/152k-vocabulary targets."""
-    from recipes.head import ttt_weights
+    from recipes.head import step_weights
 
     cfg = load_config(f"{name}-eagle3", [])
     h, t = cfg.head, cfg.train
     assert cfg.target.path == PUBLISHED[name][0] and cfg.data.max_length == 2048
     assert (h.kind, list(h.aux_layers), h.draft_vocab_size, h.ttt_steps) == ("eagle3", [], EAGLE3_DRAFT_VOCAB[name], 7)
-    assert ttt_weights(h) == pytest.approx([0.8 ** j for j in range(7)])
+    assert step_weights(h) == pytest.approx([0.8 ** j for j in range(7)])
     assert (t.lr, t.epochs, t.micro_batch_size, t.schedule, t.grad_clip, t.noise, t.precision) == \
         (1e-4, 10, 1, "cosine", 0.5, "none", "bf16")
 

@@ -22,7 +22,7 @@ import torch
 
 from eagle.cli_errors import UserError
 from eagle.atomic_file import FileWriteError
-from eagle.head_kinds import HEAD_KINDS, head_kind
+from eagle.head_kinds import DEFAULT_KIND, HEAD_KINDS, head_kind
 from eagle.state_files import (StateFile, pattern_check, read_json_state, read_text_state, register, write_json_state,
                                write_text_state)
 from train.distributed import barrier, collective_failed, import_deepspeed
@@ -39,7 +39,7 @@ HEAD_STATE = register(StateFile(
     when_missing="a checkpoint written before the file existed: the loader's own error checks the head",
     check=lambda d: None if d["kind"] in HEAD_KINDS else f"kind {d['kind']!r} is not a head kind of this project "
                                                          f"({', '.join(HEAD_KINDS)})",
-    example={"kind": "eagle2", "shapes": {"fc.weight": [8, 16]}}))
+    example={"kind": DEFAULT_KIND.name, "shapes": {"fc.weight": [8, 16]}}))
 
 
 class CheckpointError(UserError, RuntimeError):

@@ -15,7 +15,6 @@ P-EAGLE: EAGLE-3's, the unroll being the head's parallel one (k draft positions 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -29,7 +28,7 @@ from eagle.head_config import head_config_from_target
 from eagle.head_kinds import EAGLE2, EAGLE3, EAGLE31_NORMS, PEAGLE, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
 from recipes import RecipeError
-from recipes.head import align_weights, check_head_fits_target, ttt_weights
+from recipes.head import check_head_fits_target, dpace, head_options
 from recipes.loss import loss_section
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedTokenLoss, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
@@ -55,11 +54,10 @@ class TrainingKind:
     extra_eval = ""  # eval/{extra_eval}_step{j}_acc (j = 1..extra_steps): the kind's extra per-step accuracy
     extra_steps = 0
     logged_steps = 0  # unrolled steps whose accuracy is logged as train/step{j}_acc
-    steps_key = ""  # the recipe key of the unrolled step count ("": the kind trains one step)
-    stride_key = ""  # the recipe key of the row stride of steps >= 2
 
     def __init__(self, cfg, target_config):
         self.cfg, self.t = cfg, cfg.train
+        self.options = head_options(cfg.head)  # the kind's own typed options (eagle/head_kinds.py)
         self.layers = feature_layers(cfg.head, target_config)  # which target states the head reads (cache layout)
         self.hidden = int(text_config(target_config).hidden_size)
         self.steps, self.step_weights, self.feature_weight = 1, [self.t.token_weight], 0.0
@@ -67,6 +65,20 @@ class TrainingKind:
         self.token_loss, self.feature_loss = token_loss(cfg), feature_loss(cfg)  # recipe `loss` (train/losses.py)
         self.weighting = position_weighting(cfg)  # None (fixed step weights) | DPace: per-chain step weights
         self.loss_cfg = loss_section(cfg)
+
+    @property
+    def steps_key(self) -> str:
+        """The recipe key of the unrolled step count ("": the kind trains one step)."""
+        return f"head.{self.options.steps_key}" if self.options.steps_key else ""
+
+    @property
+    def stride_key(self) -> str:
+        """The recipe key of the row stride of steps >= 2."""
+        return f"head.{self.options.stride_key}" if self.options.stride_key else ""
+
+    def unrolled_weights(self) -> list[float]:
+        """The unrolled steps' loss weights of the recipe (explicit, 0.8^(j-1), or 1 each under D-PACE)."""
+        return self.options.step_weights(dpace(self.loss_cfg))
 
     def weights_text(self, w: list[float]) -> str:
         """How the describe line states the unrolled steps' weights."""
@@ -138,10 +150,6 @@ class TrainingKind:
 
     # -- the plan (train/plan.py): per-kind memory formulas ---------------------------------
     @staticmethod
-    def plan_shape(shape, hc, head_cfg) -> None:
-        """Complete the plan's Shape with what the kind adds to the EAGLE-2 layer it is measured from."""
-
-    @staticmethod
     def unrolled_rows(s, n_tok: int) -> list[int]:
         """Rows each unrolled step computes in a micro-batch of n_tok tokens: step 1 every token, steps >= 2 every
         ttt_row_stride-th."""
@@ -204,16 +212,14 @@ class NextFeatureTargets:
 class Eagle2Training(TrainingKind):
     kind = EAGLE2
     extra_eval = "allfed"
-    steps_key, stride_key = "head.align_steps", "head.align_row_stride"
 
     def __init__(self, cfg, target_config):
         super().__init__(cfg, target_config)
         self.feature_weight = self.t.feature_weight
         self.extra_steps = self.t.rollout_steps  # all-fed steps
-        h = cfg.head
-        if h.align_steps > 1:  # HASS-style alignment: k unrolled steps, each with its token and feature loss
-            self.steps, self.stride = h.align_steps, h.align_row_stride
-            w = align_weights(h, self.loss_cfg)
+        if self.options.steps > 1:  # HASS-style alignment: k unrolled steps, each with its token and feature loss
+            self.steps, self.stride = self.options.steps, self.options.row_stride
+            w = self.unrolled_weights()
             self.step_weights = [self.t.token_weight * x for x in w]
             self.feature_weight = [self.t.feature_weight * x for x in w]
             self.logged_steps = self.steps
@@ -222,13 +228,12 @@ class Eagle2Training(TrainingKind):
         if self.steps == 1:
             return None
         return (f"EAGLE-2 head with multi-step alignment: {self.steps} unrolled steps (step "
-                f"{self.weights_text(align_weights(self.cfg.head, self.loss_cfg))}), row stride {self.stride}")
+                f"{self.weights_text(self.unrolled_weights())}), row stride {self.stride}")
 
     def summary(self) -> dict:
         if self.steps == 1:
             return {}
-        h = self.cfg.head
-        return {"head_kind": self.kind.name, "align_steps": self.steps, "align_step_weights": align_weights(h, self.loss_cfg),
+        return {"head_kind": self.kind.name, "align_steps": self.steps, "align_step_weights": self.unrolled_weights(),
                 "align_row_stride": self.stride}
 
     def new_head(self, target_config, source, train_indices, lm_head):
@@ -269,12 +274,6 @@ class Eagle2Training(TrainingKind):
                                  lm_head).cpu()  # [n_starts, k]
 
         return EvalBatch(out, s.weights, chains, hits, counts)
-
-    @staticmethod
-    def plan_shape(shape, hc, head_cfg) -> None:
-        """Multi-step alignment: head.align_steps unrolled passes, steps >= 2 at 1/head.align_row_stride of the rows."""
-        shape.ttt_steps = int(head_cfg.get("align_steps", 1))
-        shape.ttt_row_stride = int(head_cfg.get("align_row_stride", 1))
 
     @staticmethod
     def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
@@ -337,38 +336,34 @@ class DraftVocabTargets:
 class Eagle3Training(TrainingKind):
     kind = EAGLE3
     extra_eval = "ttt"
-    steps_key, stride_key = "head.ttt_steps", "head.ttt_row_stride"
 
     def __init__(self, cfg, target_config):
         super().__init__(cfg, target_config)
-        self.steps = cfg.head.ttt_steps
+        self.steps = self.options.steps
         self.logged_steps = self.extra_steps = self.steps
-        self.step_weights = ttt_weights(cfg.head, self.loss_cfg)
-        self.stride = cfg.head.ttt_row_stride
+        self.step_weights = self.unrolled_weights()
+        self.stride = self.options.row_stride
         self.vocab_info: dict = {}
 
     def describe(self) -> str:
         return (f"EAGLE-3 head: aux layers {self.layers[:-1]}, {self.steps} unrolled steps "
                 f"({self.weights_text(self.step_weights)}), row stride {self.stride}; draft vocabulary "
                 + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in self.vocab_info.items())
-                + "".join(f"; EAGLE-3.1 {k}" for k in EAGLE31_NORMS if self.cfg.head[k]))
+                + "".join(f"; EAGLE-3.1 {k}" for k in self.options.norms()))
 
     def new_head(self, target_config, source, train_indices, lm_head):
         """A fresh EAGLE-3 head with the draft vocabulary of the training split (or head.init_from, its vocabulary kept);
         head.lm_head_init=target starts its lm_head [Vd, H] from the target's lm_head [V, H] rows of the draft tokens."""
         h = self.cfg.head
         V = int(text_config(target_config).vocab_size)
-        size = h.draft_vocab_size or V  # <= V: recipes.head.check_head_fits_target (training_kind)
-        expect = dataclasses.replace(head_config_from_target(target_config, kind=self.kind.name,
-                                                             aux_layers=self.layers[:-1], draft_vocab_size=size),
-                                     **{k: bool(h[k]) for k in EAGLE31_NORMS})
+        size = self.options.draft_vocab_size or V  # <= V: recipes.head.check_head_fits_target (training_kind)
+        expect = head_config_from_target(target_config, kind=self.kind.name, options=self.options,
+                                         aux_layers=self.layers[:-1], draft_vocab_size=size)
         counts = count_loss_tokens(source, train_indices, V, self.cfg.data.max_length)
         module = self.kind.module
         if h.init_from:
             head = module.from_pretrained(h.init_from)
-            got = (head.config.hidden_size, head.config.vocab_size, list(head.config.aux_layers or []),
-                   *(getattr(head.config, k) for k in EAGLE31_NORMS))
-            want = (expect.hidden_size, expect.vocab_size, list(expect.aux_layers), *(getattr(expect, k) for k in EAGLE31_NORMS))
+            got, want = (self.shape_of(c) for c in (head.config, expect))
             if got != want:
                 raise ValueError(f"head.init_from={h.init_from}: hidden/vocab/aux layers/{'/'.join(EAGLE31_NORMS)} {got} "
                                  f"do not match the recipe's {want}")
@@ -379,9 +374,15 @@ class Eagle3Training(TrainingKind):
             if h.lm_head_init == "target":
                 with torch.no_grad():
                     head.lm_head.weight.copy_(lm_head[(torch.arange(size) + d2t).to(lm_head.device)].float())
-        self.vocab_info = {"draft_vocab_size": head.config.draft_vocab_size, "distinct_loss_tokens": int((counts > 0).sum()),
+        self.vocab_info = {"draft_vocab_size": head.config.options.draft_vocab_size, "distinct_loss_tokens": int((counts > 0).sum()),
                            "draft_vocab_coverage": vocab_coverage(counts, head.t2d.cpu())}
         return head
+
+    @staticmethod
+    def shape_of(config) -> tuple:
+        """What an init_from head must share with the recipe's: hidden, vocabulary, aux layers, EAGLE-3.1's norms."""
+        o = config.options
+        return (config.hidden_size, config.vocab_size, list(o.aux_layers), *(getattr(o, k) for k in EAGLE31_NORMS))
 
     def complete_config(self, config, counts: torch.Tensor):
         """The fresh head's config with what the kind picks from the training split's loss-token counts [V]."""
@@ -390,7 +391,7 @@ class Eagle3Training(TrainingKind):
     def summary(self) -> dict:
         return {"head_kind": self.kind.name, "aux_layers": self.layers[:-1], "ttt_steps": self.steps,
                 "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info,
-                **{k: bool(self.cfg.head[k]) for k in EAGLE31_NORMS}}
+                **{k: bool(getattr(self.options, k)) for k in EAGLE31_NORMS}}
 
     def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
         return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
@@ -418,19 +419,6 @@ class Eagle3Training(TrainingKind):
 
         return EvalBatch(out, s.weights, chains, torch.tensor(out.step_hits, dtype=torch.float64),
                          torch.tensor(out.step_counts, dtype=torch.float64))
-
-    @staticmethod
-    def plan_shape(shape, hc, head_cfg) -> None:
-        """fc [H, 3H]; q/k/v read [embed, hidden] (2H); its own lm_head [Vd, H]; two more norms (and EAGLE-3.1's 3H of
-        norms before fc per option); 4H cached per token."""
-        H, D = hc.hidden_size, hc.head_dim
-        vd = int(head_cfg.get("draft_vocab_size") or hc.vocab_size)
-        qkv_out = (hc.num_attention_heads + 2 * hc.num_key_value_heads) * D
-        shape.head_trainable += 3 * H * H - 2 * H * H - (H if hc.bias else 0) + qkv_out * H + vd * H + 2 * H
-        shape.head_trainable += 3 * H * (bool(head_cfg.get("norm_before_fc")) + bool(head_cfg.get("fc_norm")))  # EAGLE-3.1
-        shape.head_largest = max(shape.head_largest, vd * H, 3 * H * H)
-        shape.draft_vocab, shape.ttt_steps, shape.cache_row = vd, int(head_cfg.get("ttt_steps", 7)), 4
-        shape.ttt_row_stride = int(head_cfg.get("ttt_row_stride", 1))
 
     @staticmethod
     def activation_bytes(s, cb: int, step: int = 1, keys: float = 0.0) -> float:
@@ -471,7 +459,7 @@ class PeagleTraining(Eagle3Training):
     def complete_config(self, config, counts: torch.Tensor):
         """head.mask_token_id, or (-1) the smallest target id absent from the training split's loss tokens (the
         rarest one when every id occurs): a token the head's real positions rarely read."""
-        chosen = self.cfg.head.mask_token_id
+        chosen = self.options.mask_token_id
         if chosen < 0:
             chosen = int(counts.argmin())  # the first zero when there is one
         self.mask_token = chosen
@@ -485,11 +473,6 @@ class PeagleTraining(Eagle3Training):
     def summary(self) -> dict:
         return {**super().summary(), "mask_token_id": getattr(self, "mask_token", None)}
 
-    @staticmethod
-    def plan_shape(shape, hc, head_cfg) -> None:
-        """EAGLE-3's shape plus the learned mask_hidden [1, 3H]."""
-        Eagle3Training.plan_shape(shape, hc, head_cfg)
-        shape.head_trainable += 3 * hc.hidden_size
 
 
 TRAINING: dict[HeadKind, type[TrainingKind]] = {EAGLE2: Eagle2Training, EAGLE3: Eagle3Training, PEAGLE: PeagleTraining}

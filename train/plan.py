@@ -52,12 +52,11 @@ from data_prep.docstring_corpus import default_conversations
 from data_prep.feature_cache import bytes_per_token, merge_manifests
 from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
-from eagle.eagle2 import EagleHead
 from eagle.unroll import UNROLL_ROW_CHUNKS
 from eagle.head_config import head_config_from_target
 from eagle.head_kinds import text_config
 from recipes import add_print_config, command_config, layout
-from recipes.head import check_head_fits_target
+from recipes.head import check_head_fits_target, head_options, section_kind
 from train.distributed import import_deepspeed
 from train.ds_config import deepspeed_config
 from train.head_kinds import training_class
@@ -139,8 +138,8 @@ class Shape:
     target_active_params: int  # per token (MoE: the routed experts only)
     head_trainable: int  # trainable head parameters
     head_largest: int  # largest trainable tensor (ZeRO-3 estimator)
-    kind: str = "eagle2"
-    draft_vocab: int = 0  # eagle3: its own lm_head rows
+    kind: str = ""  # the head kind's name
+    draft_vocab: int = 0  # tokens one draft step scores (eagle3: its own lm_head rows; eagle2: the target's vocabulary)
     ttt_steps: int = 1  # unrolled steps, each a full head pass (eagle3: head.ttt_steps; eagle2: head.align_steps)
     ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (head.ttt_row_stride / head.align_row_stride)
     cache_row: int = 1  # hidden states cached per token (eagle2 1 = last layer; eagle3 4 = 3 aux + last)
@@ -247,25 +246,27 @@ def count_target_params(config) -> tuple[int, int]:
 
 
 def plan_shape(cfg, config=None) -> Shape:
-    """Target and head shape for `cfg` (EAGLE-2 head from the target config; EAGLE-3 per head.kind)."""
+    """Target and head shape for `cfg`: the recipe's head built by its kind on the meta device (its trainable
+    parameters counted, never a per-kind formula), its unrolled steps and cached states from the kind's options."""
     source = "the run's target"
     if config is None:
         config, source = target_config(cfg)
     check_head_fits_target(cfg.head, config)  # what training would refuse (aux layers, draft vocabulary)
     c = text_config(config)
-    hc = head_config_from_target(config, bias=cfg.head.bias)
-    kind = cfg.head.get("kind", "eagle2")  # a recipe.yaml of an older export may lack it
+    options = head_options(cfg.head)  # a recipe.yaml of an older export without head.kind: the default kind's
+    hc = head_config_from_target(config, bias=cfg.head.bias, kind=section_kind(cfg.head).name, options=options)
     with torch.device("meta"):
-        head = EagleHead(hc)
-    trainable = [p.numel() for n, p in head.named_parameters() if p.requires_grad]
+        head = hc.head_kind.module(hc)
+    trainable = [p.numel() for p in head.parameters() if p.requires_grad]
     total, active = count_target_params(config)
-    H, D = hc.hidden_size, hc.head_dim
-    shape = Shape(hidden=H, intermediate=hc.intermediate_size, heads=hc.num_attention_heads,
-                  kv_heads=hc.num_key_value_heads, head_dim=D, vocab=hc.vocab_size, layers=c.num_hidden_layers,
-                  max_positions=hc.max_position_embeddings, target_params=total, target_active_params=active,
-                  head_trainable=sum(trainable), head_largest=max(trainable), kind=kind, target_source=source)
-    training_class(kind).plan_shape(shape, hc, cfg.head)  # what the kind adds to the EAGLE-2 layer measured above
-    return shape
+    H, D, L = hc.hidden_size, hc.head_dim, c.num_hidden_layers
+    return Shape(hidden=H, intermediate=hc.intermediate_size, heads=hc.num_attention_heads,
+                 kv_heads=hc.num_key_value_heads, head_dim=D, vocab=hc.vocab_size, layers=L,
+                 max_positions=hc.max_position_embeddings, target_params=total, target_active_params=active,
+                 head_trainable=sum(trainable), head_largest=max(trainable), kind=hc.kind,
+                 draft_vocab=hc.head_kind.draft_vocab_size(hc), ttt_steps=options.steps,
+                 ttt_row_stride=options.row_stride, cache_row=len(hc.head_kind.feature_layers(options, L) or [L]),
+                 target_source=source)
 
 
 # ----------------------------------------------------------------------------- memory
