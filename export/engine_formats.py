@@ -52,7 +52,6 @@ import torch
 from safetensors.torch import save_file
 
 from eagle.atomic_folder import write_folder
-from eagle.eagle2 import EagleHead
 from eagle.head_checks import check_head_weights
 from eagle.head_config import HeadConfig, read_head_json
 from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, load_weights
@@ -153,7 +152,7 @@ def write_eagle2_engine_head(config: HeadConfig, weights_file: str, head_dir: Pa
     and checked as every export is (eagle/head_checks.py) before anything is written. dtype: weights dtype of the
     output (default: the head's). Raises DriftError / HeadConfigError on an inconsistent head."""
     sd = load_weights(weights_file)
-    own = set(EagleHead(config).state_dict())
+    own = set(config.head_kind.module(config).state_dict())
     # fc.bias against the `bias` flag is left to the drift check (its message is precise)
     unexpected = sorted(set(sd) - own - {"fc.bias"})
     missing = sorted(own - set(sd) - {"embed_tokens.weight", "fc.bias"})

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle.head_kinds import EAGLE3
+
 DATA_DIR = "data"
 FEATURES_DIR = "features"  # the feature cache, in DATA_DIR
 REGENERATED_DIR = "regenerated"  # the target's regenerated answers (part-*.jsonl + settings.json), in DATA_DIR
@@ -23,7 +25,7 @@ CHECKPOINTS_DIR = "checkpoints"  # in TRAIN_DIR
 HEAD_DIR = "head"
 EVAL_DIR = "eval"
 TUNE_DIR = "tune"
-EAGLE3_DIR = "eagle3"  # the quickstart demo's second head (its output_dir)
+EAGLE3_DIR = EAGLE3.name  # the quickstart demo's second head, an EAGLE-3 one (its output_dir)
 
 
 def data_dir(cfg) -> Path:

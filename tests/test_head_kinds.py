@@ -72,6 +72,38 @@ def test_no_module_decides_by_kind_name_or_head_class():
     assert not found, f"ask the kind object (eagle/head_kinds.py) instead: {found}"
 
 
+# Strings that spell a kind's name but name something else, per file: a decoding method (EAGLE-2's dynamic tree is
+# the method "eagle2", EAGLE-1's static tree "eagle1") or an engine's own name (vLLM's method "eagle3", its
+# speculators algorithms "eagle3" / "peagle").
+NOT_A_KIND = {"evaluation/methods.py": {"eagle2"}, "recipes/eval.py": {"eagle2"}, "export/eval_outputs.py": {"eagle2"},
+              "export/engine_formats.py": {"eagle3"}, "export/head_kinds.py": {"eagle3", "peagle"}}
+
+
+def kind_literals(source: str) -> list[tuple[int, str]]:
+    """(line, value) of the string constants that are a kind's name, docstrings aside."""
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs and n.value in HEAD_KINDS]
+
+
+def test_no_kind_name_is_written_outside_the_registry():
+    """A kind is named by its object (`EAGLE3.name`, `DEFAULT_KIND.name`), so a renamed or added kind changes one file;
+    the recipes' YAML names kinds as users do."""
+    registry = REPO / "eagle" / "head_kinds.py"
+    found = [f"{rel}:{line} {value!r}" for stage in STAGES for path in sorted((REPO / stage).rglob("*.py"))
+             if path != registry for rel in [str(path.relative_to(REPO))]
+             for line, value in kind_literals(path.read_text()) if value not in NOT_A_KIND.get(rel, ())]
+    assert not found, f"name the kind by its object (eagle/head_kinds.py): {found}"
+
+
+def test_the_literal_check_catches_a_kind_name():
+    source = '"""eagle2"""\nx = "eagle3"\ndef f(k="peagle"):\n    "eagle2"\n'  # docstrings are not names
+    assert kind_literals(source) == [(2, "eagle3"), (3, "peagle")]
+
+
 @pytest.mark.parametrize("code", ["kind is EAGLE3", "kind is not EAGLE2", "name == EAGLE2.name", "k == 'eagle3'",
                                   "'eagle2' != k", "isinstance(h, Eagle3Head)", "type(h) is EagleHead"])
 def test_the_check_catches_every_form_of_a_kind_decision(code):

@@ -22,7 +22,6 @@ What vLLM 0.32 reads (site-packages/vllm/...):
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -98,8 +97,7 @@ def target():
 def make_head(target, kind, norms: dict):
     torch.manual_seed(0)
     cls = PeagleHead if kind is PEAGLE else Eagle3Head
-    config = dataclasses.replace(head_config_from_target(target.config, kind=kind.name, aux_layers=AUX,
-                                                         draft_vocab_size=VD), **norms)
+    config = head_config_from_target(target.config, kind=kind.name, aux_layers=AUX, draft_vocab_size=VD, **norms)
     if kind is PEAGLE:
         kind.with_mask_token(config, 9)
     head = cls(config).bind_target(target)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -157,8 +157,8 @@ def random_head(target, seed: int = 0, bias: bool = True, kind: str = "eagle2", 
     torch.manual_seed(seed)
     if kind != "eagle2":  # eagle3, peagle (P-EAGLE: the EAGLE-3 layout drafting in parallel)
         config = head_config_from_target(target.config, kind=kind, aux_layers=list(aux_layers),
-                                         draft_vocab_size=draft_vocab_size)
-        return head_kind(kind).module(replace(config, **(eagle31 or {}))).bind_target(target).eval()
+                                         draft_vocab_size=draft_vocab_size or 0, **(eagle31 or {}))
+        return head_kind(kind).module(config).bind_target(target).eval()
     head = EagleHead(head_config_from_target(target.config, bias=bias))
     head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.detach())
     return head.eval()
@@ -287,7 +287,7 @@ def _fit_eagle3(target, prompts, new_tokens, sequences, curriculum, seed, aux_la
     if d2t is not None:
         head.set_vocab(d2t)
     draft_of = torch.full((head.config.vocab_size,), -100, dtype=torch.long)  # target id -> draft id (-100: ignored)
-    draft_of[head.map_to_target(torch.arange(head.config.draft_vocab_size))] = torch.arange(head.config.draft_vocab_size)
+    draft_of[head.map_to_target(torch.arange(head.config.options.draft_vocab_size))] = torch.arange(head.config.options.draft_vocab_size)
     head.train()
     torch.manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from data_prep.feature_layers import feature_layers
-from eagle.eagle2 import EagleHead
 from eagle.head_config import head_config_from_target
 from eagle.head_kinds import EAGLE2, EAGLE3, EAGLE31_NORMS, PEAGLE, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
@@ -239,10 +238,10 @@ class Eagle2Training(TrainingKind):
     def new_head(self, target_config, source, train_indices, lm_head):
         """A fresh head (or head.init_from), checked against the target (EAGLE-2 uses the frozen lm_head [V, H] as is)."""
         h = self.cfg.head
-        expect = head_config_from_target(target_config, bias=h.bias)
+        expect = head_config_from_target(target_config, bias=h.bias, kind=self.kind.name, options=self.options)
         if not h.init_from:
-            return EagleHead(expect)
-        head = EagleHead.from_pretrained(h.init_from)
+            return self.kind.module(expect)
+        head = self.kind.module.from_pretrained(h.init_from)
         if (head.config.hidden_size, head.config.vocab_size) != (expect.hidden_size, expect.vocab_size):
             raise ValueError(f"head.init_from={h.init_from}: hidden/vocab {head.config.hidden_size}/"
                              f"{head.config.vocab_size} do not match the target's {expect.hidden_size}/{expect.vocab_size}")
