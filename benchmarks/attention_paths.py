@@ -1,7 +1,7 @@
 """Micro-benchmark behind eagle/attention.py's kernel choice: sdpa (CPU flash kernel) vs `bmm_attention`
 for tree-verification shapes (GQA, additive tree mask), one thread (--threads), median of 5 bursts.
 
-    python benchmarks/attention_paths.py [--threads 1]
+    python -m benchmarks.attention_paths [--threads 1]
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def bench_us(fn, calls: int = 300) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_paths", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

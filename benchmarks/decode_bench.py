@@ -1,6 +1,6 @@
 """Decode speed: vanilla step time vs context length, and the EAGLE-2 per-round time breakdown.
 
-    python benchmarks/decode_bench.py [--shared ../shared] [--head DIR] [--threads 1] [--repeats 5] [--json FILE]
+    python -m benchmarks.decode_bench [--shared ../shared] [--head DIR] [--threads 1] [--repeats 5] [--json FILE]
 
 Results: a table on stdout and JSON in outputs/decode_bench.json (or --json).
 
@@ -38,13 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# `python benchmarks/decode_bench.py`, or a top-level import of this folder (tests, a sibling script): the repo's
-# packages first (its root), this folder still importable after it
-if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder  # noqa: E402
-from eagle.attention import sdpa_attention  # noqa: E402
+from eagle import DecodingConfig, EaModel, EagleHead, fused_decoder
+from eagle.attention import sdpa_attention
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_ROUND_MS = 6.6
@@ -354,7 +349,8 @@ def print_eagle(e: dict, head_what: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shared", default=os.environ.get("EAGLE_SHARED_DIR", str(REPO.parent / "shared")))
     p.add_argument("--head", default=None, help="stories260K head folder (default: ../heads/stories260K-head if present)")
     p.add_argument("--threads", type=int, default=1)

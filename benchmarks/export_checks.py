@@ -2,7 +2,7 @@
 the folder, on an EAGLE-2 head of a 1024-wide, 32000-token target (46M parameters, float32), and the finite-weights
 test two ways (`is_finite`: aminmax, vs isfinite().all()) on its [32000, 1024] embedding.
 
-    python benchmarks/export_checks.py [--hidden 1024 --vocab 32000 --repeats 3]
+    python -m benchmarks.export_checks [--hidden 1024 --vocab 32000 --repeats 3]
 
 Measure with one thread (OMP_NUM_THREADS=1) and say the machine load (`uptime`) next to the numbers."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.export_checks", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=3)

@@ -1,22 +1,15 @@
 """The plan of every shipped 7-8B / 8x7B recipe on 8 x 24 GB GPUs (RTX 3090) as one markdown table
 (docs/results/real_shapes.md).
 
-    python benchmarks/plan_table.py [--gpus 8] [--gpu-mem-gb 24]
+    python -m benchmarks.plan_table [--gpus 8] [--gpu-mem-gb 24]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pathlib import Path
-
-# `python benchmarks/plan_table.py`, or a top-level import of this folder (tests, a sibling script): the repo's
-# packages first (its root), this folder still importable after it
-if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes import load_config  # noqa: E402
-from train.plan import GB, Hardware, build_plan  # noqa: E402
+from recipes import load_config
+from train.plan import GB, Hardware, build_plan
 
 RECIPES = [("llama3-8b", []), ("llama2-chat-7b", []), ("vicuna-7b", []), ("qwen2-7b", []), ("mixtral-8x7b", []),
            ("mixtral-8x7b", ["train.mode=online"]), ("llama3-8b", ["train.loss_chunk=0"]),
@@ -32,7 +25,8 @@ COLUMNS = {  # column -> item-name prefixes summed into it
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_table", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem-gb", type=float, default=24.0)
     args = p.parse_args(argv)

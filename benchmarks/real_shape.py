@@ -1,7 +1,7 @@
 """The pipeline at real 7-8B tensor shapes on CPU, checked against the plan (train/plan.py, host mode).
 
-    python benchmarks/real_shape.py --recipe llama3-8b [--layers 1] [--records 4] [--seq 2048] [--steps 3]
-    python benchmarks/real_shape.py --recipe qwen2-7b
+    python -m benchmarks.real_shape --recipe llama3-8b [--layers 1] [--records 4] [--seq 2048] [--steps 3]
+    python -m benchmarks.real_shape --recipe qwen2-7b
 
 1. Builds a target with the recipe target's REAL shapes (hidden, vocabulary, attention / MLP sizes, q/k/v bias;
    the config from train.plan.KNOWN_TARGETS) but only --layers decoder layers and random weights, saved as an
@@ -35,16 +35,11 @@ from pathlib import Path
 
 import torch
 
-# `python benchmarks/real_shape.py`, or a top-level import of this folder (tests, a sibling script): the repo's
-# packages first (its root), this folder still importable after it
-if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data_prep.feature_cache import CACHE_MANIFEST, bytes_per_token  # noqa: E402
-from data_prep.tokenized import write_tokenized  # noqa: E402
-from eagle.state_files import read_json_state  # noqa: E402
-from recipes import load_config  # noqa: E402
-from train.plan import Hardware, KNOWN_TARGETS, build_plan, format_plan, phase_bytes, plan_shape  # noqa: E402
+from data_prep.feature_cache import CACHE_MANIFEST, bytes_per_token
+from data_prep.tokenized import write_tokenized
+from eagle.state_files import read_json_state
+from recipes import load_config
+from train.plan import Hardware, KNOWN_TARGETS, build_plan, format_plan, phase_bytes, plan_shape
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -114,7 +109,8 @@ def run_measured(cmd: list[str], env: dict, log: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.real_shape", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="llama3-8b", help="a 7-8B recipe whose target is in train.plan.KNOWN_TARGETS")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the random target")
     p.add_argument("--records", type=int, default=4)
@@ -127,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--reuse-prep", action="store_true", help="keep an existing cache (no data-prep measurement)")
     p.add_argument("--phases", action="store_true",
-                   help="also record the peak RSS of every phase of every micro-batch (benchmarks/rss_phases.py)")
+                   help="also record the peak RSS of every phase of every micro-batch (benchmarks.rss_phases)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="extra recipe overrides for both stages")
     args = p.parse_args(argv)
 
@@ -177,7 +173,7 @@ def main(argv=None) -> int:
     print(format_plan(cfg, host))
     if not args.skip_train:
         shutil.rmtree(out_dir / "train", ignore_errors=True)
-        probe = [str(REPO / "benchmarks" / "rss_phases.py"), str(work / "phases.jsonl")] if args.phases else []
+        probe = ["-m", "benchmarks.rss_phases", str(work / "phases.jsonl")] if args.phases else []  # cwd: REPO
         tr = run_measured([sys.executable, *probe, "train/main.py", "--recipe", args.recipe, *train_over], env,
                           work / "train.log")
         if args.phases:  # the probe resets VmHWM at every phase boundary: the run's peak is the largest phase peak

@@ -1,7 +1,7 @@
 """EAGLE-2 decoding at a real 7-8B shape on CPU: the round's non-forward overhead, verification cost at 60
 nodes vs a one-token step, and a prompt longer than the head's max_position_embeddings.
 
-    python benchmarks/real_shape_decode.py --recipe llama3-8b [--threads 1] [--rounds 12] [--context 512]
+    python -m benchmarks.real_shape_decode --recipe llama3-8b [--threads 1] [--rounds 12] [--context 512]
 
 Target: the random-weight real-shape folder benchmarks/real_shape.py builds (the recipe target's hidden size,
 vocabulary, attention and MLP sizes; --layers decoder layers), loaded in float32 and driven through the HF
@@ -30,14 +30,9 @@ from pathlib import Path
 
 import torch
 
-# `python benchmarks/real_shape_decode.py`, or a top-level import of this folder (tests, a sibling script): the repo's
-# packages first (its root), this folder still importable after it
-if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eagle import EaModel  # noqa: E402
-from eagle.decoding_config import DecodingConfig  # noqa: E402
-from eagle.eagle2 import EagleHead  # noqa: E402
+from eagle import EaModel
+from eagle.decoding_config import DecodingConfig
+from eagle.eagle2 import EagleHead
 
 
 class Timed:
@@ -60,7 +55,8 @@ class Timed:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.real_shape_decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="llama3-8b")
     p.add_argument("--work", default="/work/notes/plan/real_shape", help="where real_shape.py put the target")
     p.add_argument("--threads", type=int, default=1)

@@ -1,6 +1,7 @@
-"""Run train/main.py with the peak RSS of every phase of every micro-batch recorded (benchmarks/real_shape.py --phases).
+"""Run train/main.py with the peak RSS of every phase of every micro-batch recorded (`python -m benchmarks.real_shape
+--phases`).
 
-    python benchmarks/rss_phases.py OUT.jsonl train/main.py --recipe R key=value ...
+    python -m benchmarks.rss_phases OUT.jsonl train/main.py --recipe R key=value ...
 
 A whole-run peak (VmHWM) says how much memory a run needs but not WHEN it is reached, and so not which terms of
 the plan add up at that moment. This wrapper resets the kernel's high-water mark (`/proc/self/clear_refs` 5) at
@@ -13,6 +14,7 @@ class level, in this process only; the trainer is otherwise unchanged.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import runpy
 import sys
@@ -85,14 +87,17 @@ def install(log: PhaseLog) -> None:
     DeepSpeedEngine.backward, DeepSpeedEngine.step = probed_backward, probed_step
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) < 2:
-        raise SystemExit(__doc__)
-    out, script, *args = argv
-    install(PhaseLog(Path(out)))
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rss_phases", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="the JSON-lines file of phases to write")
+    p.add_argument("script", help="the training script, run in this process (train/main.py)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = p.parse_args(argv)
+    install(PhaseLog(Path(a.out)))
+    sys.argv = [a.script, *a.args]
+    runpy.run_path(a.script, run_name="__main__")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

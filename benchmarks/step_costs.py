@@ -5,8 +5,8 @@ Each piece is timed in isolation (best of 9 bursts, so noise from other jobs is 
 a full generation loop over 10 prompts gives the real round cost. A round pays off when it costs less
 than tau single-token steps.
 
-    python benchmarks/step_costs.py --head HEAD --total-token 16 --depth 4 --top-k 2
-    python benchmarks/step_costs.py --default-target [--head runs/tiny/head]   # the quickstart's target
+    python -m benchmarks.step_costs --head HEAD --total-token 16 --depth 4 --top-k 2
+    python -m benchmarks.step_costs --default-target [--head runs/tiny/head]   # the quickstart's target
 """
 from __future__ import annotations
 
@@ -19,16 +19,10 @@ from pathlib import Path
 
 import torch
 
-from decode_bench import STOP_IDS, corpus_context, load_stories, story_prompts
-
-# `python benchmarks/step_costs.py`, or a top-level import of this folder (tests, a sibling script): the repo's
-# packages first (its root), this folder still importable after it
-if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data_prep import default_target  # noqa: E402  (used through the module: a test swaps in a small build)
-from eagle import DecodingConfig, EaModel, EagleHead  # noqa: E402
-from eagle.verify import verify_greedy  # noqa: E402
+from benchmarks.decode_bench import STOP_IDS, corpus_context, load_stories, story_prompts
+from data_prep import default_target  # used through the module: a test swaps in a small build
+from eagle import DecodingConfig, EaModel, EagleHead
+from eagle.verify import verify_greedy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,7 +40,8 @@ def best_ms(fn, calls: int = 400, bursts: int = 9) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_costs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shared", default=os.environ.get("EAGLE_SHARED_DIR", str(REPO.parent / "shared")))
     p.add_argument("--head", default=None, help="stories260K head folder (default: ../heads/stories260K-head)")
     p.add_argument("--total-token", type=int, default=16)

@@ -1,6 +1,6 @@
 """A thinking variant of the embedded default target, for measuring heads on reasoning targets (issue 41).
 
-    python benchmarks/thinking_target.py OUT_DIR [--steps 300] [--seed 0]
+    python -m benchmarks.thinking_target OUT_DIR [--steps 300] [--seed 0]
 
 Trains the default target's architecture and budget (data_prep/default_target.py, preset `default`) on the same
 stdlib-docstring conversations, rendered with the shipped `qwen3` template, where every assistant reply starts with a
@@ -24,15 +24,10 @@ from pathlib import Path
 
 import torch
 
-# `python benchmarks/thinking_target.py`, or a top-level import of this folder (tests, a sibling script): the repo's
-# packages first (its root), this folder still importable after it
-if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data_prep.default_target import (SIZES, build_model, evaluate_loss, heldout_conversations, pack_conversations,  # noqa: E402
+from data_prep.default_target import (SIZES, build_model, evaluate_loss, heldout_conversations, pack_conversations,
                                       train_model)
-from data_prep.docstring_corpus import default_conversations, default_questions  # noqa: E402
-from recipes.chat_templates import read_template  # noqa: E402
+from data_prep.docstring_corpus import default_conversations, default_questions
+from recipes.chat_templates import read_template
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|pad|>"]
 THINK_TOKENS = ["<think>", "</think>"]  # added, not special: decoded replies keep them (as Qwen3's tokenizer does)
@@ -75,7 +70,8 @@ def train_tokenizer(records: list[dict], vocab_size: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.thinking_target", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path, help="folder to write the thinking target to")
     p.add_argument("--steps", type=int, default=SIZES["default"].steps, help="optimizer steps (the default target's)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """Training throughput: length-grouped micro-batches vs the naive padded loop, on the same data.
 
-    python benchmarks/train_batching.py --recipe stories260k [key=value ...] [--epochs 1] [--repeats 3]
+    python -m benchmarks.train_batching --recipe stories260k [key=value ...] [--epochs 1] [--repeats 3]
 
 Runs the real trainer (train.main.train) in this process once per strategy and repeat, alternating
 grouped/padded so machine-load drifts hit both, each for the same number of epochs over the same
@@ -27,7 +27,8 @@ from train.main import train
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.train_batching", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True)
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--epochs", type=float, default=1.0)

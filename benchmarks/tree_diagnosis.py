@@ -8,7 +8,7 @@
 3. What predicts acceptance: P(accepted | parent accepted) of the raw 60/5/10 tree's nodes by depth, by sibling
    rank and by draft probability within rank 0 and ranks > 0.
 
-    python benchmarks/tree_diagnosis.py --target TARGET --head HEAD [--questions Q.jsonl] [--prompts 16]
+    python -m benchmarks.tree_diagnosis --target TARGET --head HEAD [--questions Q.jsonl] [--prompts 16]
 
 Prompts: the question file's first turns (default: the default target's questions_eval.jsonl); checks 1 and 3 and
 the fit use questions 53 .. 52 + prompts (what the demo's calibration uses), tau is measured on questions 1-48.
@@ -22,21 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import sys
-
-# `python benchmarks/tree_diagnosis.py`, or a top-level import of this folder (tests, a sibling script): the repo's
-# packages first (its root), this folder still importable after it
-if __package__ in (None, "") and sys.path[0] != str(Path(__file__).resolve().parent.parent):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eagle import DecodingConfig, EaModel  # noqa: E402
-from eagle.static_trees import static_choices  # noqa: E402
-from eagle.tree import DraftTree, StaticTreeSpec  # noqa: E402
-from evaluation.autotune import fit_tree_calibration  # noqa: E402
-from evaluation.calibration import calibrate, node_outcomes  # noqa: E402
-from evaluation.chat_format import ChatFormat  # noqa: E402
-from evaluation.questions import load_questions  # noqa: E402
-from evaluation.runner import GenerationArgs  # noqa: E402
+from eagle import DecodingConfig, EaModel
+from eagle.static_trees import static_choices
+from eagle.tree import DraftTree, StaticTreeSpec
+from evaluation.autotune import fit_tree_calibration
+from evaluation.calibration import calibrate, node_outcomes
+from evaluation.chat_format import ChatFormat
+from evaluation.questions import load_questions
+from evaluation.runner import GenerationArgs
 
 
 def token_path(tree: DraftTree, i: int) -> tuple[int, ...]:
@@ -107,7 +100,8 @@ def acceptance_tables(rounds: list) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tree_diagnosis", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
     ap.add_argument("--head", required=True)
     ap.add_argument("--questions", default=None, help="default: TARGET/questions_eval.jsonl")

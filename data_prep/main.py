@@ -24,35 +24,35 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+if not __package__:  # started by path (deepspeed, torchrun: once per rank): the repo root replaces this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import torch.distributed as dist
 from huggingface_hub.utils import disable_progress_bars
 
-if __package__ in (None, ""):  # `python data_prep/main.py`: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data_prep.assistant_spans import count_labels, label_tokens, renders_reasoning  # noqa: E402
-from data_prep.cache_features import cache_shard, check_disk  # noqa: E402
-from data_prep.chat_template import stop_token_ids  # noqa: E402
-from data_prep.conversations import load_conversations, read_jsonl, write_jsonl  # noqa: E402
-from data_prep.feature_cache import CACHE_MANIFEST, FeatureCacheWriter, merge_manifests, sha256_file  # noqa: E402
-from data_prep.feature_layers import feature_layers  # noqa: E402
-from data_prep.loss_mask import render_masked, tokenize_records  # noqa: E402
-from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,  # noqa: E402
+from data_prep.assistant_spans import count_labels, label_tokens, renders_reasoning
+from data_prep.cache_features import cache_shard, check_disk
+from data_prep.chat_template import stop_token_ids
+from data_prep.conversations import load_conversations, read_jsonl, write_jsonl
+from data_prep.feature_cache import CACHE_MANIFEST, FeatureCacheWriter, merge_manifests, sha256_file
+from data_prep.feature_layers import feature_layers
+from data_prep.loss_mask import render_masked, tokenize_records
+from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,
                                   read_parts, regenerate_shard)
-from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer,  # noqa: E402
+from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer,
                               resolve_target_path, target_config_hash)
-from data_prep.tokenized import load_tokenized, write_tokenized  # noqa: E402
-from data_prep.tool_calls import tool_call_format  # noqa: E402
-from data_prep.vllm_features import (UNREQUESTED, cache_shard_vllm, capture_layer_ids,  # noqa: E402
+from data_prep.tokenized import load_tokenized, write_tokenized
+from data_prep.tool_calls import tool_call_format
+from data_prep.vllm_features import (UNREQUESTED, cache_shard_vllm, capture_layer_ids,
                                      capture_work_dir, staging_bytes_per_token)
-from data_prep.vllm_server import recipe_server  # noqa: E402
-from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
-from eagle.device import pick_device  # noqa: E402
-from eagle.head_kinds import text_config  # noqa: E402
-from eagle.hub_ids import check_local_exists  # noqa: E402
-from eagle.run_lock import run_lock  # noqa: E402
-from eagle.state_files import StateFile, read_json_state, register, write_json_state  # noqa: E402
-from recipes import add_print_config, command_config, layout  # noqa: E402
+from data_prep.vllm_server import recipe_server
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
+from eagle.device import pick_device
+from eagle.head_kinds import text_config
+from eagle.hub_ids import check_local_exists
+from eagle.run_lock import run_lock
+from eagle.state_files import StateFile, read_json_state, register, write_json_state
+from recipes import add_print_config, command_config, layout
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
 

@@ -461,10 +461,10 @@ def _tree_config_problem(data: dict) -> str | None:
 
 
 TREE_CONFIG = register(StateFile(
-    TREE_CONFIG_NAME, "HEAD_DIR", writer="eagle/ea_model.py (evaluation/main.py autotune)",
+    TREE_CONFIG_NAME, "HEAD_DIR", writer="eagle/ea_model.py (python -m evaluation autotune)",
     schema={**{f"{k}?": type(v) for k, v in asdict(DecodingConfig()).items()}, f"{CALIBRATION_KEY}?": [_CALIBRATION_SCHEMA]},
     check=_tree_config_problem,
-    rebuild="delete it and rerun `python evaluation/main.py autotune --base TARGET --head HEAD` (it writes the tree "
+    rebuild="delete it and rerun `python -m evaluation autotune --base TARGET --head HEAD` (it writes the tree "
             "and, unless eval.calibration_prompts=0, the score maps), or decode with an explicit tree",
     when_missing="no tuned tree: the recipe's (or the published) tree settings",
     example={"total_token": 30, "depth": 4, "top_k": 8, CALIBRATION_KEY: [

@@ -75,8 +75,8 @@ class ScoreCalibration:
                     or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for row in nodes for n in row)
                     or not isinstance(need, int) or isinstance(need, bool) or need < 1):
                 raise ValueError('calibration fitted_on.coverage: expected {"nodes": [[count per rank] per depth] of '
-                                 'integers >= 0, "min_nodes": an integer >= 1}; refit the map (evaluation/main.py '
-                                 'autotune)')
+                                 'integers >= 0, "min_nodes": an integer >= 1}; refit the map (python -m '
+                                 'evaluation autotune)')
         for name in ("temperature", "top_p", "top_k"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

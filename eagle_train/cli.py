@@ -11,9 +11,9 @@
 
 A subcommand is the stage's own program (the module in SUBCOMMANDS), given the rest of the command line: the same
 options, output and exit codes as its documented invocation, which keeps working (`python train/main.py`,
-`deepspeed train/main.py`, `torchrun ... train/main.py`, `python -m train.plan`, ...). Only the name in its usage
-line differs. Multi-process runs still start the scripts by path (`deepspeed|torchrun ... train/main.py`,
-`torchrun ... data_prep/main.py`): their launchers run a file per rank.
+`deepspeed train/main.py`, `torchrun ... train/main.py`, `python -m train.plan`, `python -m evaluation`, ...). Only
+the name in its usage line differs. Multi-process runs still start the scripts by path (`deepspeed|torchrun ...
+train/main.py`, `torchrun ... data_prep/main.py`): their launchers run a file per rank.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Subcommand:
     module: str       # the stage's module; its `main(argv) -> int` runs the subcommand
     documented: str   # the prog its parser prints when started the documented way (replaced by `eagle-train NAME`)
     summary: str      # one line for `eagle-train --help`
-    prefix: tuple[str, ...] = ()  # arguments put before the user's (evaluation/main.py's own command)
+    prefix: tuple[str, ...] = ()  # arguments put before the user's (evaluation's own command)
 
 
 _EVAL = "evaluation.main"
@@ -51,15 +51,15 @@ SUBCOMMANDS = {
     "export": Subcommand("export.cli", "python -m train.export",
                          "write a head in the folder format a serving engine loads (eagle, vllm, sglang)"),
     "hub": Subcommand("export.hub", "python -m train.hub", "push an exported head with its model card to the Hub"),
-    "eval": Subcommand(_EVAL, "evaluation/main.py",
+    "eval": Subcommand(_EVAL, "python -m evaluation",
                        "evaluate a head: bench (default), autotune, chi2, serve-check, serve-sweep"),
-    "autotune": Subcommand(_EVAL, "evaluation/main.py autotune",
+    "autotune": Subcommand(_EVAL, "python -m evaluation autotune",
                            "the fastest EAGLE-2 tree for a head -> tree_config.json beside it", ("autotune",)),
-    "chi2": Subcommand(_EVAL, "evaluation/main.py chi2",
+    "chi2": Subcommand(_EVAL, "python -m evaluation chi2",
                        "losslessness at temperature > 0 (sampling distributions)", ("chi2",)),
-    "serve-check": Subcommand(_EVAL, "evaluation/main.py serve-check",
+    "serve-check": Subcommand(_EVAL, "python -m evaluation serve-check",
                               "the head inside a serving engine (vLLM) vs this project's decoder", ("serve-check",)),
-    "serve-sweep": Subcommand(_EVAL, "evaluation/main.py serve-sweep",
+    "serve-sweep": Subcommand(_EVAL, "python -m evaluation serve-sweep",
                               "the engine's best speculative k per concurrency level", ("serve-sweep",)),
 }
 

@@ -270,7 +270,8 @@ def coverage_warning(what: str, head: str, decoding: DecodingConfig, cal: ScoreC
     if cal is None or decoding.mode != "dynamic":
         return None
     tree = f"{decoding.total_token}/{decoding.depth}/{decoding.top_k}"
-    refit = "refit it with `evaluation/main.py autotune` (its coverage tree spans eval.tune_depths x eval.tune_top_ks)"
+    refit = ("refit it with `python -m evaluation autotune` (its coverage tree spans eval.tune_depths x "
+             "eval.tune_top_ks)")
     shape = cal.covered()
     if shape is None:
         return (f"{what}: head {head}'s calibration map records no coverage (fitted before it was recorded), so whether "

@@ -1,13 +1,17 @@
 """Evaluate a draft head: how much faster, and is it still exactly the target?
 
-    python evaluation/main.py --recipe tiny [key=value ...]                  # bench (default command)
-    python evaluation/main.py --base TARGET --head HEAD [--questions SRC] [key=value ...]
-    python evaluation/main.py autotune --base TARGET --head HEAD [...]       # fastest EAGLE-2 tree -> tree_config.json
-    python evaluation/main.py chi2 --base TARGET --head HEAD eval.chi2_samples=2000   # losslessness at T > 0
-    python evaluation/main.py serve-check --engine vllm --base TARGET --head HEAD \
+    python -m evaluation --recipe tiny [key=value ...]                       # bench (default command)
+    python -m evaluation --base TARGET --head HEAD [--questions SRC] [key=value ...]
+    python -m evaluation autotune --base TARGET --head HEAD [...]            # fastest EAGLE-2 tree -> tree_config.json
+    python -m evaluation chi2 --base TARGET --head HEAD eval.chi2_samples=2000   # losslessness at T > 0
+    python -m evaluation serve-check --engine vllm --base TARGET --head HEAD \
         --engine-python /work/venvs/vllm/bin/python      # the head IN vLLM vs this decoder (evaluation/serve_check.py)
-    python evaluation/main.py serve-sweep --base TARGET --head HEAD --engine-python ...   # best k per concurrency
-    python evaluation/main.py serve-check ... --speculative-config EVAL/serve_sweep/speculative_config.json  # k by batch
+    python -m evaluation serve-sweep --base TARGET --head HEAD --engine-python ...   # best k per concurrency
+    python -m evaluation serve-check ... --speculative-config EVAL/serve_sweep/speculative_config.json  # k by batch
+
+`eagle-train eval|autotune|chi2|serve-check|serve-sweep` runs the same commands. Run by path (`python
+evaluation/main.py`) it refuses in one line: Python would put evaluation/ first on sys.path and import the other
+packages from wherever they come next, not necessarily this checkout.
 
 bench: every method of `eval.methods` (vanilla, chain, eagle1, eagle2, tuned; any override like
 "eagle2:total_token=30,depth=4,top_k=8") runs on every prompt, interleaved, after a warm-up; the
@@ -29,44 +33,46 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:  # `python evaluation/main.py`: before importing anything of the project, from wherever it is
+    print("error: evaluation/main.py is not run by path: use `python -m evaluation [COMMAND] ...` (from the checkout's "
+          "root when it is not installed) or `eagle-train eval|autotune|chi2|serve-check|serve-sweep`", file=sys.stderr)
+    sys.exit(2)  # EXIT_USER_ERROR: eagle.cli_errors is not imported here, where it could be another copy's
+
 import torch
 
-if __package__ in (None, ""):  # `python evaluation/main.py`: import the repo's packages (its root), not this folder's files
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
-from data_prep.assistant_spans import label_tokens  # noqa: E402
-from data_prep.chat_template import stop_token_ids  # noqa: E402
-from data_prep.default_target import QUESTIONS_FILE, ensure_default_target  # noqa: E402
-from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
-from data_prep.tool_calls import detect_format  # noqa: E402
-from eagle.cli_errors import ArgumentParser, bounded, one_line_errors  # noqa: E402
-from eagle.decoding_config import DecodingConfig  # noqa: E402
-from eagle.ea_model import EaModel, load_calibrations, save_tree_config  # noqa: E402
-from eagle.head_config import check_head_fits_target  # noqa: E402
-from eagle.head_files import check_head_files, head_config_of, load_head  # noqa: E402
-from eagle.head_kinds import text_config  # noqa: E402
-from eagle.hub_ids import looks_local  # noqa: E402
-from eagle.sampling import SamplingParams  # noqa: E402
-from eagle.score_calibration import ScoreCalibration  # noqa: E402
-from evaluation.autotune import autotune_tree, fit_tree_calibration, grid  # noqa: E402
-from evaluation.calibration import calibrate, coverage_warning  # noqa: E402
-from evaluation.chat_format import ChatFormat  # noqa: E402
-from evaluation.engine_process import ENGINES  # noqa: E402
-from evaluation.head_health import acceptance_warning, warn, weights_warning  # noqa: E402
-from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
-from evaluation.methods import Method, parse_methods  # noqa: E402
-from evaluation.metrics import compare_all_pairs, summarize  # noqa: E402
-from evaluation.questions import STANDARD_SET, QuestionError, load_questions  # noqa: E402
-from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,  # noqa: E402
+from data_prep.assistant_spans import label_tokens
+from data_prep.chat_template import stop_token_ids
+from data_prep.default_target import QUESTIONS_FILE, ensure_default_target
+from data_prep.target import load_target_config, resolve_target_path
+from data_prep.tool_calls import detect_format
+from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
+from eagle.decoding_config import DecodingConfig
+from eagle.ea_model import EaModel, load_calibrations, save_tree_config
+from eagle.head_config import check_head_fits_target
+from eagle.head_files import check_head_files, head_config_of, load_head
+from eagle.head_kinds import text_config
+from eagle.hub_ids import looks_local
+from eagle.sampling import SamplingParams
+from eagle.score_calibration import ScoreCalibration
+from evaluation.autotune import autotune_tree, fit_tree_calibration, grid
+from evaluation.calibration import calibrate, coverage_warning
+from evaluation.chat_format import ChatFormat
+from evaluation.engine_process import ENGINES
+from evaluation.head_health import acceptance_warning, warn, weights_warning
+from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches
+from evaluation.methods import Method, parse_methods
+from evaluation.metrics import compare_all_pairs, summarize
+from evaluation.questions import STANDARD_SET, QuestionError, load_questions
+from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,
                                write_report)
-from evaluation.runner import GenerationArgs, run_benchmark  # noqa: E402
-from evaluation.serve_check import serve_check  # noqa: E402
-from evaluation.serve_sweep import parse_int_list, serve_sweep  # noqa: E402
-from evaluation.spans import compare_spans, summarize_spans  # noqa: E402
-from export.head_kinds import EXPORT  # noqa: E402
-from export.speculative_schedule import read_speculative_config  # noqa: E402
-from recipes import add_print_config, command_config, layout  # noqa: E402
-from recipes.chat_templates import read_template  # noqa: E402
+from evaluation.runner import GenerationArgs, run_benchmark
+from evaluation.serve_check import serve_check
+from evaluation.serve_sweep import parse_int_list, serve_sweep
+from evaluation.spans import compare_spans, summarize_spans
+from export.head_kinds import EXPORT
+from export.speculative_schedule import read_speculative_config
+from recipes import add_print_config, command_config, layout
+from recipes.chat_templates import read_template
 
 COMMANDS = {  # name -> what it does (its --help); bench runs when no command is named
     "bench": "speed-up and acceptance of every method of eval.methods on the prompts, with the greedy losslessness "
@@ -79,6 +85,7 @@ COMMANDS = {  # name -> what it does (its --help); bench runs when no command is
     "serve-sweep": "the best draft length per concurrency level in the engine (vLLM's bench serve): tokens/s, latency, "
                    "acceptance, plot and recommendation (evaluation/serve_sweep.py)",
 }
+PROG = "python -m evaluation"  # the documented invocation (`eagle-train eval` prints its own name instead)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("evaluation")
 
@@ -108,8 +115,8 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     elif argv and not argv[0].startswith("-") and "=" not in argv[0]:
         close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]}? " if close else ""
-        raise SystemExit(f"evaluation/main.py: unknown command {argv[0]!r}: {hint}commands: {', '.join(COMMANDS)} "
-                         "(`evaluation/main.py COMMAND --help` lists a command's options)")
+        raise SystemExit(f"{PROG}: unknown command {argv[0]!r}: {hint}commands: {', '.join(COMMANDS)} "
+                         f"(`{PROG} COMMAND --help` lists a command's options)")
     else:
         command = "bench"
     return command, command_parser(command, named).parse_intermixed_args(argv)  # overrides before or after the flags
@@ -117,11 +124,11 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
 
 def command_parser(command: str, named: bool = True) -> ArgumentParser:
     """The parser of one command: the options every command takes, plus serve-check's own. Without a command
-    (plain `evaluation/main.py --help`) the help is the module's, listing every command."""
+    (plain `python -m evaluation --help`) the help is the module's, listing every command."""
     listing = "\n".join(f"  {name:<12} {what}" for name, what in COMMANDS.items())
-    description = (f"evaluation/main.py {command}: {COMMANDS[command]}" if named else
-                   f"{__doc__}\ncommands (`evaluation/main.py COMMAND --help` for each):\n{listing}")
-    p = ArgumentParser(prog=f"evaluation/main.py {command}" if named else f"evaluation/main.py [{'|'.join(COMMANDS)}]",
+    description = (f"{PROG} {command}: {COMMANDS[command]}" if named else
+                   f"{__doc__}\ncommands (`{PROG} COMMAND --help` for each):\n{listing}")
+    p = ArgumentParser(prog=f"{PROG} {command}" if named else f"{PROG} [{'|'.join(COMMANDS)}]",
                        description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=None, help="recipe name (recipes/NAME.yaml) or path; default: schema defaults")
     p.add_argument("--base", default=None, help="target model folder or hub id (overrides target.path)")
@@ -286,7 +293,7 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
                               "calibration": tree_scores(s, m)} for m in methods},
         "hardware": {"machine": platform.machine(), "processor": platform.processor() or "?",
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
-        "command": " ".join(["python evaluation/main.py", *s.argv]),
+        "command": " ".join([PROG, *s.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "code": code_version(),
     }

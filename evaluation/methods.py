@@ -167,5 +167,5 @@ def load_tuned(head_dir: Path | None) -> DecodingConfig:
     saved = None if path is None else read_json_state(path, TREE_CONFIG)
     if not set(saved or {}) - {CALIBRATION_KEY}:
         raise FileNotFoundError(f"method 'tuned': no tuned tree in {path or head_dir}; run "
-                                f"`python evaluation/main.py autotune ...` first")
+                                f"`python -m evaluation autotune ...` first")
     return load_tree_config(head_dir)

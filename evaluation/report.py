@@ -145,7 +145,7 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
         lines.append("")
     lines += ["## Losslessness", ""]
     if report.greedy is None:
-        lines.append("T > 0: outputs are random; run `python evaluation/main.py chi2 ...` for the distribution test.")
+        lines.append("T > 0: outputs are random; run `python -m evaluation chi2 ...` for the distribution test.")
     else:
         g = report.greedy
         ties = len(g.mismatches) - len(g.divergences)
@@ -187,8 +187,8 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
         lines.append("")
         maps = {k: v["calibration"] for k, v in m.get("methods", {}).items() if v.get("calibration")}
         if maps:
-            lines += ["Tree scores per method (maps fitted by `evaluation/main.py autotune` on held-out prompts and saved "
-                      "in the head's tree_config.json): " + "; ".join(f"`{k}`: {v}" for k, v in maps.items()), ""]
+            lines += ["Tree scores per method (maps fitted by `python -m evaluation autotune` on held-out prompts and "
+                      "saved in the head's tree_config.json): " + "; ".join(f"`{k}`: {v}" for k, v in maps.items()), ""]
     lines += ["## Where the time goes (seconds, overall)", "", "| method | total | prefill | draft | verify | commit |",
               "|---|---|---|---|---|---|"]
     for s in overall:

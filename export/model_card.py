@@ -133,7 +133,7 @@ def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: ExportKind) 
         lines += [f"{label} (format checked against {ENGINE_VERSIONS[engine]}):", "", "```bash", cmds[engine], "```", ""]
     lines += ["vLLM drafts a chain (`num_speculative_tokens`); SGLang a tree (`--speculative-num-steps` = depth, "
               "`--speculative-eagle-topk`, `--speculative-num-draft-tokens`). Check the head in the engine before "
-              "deploying: `python evaluation/main.py serve-check --engine vllm --base BASE --head HEAD`.", ""]
+              "deploying: `python -m evaluation serve-check --engine vllm --base BASE --head HEAD`.", ""]
     return lines
 
 
@@ -154,7 +154,7 @@ def sweep_section(sweep: dict | None, base: str = "BASE", draft: str = "HEAD-vll
     if not sweep or not sweep.get("best"):
         return []
     lines = ["### Draft length by load", "",
-             f"Measured with `python evaluation/main.py serve-sweep` (vLLM {sweep.get('engine_version')}, greedy, "
+             f"Measured with `python -m evaluation serve-sweep` (vLLM {sweep.get('engine_version')}, greedy, "
              f"{sweep.get('max_new_tokens')} new tokens per request, machine load {sweep.get('load_average')}; "
              f"[eval/{SERVE_SWEEP_DIR}/sweep.md](eval/{SERVE_SWEEP_DIR}/sweep.md)). Throughput-optimal "
              "`num_speculative_tokens` per number of requests in flight (0 = serve without speculation):", "",

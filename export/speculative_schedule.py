@@ -38,7 +38,7 @@ SPEC_CONFIG_FILE = "speculative_config.json"  # beside serve-sweep's sweep.json;
 SPEC_CONFIG = register(StateFile(
     SPEC_CONFIG_FILE, "SERVE_SWEEP_DIR", writer="evaluation/serve_sweep.py (and Hub staging, export/hub.py)",
     schema={"method": str, "model": str, "num_speculative_tokens": int, f"{SCHEDULE_KEY}?": [[int]], "*": object},
-    rebuild="rerun `python evaluation/main.py serve-sweep` (it fits and writes it again), or write vLLM's "
+    rebuild="rerun `python -m evaluation serve-sweep` (it fits and writes it again), or write vLLM's "
             "--speculative-config by hand",
     example={"method": "eagle", "model": "HEAD-vllm", "num_speculative_tokens": 4, SCHEDULE_KEY: [[1, 2, 4], [3, 64, 2]]}))
 

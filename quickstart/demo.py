@@ -76,7 +76,7 @@ class Stage:
     sections: tuple[str, ...]  # recipe sections whose values decide the stage's output
     outputs: tuple[str, ...]  # folders under the run folder the stage writes (removed when its settings change)
     title: str
-    command: tuple[str, ...] = ()  # a subcommand before --recipe (e.g. evaluation.main's "autotune")
+    command: tuple[str, ...] = ()  # a subcommand before --recipe (e.g. evaluation's "autotune")
     head: HeadKind = EAGLE2  # whose chain: EAGLE2 = --recipe in {out}, EAGLE3 = --recipe-eagle3 in {out}/eagle3
     after: tuple[str, ...] = ()  # the stages whose outputs it reads: their fingerprints are part of its own
 
@@ -87,8 +87,8 @@ EAGLE2_STAGES = (
           "data prep: regenerate answers with the target, loss masks, hidden-state cache"),
     Stage("train", "train.main", ("head", "train", "export"), (layout.TRAIN_DIR, layout.HEAD_DIR),
           "training the EAGLE-2 draft head (DeepSpeed) and exporting it", after=("data",)),
-    Stage("tune", "evaluation.main", ("decoding", "eval"), (layout.TUNE_DIR,),
-          "auto-tuning the EAGLE-2 tree for this machine (evaluation/main.py autotune)", ("autotune",),
+    Stage("tune", "evaluation", ("decoding", "eval"), (layout.TUNE_DIR,),
+          "auto-tuning the EAGLE-2 tree for this machine (python -m evaluation autotune)", ("autotune",),
           after=("train",)),
 )
 EAGLE3_STAGES = (  # the aux layers decide the feature cache: the head section is part of the data stage's fingerprint
@@ -97,10 +97,10 @@ EAGLE3_STAGES = (  # the aux layers decide the feature cache: the head section i
     Stage("eagle3-train", "train.main", ("head", "train", "export"),
           (f"{E3}/{layout.TRAIN_DIR}", f"{E3}/{layout.HEAD_DIR}"),
           "training the EAGLE-3 draft head (DeepSpeed) and exporting it", head=EAGLE3, after=("eagle3-data",)),
-    Stage("eagle3-tune", "evaluation.main", ("decoding", "eval"), (f"{E3}/{layout.TUNE_DIR}",),
+    Stage("eagle3-tune", "evaluation", ("decoding", "eval"), (f"{E3}/{layout.TUNE_DIR}",),
           "auto-tuning the EAGLE-3 tree for this machine", ("autotune",), head=EAGLE3, after=("eagle3-train",)),
 )
-EVAL_STAGE = Stage("eval", "evaluation.main", ("decoding", "eval"), (layout.EVAL_DIR,),
+EVAL_STAGE = Stage("eval", "evaluation", ("decoding", "eval"), (layout.EVAL_DIR,),
                    "evaluation: vanilla / EAGLE-1 / EAGLE-2 (60/5/10 and tuned), calibration, losslessness")
 STAGES = (*EAGLE2_STAGES, *EAGLE3_STAGES, EVAL_STAGE)  # every stage any --head-kind runs (--fresh removes them all)
 

@@ -73,7 +73,7 @@ def eval_dir(cfg) -> Path:
     return Path(cfg.eval.output_dir or Path(cfg.output_dir) / EVAL_DIR)
 
 
-SERVE_SWEEP_DIR = "serve_sweep"  # in EVAL_DIR: evaluation/main.py serve-sweep writes it, the Hub card stages it
+SERVE_SWEEP_DIR = "serve_sweep"  # in EVAL_DIR: python -m evaluation serve-sweep writes it, the Hub card stages it
 SERVE_SWEEP_FILES = ("sweep.md", "sweep.json", "throughput.png", "speculative_config.json")  # what serve-sweep writes there
 
 

@@ -1,25 +1,24 @@
-"""The benchmark scripts run (they are measured by hand, not in CI, so nothing else would notice them rot)."""
+"""The benchmark scripts run (they are measured by hand, not in CI, so nothing else would notice them rot).
+
+benchmarks/ is not installed: it is imported from the repository root, first on sys.path under `python -m pytest`
+(run.sh) as under `python -m benchmarks.NAME`; tests/test_cli.py runs each one's --help that way."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
+import torch
 
 import eagle.fused_decoder as fused_decoder
+from benchmarks import attention_paths, decode_bench, export_checks, step_costs
+from data_prep import default_target as dt
 from float_tolerance import assert_same_function
 from tiny_models import single_thread  # noqa: F401
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_decode_bench_without_shared_runs_the_tiny_llama_sweep_and_its_control(tmp_path, capsys):
-    import decode_bench
-
     kernel = fused_decoder.sdpa_attention
     out = tmp_path / "bench.json"
     assert decode_bench.main(["--shared", str(tmp_path / "no-shared"), "--repeats", "1", "--steps", "3",
@@ -35,10 +34,6 @@ def test_decode_bench_without_shared_runs_the_tiny_llama_sweep_and_its_control(t
 
 
 def test_attention_capped_caps_only_one_query_unmasked_calls():
-    import torch
-
-    import decode_bench
-
     q1, q3 = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 3, 8)
     k, v = torch.randn(1, 2, 100, 8), torch.randn(1, 2, 100, 8)
     full1 = fused_decoder.sdpa_attention(q1, k, v, None)
@@ -54,8 +49,6 @@ def test_attention_capped_caps_only_one_query_unmasked_calls():
 
 
 def test_attention_paths_runs(capsys, monkeypatch):
-    import attention_paths
-
     monkeypatch.setattr(attention_paths, "SHAPES", attention_paths.SHAPES[:2])
     attention_paths.main(["--threads", "1"])
     assert "sdpa us" in capsys.readouterr().out
@@ -63,8 +56,6 @@ def test_attention_paths_runs(capsys, monkeypatch):
 
 @pytest.mark.shared
 def test_step_costs_runs_on_stories260k(shared_dir, capsys):
-    import step_costs
-
     assert step_costs.main(["--shared", str(shared_dir), "--total-token", "8", "--depth", "2", "--top-k", "2"]) == 0
     assert "full generation loop, per round" in capsys.readouterr().out
 
@@ -72,10 +63,6 @@ def test_step_costs_runs_on_stories260k(shared_dir, capsys):
 @pytest.mark.slow  # ~15 s on an idle machine (400-call timing bursts)
 def test_step_costs_runs_on_the_default_target(tmp_path, monkeypatch, capsys):
     """--default-target: the piece costs of the quickstart's target (test-size build here, random head)."""
-    import step_costs
-
-    from data_prep import default_target as dt
-
     built = dt.ensure_default_target(tmp_path, size="test", progress=False)
     monkeypatch.setattr(dt, "ensure_default_target", lambda *a, **k: built)
     assert step_costs.main(["--default-target", "--total-token", "8", "--depth", "2", "--top-k", "2",
@@ -88,8 +75,6 @@ def test_step_costs_runs_on_the_default_target(tmp_path, monkeypatch, capsys):
 
 
 def test_export_checks_bench_runs(capsys):
-    import export_checks
-
     assert export_checks.main(["--hidden", "64", "--vocab", "256", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "is_finite (aminmax)" in out and "check_head_weights" in out and "write_engine_folder" in out

@@ -1,6 +1,7 @@
 """The command line a user types: the one installed command (`eagle-train SUBCOMMAND`, eagle_train/cli.py) and every
-documented invocation it sits beside (`python train/main.py`, `deepspeed train/main.py`, `python -m train.plan`...),
-each run with --help in a fresh process from the repository, and every command README shows is one of them."""
+documented invocation it sits beside (`python train/main.py`, `deepspeed train/main.py`, `python -m train.plan`,
+`python -m evaluation`, `python -m benchmarks.NAME`...), each run with --help in a fresh process from the repository,
+and every command README shows is one of them."""
 from __future__ import annotations
 
 import importlib
@@ -18,6 +19,7 @@ from fault_helpers import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")  # every script
 
 # invocation (as README writes it, without its arguments) -> (argv that runs it with --help, the usage line's prog)
 INVOCATIONS = {
@@ -27,10 +29,9 @@ INVOCATIONS = {
     "python data_prep/main.py": ([sys.executable, "data_prep/main.py"], "data_prep/main.py"),
     "torchrun data_prep/main.py": ([str(BIN / "torchrun"), "--nproc_per_node", "1", "data_prep/main.py"],
                                    "data_prep/main.py"),
-    "python evaluation/main.py": ([sys.executable, "evaluation/main.py"], "evaluation/main.py"),
     "python -m train.main": ([sys.executable, "-m", "train.main"], "train/main.py"),
     "python -m data_prep.main": ([sys.executable, "-m", "data_prep.main"], "data_prep/main.py"),
-    "python -m evaluation.main": ([sys.executable, "-m", "evaluation.main"], "evaluation/main.py"),
+    "python -m evaluation": ([sys.executable, "-m", "evaluation"], "python -m evaluation"),
     "python -m train.plan": ([sys.executable, "-m", "train.plan"], "python -m train.plan"),
     "python -m train.export": ([sys.executable, "-m", "train.export"], "python -m train.export"),
     "python -m train.hub": ([sys.executable, "-m", "train.hub"], "python -m train.hub"),
@@ -39,15 +40,12 @@ INVOCATIONS = {
     "python -m train.eval_head": ([sys.executable, "-m", "train.eval_head"], "python -m train.eval_head"),
     "python -m quickstart": ([sys.executable, "-m", "quickstart"], "python -m quickstart"),
     "python -m eagle_train": ([sys.executable, "-m", "eagle_train"], "eagle-train"),
-    "python benchmarks/decode_bench.py": ([sys.executable, "benchmarks/decode_bench.py"], "decode_bench.py"),
-    "python benchmarks/step_costs.py": ([sys.executable, "benchmarks/step_costs.py"], "step_costs.py"),
-    "python benchmarks/real_shape.py": ([sys.executable, "benchmarks/real_shape.py"], "real_shape.py"),
-    "python benchmarks/real_shape_decode.py": ([sys.executable, "benchmarks/real_shape_decode.py"],
-                                               "real_shape_decode.py"),
-    "python benchmarks/plan_table.py": ([sys.executable, "benchmarks/plan_table.py"], "plan_table.py"),
-    "python benchmarks/tree_diagnosis.py": ([sys.executable, "benchmarks/tree_diagnosis.py"], "tree_diagnosis.py"),
-    "python benchmarks/thinking_target.py": ([sys.executable, "benchmarks/thinking_target.py"], "thinking_target.py"),
+    **{f"python -m benchmarks.{name}": ([sys.executable, "-m", f"benchmarks.{name}"], f"python -m benchmarks.{name}")
+       for name in BENCHMARKS},  # not installed: run from the repository root
 }
+# a module run by path, which refuses in one line naming its real invocations (a doc may say so): checked below
+REFUSED = {"python evaluation/main.py": ([sys.executable, "evaluation/main.py"], ("python -m evaluation",
+                                                                                  "eagle-train eval"))}
 NOT_A_CLI = {"python tests/float_variants.py"}  # runs the numeric tests under each arithmetic variant: no --help
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 OWN = {"eagle", "eagle_train", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks",
@@ -72,8 +70,9 @@ def invocation(line: str) -> str | None:
     if launcher == "eagle-train":  # a flag or a placeholder (SUBCOMMAND) after it: the command itself
         named = len(words) > 1 and re.fullmatch(r"[a-z][a-z0-9-]*", words[1])
         return f"eagle-train {words[1]}" if named else "eagle-train"
-    if launcher == "python" and len(words) > 2 and words[1] == "-m":
-        return f"python -m {words[2]}" if words[2].split(".")[0] in OWN else None
+    if launcher == "python" and len(words) > 2 and words[1] == "-m":  # `python -m benchmarks.NAME`: a placeholder
+        own = words[2].split(".")[0] in OWN and not words[2].split(".")[-1].isupper()
+        return f"python -m {words[2]}" if own else None
     script = next((w for w in words[1:] if w.endswith(".py")), None)
     return f"{launcher} {script}" if script and script.split("/")[0] in OWN and "*" not in script else None
 
@@ -107,25 +106,50 @@ def test_each_documented_invocation_answers_help(name):
     assert f"usage: {prog}" in proc.stdout, proc.stdout[:500]
 
 
-@pytest.mark.parametrize("name", sorted(n for n in INVOCATIONS if n.startswith("python ") and n.endswith(".py")))
-def test_a_script_run_by_path_imports_this_checkout(name, tmp_path):
-    """`python evaluation/main.py` puts evaluation/ first on sys.path, so without the script's own guard its
-    `import data_prep` would take whatever copy comes next (another checkout's editable install, a stale
-    site-packages copy). Decoy packages of every name on PYTHONPATH (which sys.path lists before site-packages, after
-    the script's folder) stand for that other copy: the script must still import this checkout."""
+def run_beside_decoys(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run from the repository with a decoy package of every name of this project on PYTHONPATH (which sys.path
+    lists before site-packages, after the script's folder or -m's working directory), each failing when imported:
+    they stand for another copy (another checkout's editable install, a stale site-packages copy)."""
     for package in OWN - {"tests"}:
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text(f"raise ImportError('decoy {package} imported')\n")
-    argv, prog = INVOCATIONS[name]
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run([*argv, "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+# the two scripts started by path, and one of each kind of module run from a checkout's root: every other `python -m`
+# invocation imports the same way (the working directory first), and answers --help above
+FROM_A_CHECKOUT = ("python train/main.py", "python data_prep/main.py", "python -m evaluation",
+                   "python -m benchmarks.step_costs")  # step_costs also imports a sibling benchmark
+
+
+@pytest.mark.parametrize("name", FROM_A_CHECKOUT)
+def test_a_program_run_from_a_checkout_imports_this_checkout(name, tmp_path):
+    """`python train/main.py` puts train/ first on sys.path, so without the script's guard its `import data_prep`
+    would take whatever copy comes next; `python -m evaluation` and `python -m benchmarks.NAME` put the working
+    directory (the checkout's root) first, with no guard at all. Beside decoys of every package, each must still
+    import this checkout."""
+    argv, prog = INVOCATIONS[name]
+    proc = run_beside_decoys([*argv, "--help"], tmp_path)
     assert proc.returncode == 0 and f"usage: {prog}" in proc.stdout, f"{name}: {proc.stderr[-1500:]}"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_module_run_by_path_refuses_in_one_line_before_importing_the_project(name, tmp_path):
+    """By path, Python would put evaluation/ first on sys.path and take data_prep, eagle... from wherever they come
+    next; the module says how it is run instead, in one line, before importing anything of the project (the decoys
+    would raise) and without editing sys.path to make the run work."""
+    argv, names = REFUSED[name]
+    proc = run_beside_decoys([*argv, "--recipe", "tiny"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-1500:]
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr[-1500:]
+    assert all(f"`{n}" in proc.stderr for n in names), proc.stderr
 
 
 def test_every_command_readme_and_docs_show_is_one_that_is_run_here():
     shown = readme_commands()
     subcommands = {f"eagle-train {name}" for name in cli.SUBCOMMANDS} | {"eagle-train"}
-    unknown = shown - set(INVOCATIONS) - subcommands - NOT_A_CLI
+    unknown = shown - set(INVOCATIONS) - set(REFUSED) - subcommands - NOT_A_CLI
     assert not unknown, f"README or docs/ show commands no test runs: {sorted(unknown)}"
     assert {"eagle-train demo", "eagle-train train", "deepspeed train/main.py"} <= readme_commands([REPO / "README.md"])
 

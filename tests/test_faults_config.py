@@ -202,7 +202,7 @@ def test_unknown_evaluation_command_and_per_command_help(capsys):
     helps = {}
     for command in ("bench", "autotune", "chi2", "serve-check"):
         code, out, _ = run_cli(main, [command, "--help"], capsys)
-        assert code == 0 and f"evaluation/main.py {command}" in out
+        assert code == 0 and f"python -m evaluation {command}" in out
         helps[command] = out
     assert "--engine-python" in helps["serve-check"] and "--engine-python" not in helps["autotune"]
     assert "tree_config.json" in helps["autotune"] and "losslessness at temperature" in helps["chi2"]

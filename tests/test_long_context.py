@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from benchmarks import real_shape_decode
 from eagle import EaModel
 from eagle.head import EagleHead
 from tiny_models import fit_good_head, hf_greedy, random_prompts, single_thread, tiny_llama  # noqa: F401
@@ -119,16 +120,9 @@ def test_head_positions_come_from_init_from_or_the_target(tmp_path):
 
 def test_real_shape_decode_benchmark_runs_on_a_tiny_target(tmp_path, capsys):
     """benchmarks/real_shape_decode.py end to end on a tiny folder target (the real-shape run is the same code)."""
-    import importlib.util
-    from pathlib import Path
-
     tiny_llama(max_position_embeddings=512).save_pretrained(tmp_path / "tiny" / "target")
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "real_shape_decode.py"
-    spec = importlib.util.spec_from_file_location("real_shape_decode", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rc = mod.main(["--recipe", "tiny", "--work", str(tmp_path), "--context", "40", "--rounds", "4",
-                   "--long-prompt", "80", "--head-positions", "64", "--long-new-tokens", "4"])
+    rc = real_shape_decode.main(["--recipe", "tiny", "--work", str(tmp_path), "--context", "40", "--rounds", "4",
+                                 "--long-prompt", "80", "--head-positions", "64", "--long-new-tokens", "4"])
     out = json.loads((tmp_path / "tiny" / "decode.json").read_text())
     assert rc == 0 and out["lossless_round_run"] and out["long_context"]["same_as_unlimited_head"]
     assert 0.0 <= out["round"]["overhead_fraction"] < 1.0 and out["verify"]["ratio"] > 0

@@ -112,7 +112,7 @@ def test_the_config_file(tmp_path):
         with pytest.raises(UserError, match=why) as e:
             read_speculative_config(path)
         assert is_expected(e.value) and str(path) in str(e.value)
-    with pytest.raises(UserError, match="missing.json: .*rerun `python evaluation/main.py serve-sweep`") as e:
+    with pytest.raises(UserError, match="missing.json: .*rerun `python -m evaluation serve-sweep`") as e:
         read_speculative_config(tmp_path / "missing.json")
     assert is_expected(e.value)
     with pytest.raises(ScheduleError, match="JSON object"):

@@ -373,4 +373,4 @@ def test_a_cli_reports_a_damaged_state_file_as_one_line(tmp_path, capsys):
     with pytest.raises(StateFileError) as e:
         load_tuned(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / 'tree_config.json'}: damaged: not valid JSON (truncated")
-    assert "evaluation/main.py autotune" in str(e.value)
+    assert "python -m evaluation autotune" in str(e.value)

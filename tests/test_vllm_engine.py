@@ -45,10 +45,10 @@ def heads(shared_dir, tmp_path_factory):
 
 
 def evaluate(args, tmp_path, name):
-    """evaluation/main.py ARGS as a user runs it; (exit code, stdout + stderr, report folder)."""
+    """`python -m evaluation ARGS` as a user runs it from the checkout; (exit code, stdout + stderr, report folder)."""
     out = tmp_path / name
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "evaluation" / "main.py"), *args, "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "evaluation", *args, "--out", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=3600)
     return proc.returncode, proc.stdout + proc.stderr, out
 

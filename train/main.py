@@ -20,38 +20,38 @@ import time
 import warnings
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python train/main.py`: import the train package, not sibling files as top-level modules
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+if not __package__:  # started by path (deepspeed, torchrun: once per rank): the repo root replaces this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import numpy as np
+import torch
+from tqdm.auto import tqdm
 
-from data_prep.target import load_target_config, resolve_target_path  # noqa: E402
-from eagle.cli_errors import ArgumentParser, UserError, one_line_errors  # noqa: E402
-from eagle.run_lock import run_lock  # noqa: E402
-from recipes import add_print_config, command_config, layout, list_recipes  # noqa: E402
-from recipes.schema import describe_recipe_keys  # noqa: E402
-from train import held_out  # noqa: E402
-from train.batching import MicroBatchPlan  # noqa: E402
-from train.checkpoint import (CheckpointError, check_checkpoint_head, check_complete,  # noqa: E402
+from data_prep.target import load_target_config, resolve_target_path
+from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
+from eagle.run_lock import run_lock
+from recipes import add_print_config, command_config, layout, list_recipes
+from recipes.schema import describe_recipe_keys
+from train import held_out
+from train.batching import MicroBatchPlan
+from train.checkpoint import (CheckpointError, check_checkpoint_head, check_complete,
                               commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint, make_universal,
                               needs_universal, ranks_text, save_checkpoint, saved_world_size, saved_zero_stage,
                               stage_change_error)
-from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions, open_feature_cache,  # noqa: E402
+from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions, open_feature_cache,
                         micro_batch_loader, split_train_eval)
-from train.distributed import (all_reduce_sum, barrier, collective_failed, describe_ranks,  # noqa: E402
+from train.distributed import (all_reduce_sum, barrier, collective_failed, describe_ranks,
                                destroy_process_groups, exit_process, import_deepspeed, init_distributed,
                                lost_rank_error, shutdown_distributed)
-from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember  # noqa: E402
-from train.ds_config import COMPUTE_DTYPES, deepspeed_config  # noqa: E402
-from train.export import export_head, full_state_dict, push_exported_head, standalone_head  # noqa: E402
-from train.frozen_target import check_cache_matches_target, load_frozen_target  # noqa: E402
-from train.head_kinds import training_kind  # noqa: E402
-from train.live_tau import LiveTau  # noqa: E402
-from train.loss import LossOutput  # noqa: E402
-from train.plan import check_run_memory, print_run_plan  # noqa: E402
-from train.tracking import Tracker  # noqa: E402
+from train.divergence import DivergenceError, describe, exploded, non_finite_weights, remember
+from train.ds_config import COMPUTE_DTYPES, deepspeed_config
+from train.export import export_head, full_state_dict, push_exported_head, standalone_head
+from train.frozen_target import check_cache_matches_target, load_frozen_target
+from train.head_kinds import training_kind
+from train.live_tau import LiveTau
+from train.loss import LossOutput
+from train.plan import check_run_memory, print_run_plan
+from train.tracking import Tracker
 
 
 class NonFiniteLossError(UserError, RuntimeError):
