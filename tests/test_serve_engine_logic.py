@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +16,18 @@ from evaluation.engine_vllm import fixed_expand
 from evaluation.serve_check_sampling import acceptance, compare, per_prompt_counts
 from evaluation.serve_sweep import (best_k, markdown, parse_int_list, plot, prompts_per_level, read_bench_result,
                                     recommendation_lines, sharegpt_dataset)
-from eagle.head_kinds import HEAD_KINDS
+from eagle.head_kinds import HEAD_KINDS, PEAGLE
+from eagle.peagle import PeagleHead
 from export.engine_formats import EngineFormatError
-from export.head_kinds import check_vllm_method, served_kind
+from export.head_kinds import EXPORT, check_vllm_method, served_kind
 from export.hub import push_to_hub
+from export.model_card import card_speculative_config
+from export.speculative_schedule import SCHEDULE_KEY, ScheduleError
 from recipes import load_config
 from statistical_rule import assert_same_law, binomial_pvalue
 from test_engine_formats import perturbed_head
+from test_evaluation_questions import char_tokenizer
+from tiny_models import tiny_target
 
 RELEASED_EAGLE3 = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}
 SPECULATORS_EAGLE3 = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3"}
@@ -210,3 +216,62 @@ def test_the_sweep_reaches_the_model_card_and_the_hub_upload(tmp_path):
     assert "| 1 | 3 | 180 | 1.80x | no speculation, 44% slower |" in card
     assert "| 64 | 0 (no speculation) | 900 | 1.00x | k = 3, 33% slower |" in card
     assert "![throughput vs concurrency](eval/serve_sweep/throughput.png)" in card
+
+
+def recording_engine(tmp_path, exit_code: int = 3) -> tuple[str, Path]:
+    """A stand-in engine interpreter: it passes check_engine's "vllm is importable" probe and records every other
+    start in a log (then fails, as an engine that cannot start)."""
+    log = tmp_path / "engine_starts.log"
+    path = tmp_path / "python-fake-vllm"
+    path.write_text(f"#!/bin/sh\ncase \"$2\" in *find_spec*) exit 0;; esac\necho \"$@\" >> {log}\nexit {exit_code}\n")
+    path.chmod(0o755)
+    return str(path), log
+
+
+def peagle_folders(tmp_path) -> tuple[Path, Path, Path]:
+    """(target with a tokenizer, a random P-EAGLE head, a one-line question file)."""
+    target = tiny_target("llama", num_layers=4, vocab_size=258, eos_token_id=1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
+    head = PeagleHead.from_target(target, aux_layers=[1, 2, 3])
+    head.kind.with_mask_token(head.config, 5)
+    head.save_pretrained(tmp_path / "h")
+    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    return tmp_path / "t", tmp_path / "h", tmp_path / "q.txt"
+
+
+def test_a_peagle_schedule_is_refused_as_served_before_any_engine_starts(tmp_path, capsys):
+    """serve-check of a P-EAGLE head with a hand-written schedule of k 4 and 2 whose file has no parallel_drafting
+    key: serve-check serves the head with parallel_drafting (its kind's), the combination vLLM 0.32's worker crashes
+    on, so it is refused in one line before any model loads or engine starts. The same file with parallel drafting
+    explicitly off is the sequential trap, refused by the method check."""
+    from evaluation.main import main
+
+    target, head, questions = peagle_folders(tmp_path)
+    engine, starts = recording_engine(tmp_path)
+    spec = tmp_path / "speculative_config.json"
+    spec.write_text(json.dumps({"method": "eagle3", "model": str(head) + "-vllm", "num_speculative_tokens": 4,
+                                "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 64, 2]]}))
+    argv = ["serve-check", "--base", str(target), "--head", str(head), "--questions", str(questions),
+            "--engine-python", engine, "--out", str(tmp_path / "e"), "--speculative-config", str(spec)]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"error: {spec}: vLLM 0.32 cannot run a shorter k (2) than "
+                                               "num_speculative_tokens = 4 with parallel_drafting"), err
+    assert "the head is served with parallel_drafting (its kind drafts in parallel)" in err[0]
+    assert not starts.exists(), starts.read_text()  # no engine was started
+    assert not (tmp_path / "e" / "serve_check").exists()
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "parallel_drafting": False}))
+    assert main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "holds a P-EAGLE head" in err[0] and '"parallel_drafting": true' in err[0], err
+    assert not starts.exists(), starts.read_text()
+    spec.write_text(json.dumps({k: v for k, v in json.loads(spec.read_text()).items() if k != "parallel_drafting"}))
+    with pytest.raises(ScheduleError, match="cannot run a shorter k"):
+        card_speculative_config({"schedule": {"speculative_config": json.loads(spec.read_text())}}, "H-vllm",
+                                EXPORT[PEAGLE])
+    assert card_speculative_config({"schedule": {"speculative_config": {**json.loads(spec.read_text()), "method": "eagle3",
+                                    SCHEDULE_KEY: [[1, 2, 4], [3, 64, 0]]}}}, "H-vllm", EXPORT[PEAGLE]) == {
+        "method": "eagle3", "model": "H-vllm", "num_speculative_tokens": 4, SCHEDULE_KEY: [[1, 2, 4], [3, 64, 0]],
+        "parallel_drafting": True}  # a schedule of one k and 0: served, with the kind's parallel_drafting
