@@ -27,7 +27,11 @@ HEAD_MARKER = "config.json"  # a folder holding one is a head folder (official o
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # a full disk reaches torch.save as a RuntimeError
 
 
-class ExportError(UserError, ValueError):
+class FolderWriteError(UserError, ValueError):
+    """A folder could not be moved into place; the one-line message names it (the previous one is unchanged)."""
+
+
+class ExportError(FolderWriteError):
     """An export that would lose a good head or could not complete; the one-line message names the destination."""
 
 
@@ -90,19 +94,31 @@ def write_folder(dest: str | Path, fill: Callable[[Path], None], sources: Iterab
             shutil.rmtree(tmp)
             raise ExportError(f"not writing to {dest}: it holds a different head; pass --overwrite to replace it "
                               "whole, or choose another output folder")
+    try:
+        return replace_folder(tmp, dest, what, ExportError)
+    except ExportError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_folder(staged: str | Path, dest: str | Path, what: str, error: type[UserError] = FolderWriteError) -> Path:
+    """Put the complete folder `staged` (a sibling of `dest`, so the moves are renames) in `dest`'s place, whole: an
+    existing `dest` is renamed aside and deleted only once `staged` is in its place. A move that fails puts `dest`
+    back, leaves `staged` where it is and raises `error`, one line naming `dest`. The exports (`write_folder`) and
+    the reports a rerun replaces (serve-sweep, serve-check, autotune, chi2) are moved into place so."""
+    staged, dest = Path(staged), Path(dest)
     old = dest.with_name(f".{dest.name}.old{os.getpid()}")
     try:
         if dest.exists():
             os.replace(dest, old)  # kept until the new folder is in place
-        os.replace(tmp, dest)
+        os.replace(staged, dest)
     except OSError as e:
         if old.exists() and not dest.exists():
             os.replace(old, dest)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"could not move the new {what} into {dest} ({' '.join(str(e).split())[:200]}); "
-                          "the previous export there, if any, is unchanged") from None
+        raise error(f"could not move the new {what} into {dest} ({' '.join(str(e).split())[:200]}); "
+                    f"the previous {what} there, if any, is unchanged") from None
     shutil.rmtree(old, ignore_errors=True)
     return dest
 
 
-__all__ = ["ExportError", "write_folder", "check_destination", "same_folder"]
+__all__ = ["ExportError", "FolderWriteError", "write_folder", "replace_folder", "check_destination", "same_folder"]
