@@ -10,7 +10,11 @@ byte-identical and raises one line naming `dest` and the cause. Refused before a
 of `sources` or inside one (or holds one: replacing it would delete the source), `dest` is a file, or a non-empty
 folder that is not a head folder (no config.json: never deleted). Refused after the new folder is complete but
 before it moves: `dest` holds a different head (other files or bytes) and `overwrite` is false; an identical one
-(the same export run again) is simply kept."""
+(the same export run again) is simply kept.
+
+Results a rerun replaces are written the same way: `write_results_folder` (a report's own folder, moved in whole
+by `replace_folder`; serve-sweep stages its resumable partial folder itself) and `replace_files` (a report's files in
+a folder shared with others)."""
 from __future__ import annotations
 
 import filecmp
@@ -121,4 +125,41 @@ def replace_folder(staged: str | Path, dest: str | Path, what: str, error: type[
     return dest
 
 
-__all__ = ["ExportError", "FolderWriteError", "write_folder", "replace_folder", "check_destination", "same_folder"]
+def write_results_folder(dest: str | Path, fill: Callable[[Path], None], what: str) -> Path:
+    """A folder of results a rerun replaces (serve-check's, autotune's and chi2's reports): `fill(tmp)` writes the
+    new one whole into a temporary sibling, which replaces `dest` (`replace_folder`) only once `fill` returned; on
+    any failure the temporary folder goes and `dest` stays as it was."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run of this pid
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        return replace_folder(tmp, dest, what)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once it replaced `dest`
+
+
+def replace_files(folder: str | Path, fill: Callable[[Path], None], owned: Callable[[str], bool], what: str) -> list[str]:
+    """The files of one result in a folder it shares with others (the evaluation report in the eval folder, beside
+    serve_sweep/, serve_check/...): `fill(tmp)` writes every new file into a temporary folder inside it; only then
+    does each move into `folder` (a rename), and the previous result's files (the names `owned` claims) that the new
+    one lacks are removed. A failure while writing leaves the previous result whole. Returns the new file names."""
+    folder = Path(folder)
+    tmp = folder / f".{what.replace(' ', '_')}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run of this pid
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, folder / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for stale in [p for p in folder.iterdir() if p.is_file() and owned(p.name) and p.name not in names]:
+        stale.unlink()
+    return names
+
+
+__all__ = ["ExportError", "FolderWriteError", "write_folder", "replace_folder", "write_results_folder", "replace_files",
+           "check_destination", "same_folder"]

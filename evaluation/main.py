@@ -363,9 +363,8 @@ def bench(s: Setup, questions: list) -> int:
         spans=spans,
         span_comparisons=[c for a, b in itertools.combinations(speculative, 2)
                           for c in compare_spans(drafted, a, b, labeler, **stat_kw)] if labeler else [])
-    paths = write_report(report, s.out_dir)
-    if ev.save_outputs:
-        write_answers(run, s.fmt.decode, s.out_dir / "answers.jsonl")
+    answers = (lambda path: write_answers(run, s.fmt.decode, path)) if ev.save_outputs else None
+    paths = write_report(report, s.out_dir, answers)  # the previous report's files replaced only once all are written
     md = markdown(report, {})
     overall = md[md.index("## Overall"):]
     print(overall[: overall.find("\n## ", 3)])

@@ -42,6 +42,7 @@ import torch
 
 from data_prep.target import load_target_config
 from data_prep.vllm_server import check_engine, servable_target
+from eagle.atomic_folder import write_results_folder
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
 from eagle.head_config import read_head_json
@@ -173,7 +174,6 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
     s = setup
     prompts = evaluation_prompts(s, questions, num_prompts)
     out_dir = s.out_dir / "serve_check"
-    out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serve_check_") as tmp:
         work = Path(tmp)
@@ -199,20 +199,30 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
         else:
             report = greedy_check(s, prompts, k, engine, engine_python, work, request, spec_config, target, padded,
                                   tolerance)
-        (out_dir / "engine.log").write_text((work / f"{engine}.log").read_text(errors="replace"))
+        engine_log = (work / f"{engine}.log").read_text(errors="replace")
     report = {"engine": engine, "engine_python": engine_python, "engine_format": engine_format, "method": method,
               "parallel_drafting": parallel,
               "draft_config": draft_config, "target": s.target_path, "head": s.head_path, "padded_head_dim": padded,
               "prompts": len(prompts), "max_new_tokens": s.gen.max_new_tokens, "num_speculative_tokens": k,
               **report}
     report["seconds"]["total"] = time.perf_counter() - t0
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     md = (serve_check_sampling.markdown(report) if temperature > 0 else
           schedule_markdown(report) if schedule_config is not None else markdown(report))
-    (out_dir / "report.md").write_text(md)
+    write_check_report(out_dir, report, md, engine_log)
     print(md)
     print(f"report: {out_dir / 'report.md'}")
     return 0 if report["passed"] else 1
+
+
+def write_check_report(out_dir: Path, report: dict, md: str, engine_log: str) -> Path:
+    """serve_check/ with report.json, report.md and the engine's log, replaced whole once complete
+    (eagle/atomic_folder.py `write_results_folder`): a rerun that fails leaves the previous check's report."""
+    def fill(tmp: Path) -> None:
+        (tmp / "engine.log").write_text(engine_log)
+        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / "report.md").write_text(md)
+
+    return write_results_folder(out_dir, fill, "serve-check report")
 
 
 def schedule_check(s, prompts, engine, engine_python, work, request, spec_config, target, padded,
