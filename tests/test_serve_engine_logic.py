@@ -298,13 +298,9 @@ if command == "serve":
         print("RuntimeError: the engine could not allocate its KV cache", flush=True)
         sys.exit(3)
     print("vLLM API server version 0.32.0", flush=True)
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-        def log_message(self, *a):
-            pass
-    HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), H).serve_forever()
+    health = type("Health", (BaseHTTPRequestHandler,), {{"log_message": lambda self, *a: None, "do_GET": lambda self: (
+        self.send_response(200 if self.path == "/health" else 404), self.end_headers())}})
+    HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), health).serve_forever()
 name = args[args.index("--result-filename") + 1]  # bench serve: k{{K}}_c{{C}}.json or schedule_c{{C}}.json
 with open({log!r}, "a") as f:
     f.write(f"bench {{name}}\\n")
