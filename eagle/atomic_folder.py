@@ -10,7 +10,11 @@ byte-identical and raises one line naming `dest` and the cause. Refused before a
 of `sources` or inside one (or holds one: replacing it would delete the source), `dest` is a file, or a non-empty
 folder that is not a head folder (no config.json: never deleted). Refused after the new folder is complete but
 before it moves: `dest` holds a different head (other files or bytes) and `overwrite` is false; an identical one
-(the same export run again) is simply kept."""
+(the same export run again) is simply kept.
+
+Results a rerun replaces are written the same way: `write_results_folder` (a report's own folder, moved in whole
+by `replace_folder`; serve-sweep stages its resumable partial folder itself) and `replace_files` (a report's files in
+a folder shared with others)."""
 from __future__ import annotations
 
 import filecmp
@@ -27,7 +31,11 @@ HEAD_MARKER = "config.json"  # a folder holding one is a head folder (official o
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # a full disk reaches torch.save as a RuntimeError
 
 
-class ExportError(UserError, ValueError):
+class FolderWriteError(UserError, ValueError):
+    """A folder could not be moved into place; the one-line message names it (the previous one is unchanged)."""
+
+
+class ExportError(FolderWriteError):
     """An export that would lose a good head or could not complete; the one-line message names the destination."""
 
 
@@ -90,19 +98,68 @@ def write_folder(dest: str | Path, fill: Callable[[Path], None], sources: Iterab
             shutil.rmtree(tmp)
             raise ExportError(f"not writing to {dest}: it holds a different head; pass --overwrite to replace it "
                               "whole, or choose another output folder")
+    try:
+        return replace_folder(tmp, dest, what, ExportError)
+    except ExportError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_folder(staged: str | Path, dest: str | Path, what: str, error: type[UserError] = FolderWriteError) -> Path:
+    """Put the complete folder `staged` (a sibling of `dest`, so the moves are renames) in `dest`'s place, whole: an
+    existing `dest` is renamed aside and deleted only once `staged` is in its place. A move that fails puts `dest`
+    back, leaves `staged` where it is and raises `error`, one line naming `dest`. The exports (`write_folder`) and
+    the reports a rerun replaces (serve-sweep, serve-check, autotune, chi2) are moved into place so."""
+    staged, dest = Path(staged), Path(dest)
     old = dest.with_name(f".{dest.name}.old{os.getpid()}")
     try:
         if dest.exists():
             os.replace(dest, old)  # kept until the new folder is in place
-        os.replace(tmp, dest)
+        os.replace(staged, dest)
     except OSError as e:
         if old.exists() and not dest.exists():
             os.replace(old, dest)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"could not move the new {what} into {dest} ({' '.join(str(e).split())[:200]}); "
-                          "the previous export there, if any, is unchanged") from None
+        raise error(f"could not move the new {what} into {dest} ({' '.join(str(e).split())[:200]}); "
+                    f"the previous {what} there, if any, is unchanged") from None
     shutil.rmtree(old, ignore_errors=True)
     return dest
 
 
-__all__ = ["ExportError", "write_folder", "check_destination", "same_folder"]
+def write_results_folder(dest: str | Path, fill: Callable[[Path], None], what: str) -> Path:
+    """A folder of results a rerun replaces (serve-check's, autotune's and chi2's reports): `fill(tmp)` writes the
+    new one whole into a temporary sibling, which replaces `dest` (`replace_folder`) only once `fill` returned; on
+    any failure the temporary folder goes and `dest` stays as it was."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run of this pid
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        return replace_folder(tmp, dest, what)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once it replaced `dest`
+
+
+def replace_files(folder: str | Path, fill: Callable[[Path], None], owned: Callable[[str], bool], what: str) -> list[str]:
+    """The files of one result in a folder it shares with others (the evaluation report in the eval folder, beside
+    serve_sweep/, serve_check/...): `fill(tmp)` writes every new file into a temporary folder inside it; only then
+    does each move into `folder` (a rename), and the previous result's files (the names `owned` claims) that the new
+    one lacks are removed. A failure while writing leaves the previous result whole. Returns the new file names."""
+    folder = Path(folder)
+    tmp = folder / f".{what.replace(' ', '_')}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run of this pid
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, folder / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for stale in [p for p in folder.iterdir() if p.is_file() and owned(p.name) and p.name not in names]:
+        stale.unlink()
+    return names
+
+
+__all__ = ["ExportError", "FolderWriteError", "write_folder", "replace_folder", "write_results_folder", "replace_files",
+           "check_destination", "same_folder"]

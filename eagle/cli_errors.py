@@ -2,7 +2,8 @@
 
 An *expected* error is a problem the user can fix (a bad recipe key or value, a missing or malformed file, a
 cache/head/target mismatch, an unsupported option, a full disk, a run directory in use, a diverged run). A CLI
-reports it as ONE line on stderr, ``error: <what to fix>``, and exits with code 2, without a traceback.
+reports it as ONE line on stderr, ``error: <what to fix>``, and exits with code 2, without a traceback (ONE line per
+launch of several ranks too, and code 2 on every rank that fails: eagle/rank_errors.py).
 ``--debug`` on the command line (or ``EAGLE_DEBUG=1`` in the environment) re-raises instead, traceback and all.
 Anything else is a bug: it propagates with its traceback (exit code 1).
 
@@ -28,6 +29,8 @@ from pathlib import Path
 import yaml
 from omegaconf.errors import OmegaConfBaseException
 from safetensors import SafetensorError
+
+from eagle.rank_errors import say_once
 
 EXIT_USER_ERROR = 2
 DEBUG_FLAG = "--debug"
@@ -137,13 +140,13 @@ def one_line_errors(main):
                 if debug:  # SystemExit prints only its message: the traceback first
                     traceback.print_exc(file=sys.stderr)
                     raise
-                print(f"error: {' '.join(e.code.split())}", file=sys.stderr, flush=True)
+                say_once(f"error: {' '.join(e.code.split())}", EXIT_USER_ERROR)
                 return EXIT_USER_ERROR
             raise  # --help, argparse usage errors: their own exit code
         except BaseException as e:
             if debug or not is_expected(e):
                 raise
-            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+            say_once(f"error: {one_line(e)}", EXIT_USER_ERROR)  # once per launch of several ranks
             return EXIT_USER_ERROR
         finally:
             _debug_depth -= debug
@@ -182,7 +185,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         if debug_enabled():  # a usage error has no exception: show where the parse was called from
             traceback.print_stack(file=sys.stderr)
-        self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {' '.join(message.split())} (see --help)\n")
+        say_once(f"error: {self.prog}: {' '.join(message.split())} (see --help)", EXIT_USER_ERROR)
+        self.exit(EXIT_USER_ERROR)
 
 
 def bounded(kind: type = int, *, at_least: float | None = None, above: float | None = None,

@@ -66,11 +66,11 @@ from evaluation.questions import STANDARD_SET, QuestionError, load_questions
 from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,
                                write_report)
 from evaluation.runner import GenerationArgs, run_benchmark
-from evaluation.serve_check import serve_check
+from evaluation.serve_check import serve_check, served_spec
 from evaluation.serve_sweep import parse_int_list, serve_sweep
 from evaluation.spans import compare_spans, summarize_spans
 from export.head_kinds import EXPORT
-from export.speculative_schedule import read_speculative_config
+from export.speculative_schedule import check_speculative_config, read_speculative_config
 from recipes import add_print_config, command_config, layout
 from recipes.chat_templates import read_template
 
@@ -370,9 +370,8 @@ def bench(s: Setup, questions: list) -> int:
         spans=spans,
         span_comparisons=[c for a, b in itertools.combinations(speculative, 2)
                           for c in compare_spans(drafted, a, b, labeler, **stat_kw)] if labeler else [])
-    paths = write_report(report, s.out_dir)
-    if ev.save_outputs:
-        write_answers(run, s.fmt.decode, s.out_dir / "answers.jsonl")
+    answers = (lambda path: write_answers(run, s.fmt.decode, path)) if ev.save_outputs else None
+    paths = write_report(report, s.out_dir, answers)  # the previous report's files replaced only once all are written
     md = markdown(report, {})
     overall = md[md.index("## Overall"):]
     print(overall[: overall.find("\n## ", 3)])
@@ -497,10 +496,15 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve-sweep":  # bad lists fail before anything loads
         args.concurrency = parse_int_list(args.concurrency, "--concurrency", minimum=1)
         args.ks = parse_int_list(args.ks, "--ks") if args.ks else None
-    schedule = None
+    schedule, parallel = None, getattr(args, "parallel_drafting", None)  # serve-check's --parallel-drafting on|off
+    parallel = None if parallel is None else parallel == "on"
     if command == "serve-check" and args.speculative_config:  # a bad schedule fails before anything loads
         schedule = read_speculative_config(args.speculative_config)
     cfg = config_from_args(args)
+    if schedule is not None:  # ... and so does one the engine cannot run as the head is served (its kind + the file)
+        kind = EXPORT[head_config_of(layout.eval_head(cfg)).head_kind]
+        schedule = check_speculative_config(schedule, args.speculative_config,
+                                            served=served_spec(kind, args.engine_method, parallel, schedule))
     questions = load_all_questions(cfg)  # before the models: a bad prompt source fails fast
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv
@@ -509,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
                            k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
                            engine_format=args.engine_format, engine_method=args.engine_method,
-                           parallel_drafting=None if args.parallel_drafting is None else args.parallel_drafting == "on",
+                           parallel_drafting=parallel,
                            temperature=setup.gen.temperature, alpha=args.alpha, patch_engine=args.patch_engine,
                            schedule_config=schedule)
     if command == "serve-sweep":

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle.atomic_folder import replace_files, write_results_folder
 from eagle.state_files import write_json_state
 from evaluation import plots
 from evaluation.autotune import TuneResult
@@ -207,26 +208,43 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
 
 
 
-def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
-    """report.json, report.md and the PNGs in `out_dir`; returns name -> path."""
+REPORT_FILES = ("report.json", "report.md", "answers.jsonl")  # with the *.png beside them: one evaluation's files
+
+
+def report_file(name: str) -> bool:
+    """A file of the evaluation report in its folder (the eval folder also holds serve_sweep/, serve_check/...)."""
+    return name in REPORT_FILES or name.endswith(".png")
+
+
+def write_report(report: EvalReport, out_dir: Path, answers=None) -> dict[str, Path]:
+    """report.json, report.md and the PNGs (and answers.jsonl: `answers(path)` writes it) in `out_dir`, replacing the
+    previous report's files only once every new one is written (eagle/atomic_folder.py `replace_files`: a failure
+    leaves the previous report whole; its plots the new one lacks go); returns name -> path."""
     out_dir = Path(out_dir)
+    paths: dict[str, Path] = {}
+
+    def fill(tmp: Path) -> None:
+        paths["tau"] = plots.plot_tau(report.summaries, tmp / "tau_by_category.png")
+        if any(s.speedup is not None for s in report.summaries):
+            paths["speedup"] = plots.plot_speedup(report.summaries, tmp / "speedup_by_category.png")
+        if any(s.depth_acceptance for s in report.summaries):
+            paths["depth_acceptance"] = plots.plot_depth_acceptance(report.summaries, tmp / "depth_acceptance.png")
+        for meth, cals in report.calibration.items():
+            if any(c.nodes for c in cals.values()):
+                paths[f"calibration {meth}"] = plots.plot_calibration(
+                    cals, f"Calibration: {meth}", tmp / f"calibration_{plots.safe_name(meth)}.png")
+        paths["json"] = tmp / "report.json"
+        plain = json.loads(json.dumps(_finite(report.to_dict()), default=_json_default))  # JSON types only
+        write_json_state(paths["json"], plain, EVAL_REPORT)
+        figures = {k: p.name for k, p in paths.items() if p.suffix == ".png"}
+        paths["markdown"] = tmp / "report.md"
+        paths["markdown"].write_text(markdown(report, figures))
+        if answers is not None:
+            paths["answers"] = answers(tmp / "answers.jsonl")
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"tau": plots.plot_tau(report.summaries, out_dir / "tau_by_category.png")}
-    if any(s.speedup is not None for s in report.summaries):
-        paths["speedup"] = plots.plot_speedup(report.summaries, out_dir / "speedup_by_category.png")
-    if any(s.depth_acceptance for s in report.summaries):
-        paths["depth_acceptance"] = plots.plot_depth_acceptance(report.summaries, out_dir / "depth_acceptance.png")
-    for meth, cals in report.calibration.items():
-        if any(c.nodes for c in cals.values()):
-            paths[f"calibration {meth}"] = plots.plot_calibration(
-                cals, f"Calibration: {meth}", out_dir / f"calibration_{plots.safe_name(meth)}.png")
-    paths["json"] = out_dir / "report.json"
-    plain = json.loads(json.dumps(_finite(report.to_dict()), default=_json_default))  # JSON types only
-    write_json_state(paths["json"], plain, EVAL_REPORT)
-    figures = {k: p.name for k, p in paths.items() if p.suffix == ".png"}
-    paths["markdown"] = out_dir / "report.md"
-    paths["markdown"].write_text(markdown(report, figures))
-    return paths
+    replace_files(out_dir, fill, report_file, "evaluation report")
+    return {k: out_dir / p.name for k, p in paths.items()}
 
 
 def write_answers(run: BenchmarkRun, decode, path: Path) -> Path:
@@ -239,10 +257,16 @@ def write_answers(run: BenchmarkRun, decode, path: Path) -> Path:
 
 
 def write_autotune_report(result: TuneResult, meta: dict, out_dir: Path) -> dict[str, Path]:
-    """autotune.json, autotune.md (the whole surface, fastest first) and autotune_surface.png."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"png": plots.plot_autotune(result, out_dir / "autotune_surface.png"), "json": out_dir / "autotune.json"}
+    """autotune.json, autotune.md (the whole surface, fastest first) and autotune_surface.png: the folder `out_dir`
+    replaced whole once complete (eagle/atomic_folder.py `write_results_folder`)."""
+    names = {"png": "autotune_surface.png", "json": "autotune.json", "markdown": "autotune.md"}
+    write_results_folder(out_dir, lambda tmp: _autotune_files(result, meta, {k: tmp / v for k, v in names.items()}),
+                         "autotune report")
+    return {k: Path(out_dir) / v for k, v in names.items()}
+
+
+def _autotune_files(result: TuneResult, meta: dict, paths: dict[str, Path]) -> None:
+    plots.plot_autotune(result, paths["png"])
     paths["json"].write_text(json.dumps(_finite({"meta": meta, **result.to_dict()}), indent=1, default=_json_default) + "\n")
     b = result.best
     lines = ["# EAGLE-2 tree auto-tuning", ""]
@@ -276,16 +300,19 @@ def write_autotune_report(result: TuneResult, meta: dict, out_dir: Path) -> dict
     if result.skipped:
         lines += ["", f"Skipped {len(result.skipped)} grid points the tree builder cannot make (see autotune.json)."]
     lines += ["", "![surface](autotune_surface.png)", ""]
-    paths["markdown"] = out_dir / "autotune.md"
     paths["markdown"].write_text("\n".join(lines))
-    return paths
 
 
 def write_chi2_report(tests: list[DistributionTest], meta: dict, out_dir: Path) -> dict[str, Path]:
-    """chi2.json and chi2.md: per method and position, statistic, dof, p-value, verdict."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "chi2.json", "markdown": out_dir / "chi2.md"}
+    """chi2.json and chi2.md: per method and position, statistic, dof, p-value, verdict; the folder `out_dir`
+    replaced whole once complete (eagle/atomic_folder.py `write_results_folder`)."""
+    names = {"json": "chi2.json", "markdown": "chi2.md"}
+    write_results_folder(out_dir, lambda tmp: _chi2_files(tests, meta, {k: tmp / v for k, v in names.items()}),
+                         "chi2 report")
+    return {k: Path(out_dir) / v for k, v in names.items()}
+
+
+def _chi2_files(tests: list[DistributionTest], meta: dict, paths: dict[str, Path]) -> None:
     paths["json"].write_text(json.dumps(_finite({"meta": meta, "tests": [t.to_dict() for t in tests]}), indent=1,
                                         default=_json_default) + "\n")
     lines = ["# Distribution test at T > 0 (chi-squared homogeneity vs vanilla)", ""]
@@ -296,7 +323,6 @@ def write_chi2_report(tests: list[DistributionTest], meta: dict, out_dir: Path) 
                   "| position | chi2 | dof | cells | p-value |", "|---|---|---|---|---|"]
         lines += [f"| {p.position} | {p.statistic:.2f} | {p.dof} | {p.cells} | {p.p_value:.4f} |" for p in t.positions]
     paths["markdown"].write_text("\n".join(lines) + "\n")
-    return paths
 
 
 def _json_default(o):

@@ -42,6 +42,7 @@ import torch
 
 from data_prep.target import load_target_config
 from data_prep.vllm_server import check_engine, servable_target
+from eagle.atomic_folder import write_results_folder
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
 from eagle.head_config import read_head_json
@@ -50,8 +51,9 @@ from eagle.head_files import load_head
 from evaluation import serve_check_sampling
 from evaluation.engine_process import ENGINES, ServeCheckError, engine_runs
 from evaluation.head_health import acceptance_warning, warn
-from export.head_kinds import check_vllm_method, export_kind, served_kind, write_engine_head
-from export.speculative_schedule import SCHEDULE_KEY, ScheduleError, k_at, vllm_speculative_config
+from export.head_kinds import ExportKind, check_vllm_method, export_kind, served_kind, write_engine_head
+from export.speculative_schedule import (SCHEDULE_KEY, ScheduleError, check_speculative_config, k_at,
+                                         vllm_speculative_config)
 
 log = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = 0.05  # relative difference of mean acceptance lengths (T = 0)
@@ -128,6 +130,18 @@ def padded_equivalence(ours: tuple, dtype, padded_target: str, padded_head_dir: 
             "acceptance_identical": ours[2] == pad[2]}
 
 
+def served_spec(kind: ExportKind, engine_method: str | None = None, parallel_drafting: bool | None = None,
+                schedule_config: dict | None = None) -> dict:
+    """The vLLM speculative-config keys serve-check serves the head with: its kind's (`ExportKind.vllm_spec`: method,
+    and parallel_drafting for P-EAGLE), overridden on purpose by --engine-method / --parallel-drafting (showing the
+    trap), else by a --speculative-config file's method and, when it has the key, parallel_drafting."""
+    if schedule_config is not None:
+        engine_method = engine_method or schedule_config["method"]
+        if parallel_drafting is None and "parallel_drafting" in schedule_config:
+            parallel_drafting = bool(schedule_config["parallel_drafting"])
+    return kind.vllm_spec(method=engine_method or None, parallel_drafting=parallel_drafting)
+
+
 def evaluation_prompts(s, questions: list, num_prompts: int | None) -> list[list[int]]:
     """The first prompts of the question set (first turns) that fit max_length with max_new_tokens."""
     n = num_prompts or (s.cfg.eval.num_questions if s.cfg.eval.num_questions > 0 else len(questions))
@@ -151,9 +165,6 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
             raise ScheduleError("--speculative-config (a k-per-batch-size schedule) is checked at T = 0 only; drop "
                                 "eval.temperature or check one k at T > 0 with --num-speculative-tokens")
         k = int(schedule_config["num_speculative_tokens"])
-        engine_method = engine_method or schedule_config["method"]
-        if parallel_drafting is None and "parallel_drafting" in schedule_config:
-            parallel_drafting = bool(schedule_config["parallel_drafting"])
     if engine not in ENGINES:
         raise ServeCheckError(f"--engine {engine!r}: this check runs {ENGINES} (SGLang has no CPU build to run here; "
                               "its export format is checked by tests/test_engine_formats.py)")
@@ -163,17 +174,16 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
     s = setup
     prompts = evaluation_prompts(s, questions, num_prompts)
     out_dir = s.out_dir / "serve_check"
-    out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serve_check_") as tmp:
         work = Path(tmp)
         target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
         draft_config = read_head_json(draft)
-        kind = export_kind(served_kind(draft_config))
-        # the kind's method (+ parallel_drafting); --engine-method / --parallel-drafting override them on purpose
-        spec = kind.vllm_spec(method=engine_method or None, parallel_drafting=parallel_drafting)
+        spec = served_spec(export_kind(served_kind(draft_config)), engine_method, parallel_drafting, schedule_config)
         method, parallel = spec["method"], bool(spec.get("parallel_drafting"))
         check_vllm_method(method, draft_config, s.head_path, parallel)  # the traps, named before any engine time is spent
+        if schedule_config is not None:  # as this head is served (evaluation/main.py checked so before any load)
+            check_speculative_config(schedule_config, "--speculative-config", served=spec)
         request = {"model": target, "dtype": str(s.cfg.target.dtype), "max_model_len": int(s.gen.max_length),
                    "prompts": prompts, "max_tokens": int(s.gen.max_new_tokens),
                    "stop_token_ids": list(s.gen.eos_token_id or []), "seed": int(s.cfg.seed),
@@ -189,20 +199,30 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
         else:
             report = greedy_check(s, prompts, k, engine, engine_python, work, request, spec_config, target, padded,
                                   tolerance)
-        (out_dir / "engine.log").write_text((work / f"{engine}.log").read_text(errors="replace"))
+        engine_log = (work / f"{engine}.log").read_text(errors="replace")
     report = {"engine": engine, "engine_python": engine_python, "engine_format": engine_format, "method": method,
               "parallel_drafting": parallel,
               "draft_config": draft_config, "target": s.target_path, "head": s.head_path, "padded_head_dim": padded,
               "prompts": len(prompts), "max_new_tokens": s.gen.max_new_tokens, "num_speculative_tokens": k,
               **report}
     report["seconds"]["total"] = time.perf_counter() - t0
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     md = (serve_check_sampling.markdown(report) if temperature > 0 else
           schedule_markdown(report) if schedule_config is not None else markdown(report))
-    (out_dir / "report.md").write_text(md)
+    write_check_report(out_dir, report, md, engine_log)
     print(md)
     print(f"report: {out_dir / 'report.md'}")
     return 0 if report["passed"] else 1
+
+
+def write_check_report(out_dir: Path, report: dict, md: str, engine_log: str) -> Path:
+    """serve_check/ with report.json, report.md and the engine's log, replaced whole once complete
+    (eagle/atomic_folder.py `write_results_folder`): a rerun that fails leaves the previous check's report."""
+    def fill(tmp: Path) -> None:
+        (tmp / "engine.log").write_text(engine_log)
+        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / "report.md").write_text(md)
+
+    return write_results_folder(out_dir, fill, "serve-check report")
 
 
 def schedule_check(s, prompts, engine, engine_python, work, request, spec_config, target, padded,

@@ -12,7 +12,9 @@ requests in flight, greedily, max_new_tokens each: it measures output tokens/s, 
 the one with the highest output tokens/s ("no speculation" when k = 0 wins); the runner-up's throughput is kept
 so the margin is visible, and every point records the 1-minute load average (other jobs on the machine move
 every number). Writes serve_sweep/sweep.{json,md} and throughput.png under the eval output folder;
-the model card's serving section (export/model_card.py) and the Hub upload pick them up.
+the model card's serving section (export/model_card.py) and the Hub upload pick them up. A rerun measures in
+serve_sweep.partial/ and replaces serve_sweep/ whole only when it is complete: a failed or interrupted rerun leaves
+the last complete sweep in place, and a rerun with the same settings reuses the points it finished (`serve_sweep`).
 
 Then the draft length per batch size: `num_speculative_tokens_per_batch_size` fitted from these measurements
 (export/speculative_schedule.py states the rule), written as vLLM's --speculative-config to
@@ -25,6 +27,7 @@ grid cannot express "no --speculative-config" as one of the server settings.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,15 +38,17 @@ import sys
 import time
 from pathlib import Path
 
-from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env, serve_args
+from data_prep.vllm_server import VLLM_CLI, EngineServerError, VLLMServer, check_engine, engine_env, serve_args
+from eagle.atomic_folder import replace_folder
 from eagle.head_config import read_head_json
+from eagle.run_lock import run_lock
 from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
 from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind
 from export.speculative_schedule import (SPEC_CONFIG_FILE, ScheduleError, fit_schedule, schedule_text, speculative_config,
                                          vllm_speculative_config, write_speculative_config)
-from recipes.layout import SERVE_SWEEP_DIR
+from recipes.layout import SERVE_SWEEP_DIR, SERVE_SWEEP_PARTIAL
 
 log = logging.getLogger(__name__)
 
@@ -261,11 +266,69 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+SWEEP_PROGRESS = register(StateFile(
+    "progress.json", "SERVE_SWEEP_PARTIAL", writer="evaluation/serve_sweep.py",
+    schema={"settings": dict, "engine_version": (str, type(None)), "schedule_config": (dict, type(None)),
+            "points": [{"k": int, "concurrency": int, "*": object}]},
+    rebuild="delete that folder (the interrupted sweep's finished points; the last complete sweep beside it stays) "
+            "and rerun `eagle-train serve-sweep`",
+    when_missing="no interrupted sweep to resume: every point is measured",
+    example={"settings": {"head": "H"}, "engine_version": "0.32.0", "schedule_config": None,
+             "points": [{"k": 0, "concurrency": 1, "output_tokens_per_s": 80.0}]}))
+
+
+def files_identity(path: str) -> dict[str, list[int]]:
+    """Size and modification time of each file directly in the folder `path` ({} for a hub id): a retrained head or
+    another target is another sweep."""
+    folder = Path(path)
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir()) if f.is_file()} \
+        if folder.is_dir() else {}
+
+
+def sweep_settings(s, engine_python: str, engine_format: str, chat_template: str | None, max_num_seqs: int,
+                   prompts: list[str], min_prompts: int) -> dict:
+    """Everything besides a point's own k and concurrency that decides its numbers (the server's and the benchmark's
+    arguments, what they serve and send): a finished point of an interrupted sweep is reused only by a rerun with the
+    same ones."""
+    return {"target": str(s.target_path), "target_files": files_identity(s.target_path), "head": str(s.head_path),
+            "head_files": files_identity(s.head_path), "engine_python": str(engine_python),
+            "engine_format": engine_format, "dtype": str(s.cfg.target.dtype), "seed": int(s.cfg.seed),
+            "max_length": int(s.gen.max_length), "chat_template": chat_template, "max_num_seqs": int(max_num_seqs),
+            "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest(), "min_prompts": int(min_prompts),
+            "max_new_tokens": int(s.gen.max_new_tokens)}
+
+
+def point_name(point: dict) -> str:
+    """The server a point was measured on: "k{K}", or "schedule" (the fitted k per batch size)."""
+    return "schedule" if point.get("schedule") else f"k{point['k']}"
+
+
+def resumable(stage: Path, settings: dict) -> dict:
+    """The progress of an interrupted sweep in `stage` made with `settings` (its finished points are reused), or a
+    fresh one; an interrupted sweep with other settings is discarded (its points measured something else)."""
+    progress = read_json_state(stage / SWEEP_PROGRESS.name, SWEEP_PROGRESS)
+    if progress is not None and progress["settings"] == settings:
+        log.info("serve-sweep: resuming the interrupted sweep in %s (%d finished points reused)", stage,
+                 len(progress["points"]))
+        return progress
+    if stage.exists():
+        why = "no point finished" if progress is None else "other settings: " + ", ".join(
+            sorted(k for k in settings if progress["settings"].get(k) != settings[k]))
+        log.info("serve-sweep: discarding the interrupted sweep in %s (%s)", stage, why)
+        shutil.rmtree(stage)
+    return {"settings": settings, "engine_version": None, "schedule_config": None, "points": []}
+
+
 def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: list[int], ks: list[int] | None,
                 engine_format: str | None = None, min_prompts: int = 16, startup_timeout_s: float = 1800.0) -> int:
-    """Run the sweep (module docstring); returns 0 when every point completed without failed requests."""
+    """Run the sweep (module docstring); returns 0 when every point completed without failed requests. The sweep is
+    measured in serve_sweep.partial/ beside the last complete one, which it replaces whole only once it is complete
+    (eagle/atomic_folder.py `replace_folder`): a failed or interrupted rerun leaves serve_sweep/ (what the model card
+    and the Hub upload read) as it was, and its finished points (each k and concurrency level) stay in
+    serve_sweep.partial/progress.json, reused by the next run with the same settings (`sweep_settings`)."""
     s = setup
     engine_python = engine_python or sys.executable
+    engine_format = engine_format or "vllm"
     check_engine(engine_python)
     if ks is None:  # 0 .. the head's depth (its tuned tree's when autotune saved one, else the recipe's decoding.depth)
         ks = list(range(0, int(s.models["A"].decoding.depth) + 1))
@@ -273,73 +336,103 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     fits = [t for t in texts if len(s.fmt.first_prompt(t)) + s.gen.max_new_tokens <= s.gen.max_length]
     if not fits:
         raise ValueError("no prompt fits max_length with max_new_tokens")
-    out = s.out_dir / SERVE_SWEEP_DIR
-    if out.exists():
-        shutil.rmtree(out)
-    (out / "bench").mkdir(parents=True)
+    with run_lock(s.out_dir, SERVE_SWEEP_DIR, "serve-sweep"):  # one sweep at a time measures into the partial folder
+        return measure_sweep(s, fits, engine_python, engine_format, concurrency, ks, min_prompts, startup_timeout_s)
+
+
+def measure_sweep(s, fits: list[str], engine_python: str, engine_format: str, concurrency: list[int], ks: list[int],
+                  min_prompts: int, startup_timeout_s: float) -> int:
+    """`serve_sweep`'s measurements, in the partial folder, then moved into place."""
+    out, stage = s.out_dir / SERVE_SWEEP_DIR, s.out_dir / SERVE_SWEEP_PARTIAL
     chat = s.fmt.name == "chat_template"
-    dataset = sharegpt_dataset(fits, out / "prompts_sharegpt.json")
+    template = str(s.cfg.target.chat_template) if chat and s.cfg.target.chat_template else None
+    progress = resumable(stage, sweep_settings(s, engine_python, engine_format, template, max(concurrency), fits,
+                                               min_prompts))
+    done = {(point_name(p), p["concurrency"]): p for p in progress["points"]}
+    (stage / "bench").mkdir(parents=True, exist_ok=True)
+    dataset = sharegpt_dataset(fits, stage / "prompts_sharegpt.json")
     load = os.getloadavg()
-    points, method = [], None
     t0 = time.perf_counter()
-    work = out / "models"
-    target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format or "vllm", work,
-                                                  max(ks) or 1)
+    work = stage / "models"
+    shutil.rmtree(work, ignore_errors=True)  # the padded / converted model copies: made again by every run
+    base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, template, work) + [
+        "--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
+    target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format, work, max(ks) or 1)
     kind_spec = export_kind(served_kind(read_head_json(draft))).vllm_spec()  # method (+ parallel_drafting)
     method = kind_spec["method"]
-    base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, s.cfg.target.chat_template if chat else None,
-                           work) + ["--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
-    version = None
+
+    def record(point: dict) -> None:
+        """A finished point, kept in the partial folder before the next one starts."""
+        done[point_name(point), point["concurrency"]] = point
+        progress["points"] = list(done.values())
+        write_json_state(stage / SWEEP_PROGRESS.name, progress, SWEEP_PROGRESS, indent=1)
 
     def run_point(k: int, name: str, spec: dict | None) -> list[dict]:
-        """One `vllm serve` (`spec`: its --speculative-config, None = no speculation) benchmarked at every level."""
-        nonlocal version
+        """One `vllm serve` (`spec`: its --speculative-config, None = no speculation) benchmarked at every level not
+        measured yet."""
+        if all((name, c) in done for c in concurrency):
+            log.info("serve-sweep: %s, reusing the interrupted sweep's points", name)
+            return [done[name, c] for c in concurrency]
         args = list(base_args) + (["--speculative-config", json.dumps(spec)] if spec else [])
-        log.info("serve-sweep: %s, starting vLLM (log %s)", name, out / f"server_{name}.log")
-        got = []
-        with VLLMServer(engine_python, target, out / f"server_{name}.log", served_model_name="target", args=args,
+        log.info("serve-sweep: %s, starting vLLM (log %s)", name, stage / f"server_{name}.log")
+        with VLLMServer(engine_python, target, stage / f"server_{name}.log", served_model_name="target", args=args,
                         startup_timeout_s=startup_timeout_s) as server:
             for c in concurrency:
+                if (name, c) in done:
+                    continue
                 n = prompts_per_level(c, len(fits), min_prompts)
-                result = out / "bench" / f"{name}_c{c}.json"
+                result = stage / "bench" / f"{name}_c{c}.json"
+                result.unlink(missing_ok=True)  # an interrupted point's result is not this one's
                 cmd = bench_command(engine_python, server, target, dataset, chat, n, c, s.gen.max_new_tokens,
                                     int(s.cfg.seed), result)
-                with open(out / "bench" / f"{name}_c{c}.log", "w") as f:
+                with open(stage / "bench" / f"{name}_c{c}.log", "w") as f:
                     proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=engine_env(engine_python),
-                                          cwd=out)
+                                          cwd=stage)
                 if proc.returncode != 0 or not result.exists():
                     died = server.died()
-                    raise RuntimeError(f"vllm bench serve failed at {name}, concurrency {c} (exit {proc.returncode}, "
-                                       f"log {out / 'bench' / f'{name}_c{c}.log'})" + (f"; {died}" if died else ""))
+                    raise EngineServerError(f"vllm bench serve failed at {name}, concurrency {c} (exit "
+                                            f"{proc.returncode}, log {stage / 'bench' / f'{name}_c{c}.log'})"
+                                            + (f"; {died}" if died else ""))
                 point = read_bench_result(result, k, c)
                 point["requests"] = n
                 point["load_1min"] = round(os.getloadavg()[0], 2)  # at the end of the point: what it competed with
-                got.append(point)
+                if name == "schedule":
+                    point["schedule"] = True
+                record(point)
                 log.info("serve-sweep: %s, concurrency %d: %.0f tokens/s, p90 %.2f s", name, c,
                          point["output_tokens_per_s"] or 0, (point["latency_p90_ms"] or 0) / 1000)
-            version = version or _engine_version(out / f"server_{name}.log")
-        return got
+            progress["engine_version"] = progress["engine_version"] or _engine_version(stage / f"server_{name}.log")
+        return [done[name, c] for c in concurrency]
 
-    for k in ks:
-        points += run_point(k, f"k{k}", vllm_speculative_config(kind_spec, draft, k) if k else None)
-    schedule = fit_schedule(points, max(concurrency))
     try:
-        served, refused = speculative_config(kind_spec, draft, schedule), None  # the temporary engine folder
-    except ScheduleError as e:  # a P-EAGLE head's schedule with several k: vLLM 0.32 cannot serve it
-        served, refused = None, str(e)
-        log.warning("serve-sweep: the fitted schedule is not served and no %s is written: %s", SPEC_CONFIG_FILE, e)
-    shipped = None
-    if served:  # the file names the folder a user serves: `python -m train.export --head HEAD --format vllm`'s
-        shipped = {**served, "model": engine_head_folder(s.head_path, engine_format or "vllm")}
-        write_speculative_config(out / SPEC_CONFIG_FILE, shipped)
-        schedule_points = run_point(served["num_speculative_tokens"], "schedule", served)
-        for p in schedule_points:
-            p["schedule"] = True
-    else:
-        schedule_points = []
-        (out / SPEC_CONFIG_FILE).unlink(missing_ok=True)  # an earlier sweep's file would name a schedule not measured now
-        if not refused:
-            log.info("serve-sweep: no speculation is fastest at every batch size: no %s written", SPEC_CONFIG_FILE)
+        points = []
+        for k in ks:
+            points += run_point(k, f"k{k}", vllm_speculative_config(kind_spec, draft, k) if k else None)
+        schedule = fit_schedule(points, max(concurrency))
+        try:
+            served, refused = speculative_config(kind_spec, draft, schedule), None  # the temporary engine folder
+        except ScheduleError as e:  # a P-EAGLE head's schedule with several k: vLLM 0.32 cannot serve it
+            served, refused = None, str(e)
+            log.warning("serve-sweep: the fitted schedule is not served and no %s is written: %s", SPEC_CONFIG_FILE, e)
+        shipped = None
+        if served:  # the file names the folder a user serves: `python -m train.export --head HEAD --format vllm`'s
+            shipped = {**served, "model": engine_head_folder(s.head_path, engine_format)}
+            write_speculative_config(stage / SPEC_CONFIG_FILE, shipped)
+            if progress["schedule_config"] != served:  # points of another schedule measured something else
+                for key in [key for key in done if key[0] == "schedule"]:
+                    del done[key]
+                progress["schedule_config"] = served
+            schedule_points = run_point(served["num_speculative_tokens"], "schedule", served)
+        else:
+            schedule_points = []
+            (stage / SPEC_CONFIG_FILE).unlink(missing_ok=True)  # an interrupted run's file names another schedule
+            if not refused:
+                log.info("serve-sweep: no speculation is fastest at every batch size: no %s written", SPEC_CONFIG_FILE)
+    except BaseException:
+        log.warning("serve-sweep: stopped; the last complete sweep in %s is unchanged, and the %d finished points are "
+                    "kept in %s for a rerun with the same settings", out, len(done), stage)
+        raise
+    version = progress["engine_version"]
     head = Path(s.head_path)
     report = {"title": f"{head.parent.name}/{head.name} on {Path(s.target_path).name}", "target": s.target_path,
               "head": s.head_path, "method": method, "engine_version": version, "padded_head_dim": padded,
@@ -351,11 +444,14 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
                            "speculative_config": shipped, "refused": refused, "points": schedule_points,
                            "comparison": schedule_comparison(points, schedule_points)},
               "seconds": time.perf_counter() - t0}
-    write_json_state(out / SWEEP.name, report, SWEEP, indent=2)
-    plot(points + schedule_points, out / "throughput.png", f"{report['title']}: vLLM {version}, greedy, {s.gen.max_new_tokens} tokens")
+    write_json_state(stage / SWEEP.name, report, SWEEP, indent=2)
+    plot(points + schedule_points, stage / "throughput.png",
+         f"{report['title']}: vLLM {version}, greedy, {s.gen.max_new_tokens} tokens")
     md = markdown(report)
-    (out / "sweep.md").write_text(md)
+    (stage / "sweep.md").write_text(md)
     shutil.rmtree(work, ignore_errors=True)  # the padded / converted model copies
+    (stage / SWEEP_PROGRESS.name).unlink()  # complete: nothing left to resume
+    replace_folder(stage, out, "serve-sweep report")
     print(md)
     print(f"report: {out / 'sweep.md'}")
     return 0 if all(not p["failed"] and p["completed"] == p["requests"] for p in points + schedule_points) else 1

@@ -27,7 +27,7 @@ from eagle.head_config import read_head_json
 from eagle.head_files import RECIPE_FILE, STORED_RECIPE, SUMMARY_FILE, TRAIN_SUMMARY
 from eagle.head_kinds import DEFAULT_KIND, kind_of_config
 from eagle.state_files import read_json_state, read_yaml_state, write_yaml_state
-from export.head_kinds import check_head_folder, write_engine_head
+from export.head_kinds import check_head_folder, export_kind, served_kind, write_engine_head
 from export.eval_outputs import EVAL_REPORT, SWEEP
 from export.model_card import card_speculative_config, model_card, vllm_folder
 from export.speculative_schedule import SPEC_CONFIG_FILE, write_speculative_config
@@ -112,7 +112,7 @@ def stage_upload(cfg, head_dir: Path, staging: Path, repo_id: str, fmt: str = "e
             for name in layout.SERVE_SWEEP_FILES:
                 if (sweep_dir / name).exists():
                     shutil.copy2(sweep_dir / name, tmp / "eval" / layout.SERVE_SWEEP_DIR / name)
-        spec = card_speculative_config(sweep, vllm_folder(repo_id, fmt))
+        spec = card_speculative_config(sweep, vllm_folder(repo_id, fmt), export_kind(served_kind(head_config)))
         if spec:  # serve-sweep's k per batch size, naming this upload's vLLM folder: `--speculative-config "$(cat ...)"`
             write_speculative_config(tmp / SPEC_CONFIG_FILE, spec)
         card = model_card(trained, repo_id, cfg.export.license, summary, manifest, report, plots, fmt=fmt,

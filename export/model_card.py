@@ -11,7 +11,9 @@ from eagle.decoding_config import DecodingConfig
 from eagle.head_kinds import EAGLE2
 from export.engine_formats import ENGINE_VERSIONS
 from export.head_kinds import EXPORT, ExportKind, export_kind, served_kind
-from export.speculative_schedule import SCHEDULE_KEY, SPEC_CONFIG_FILE, schedule_text, vllm_speculative_config
+from export.eval_outputs import SWEEP
+from export.speculative_schedule import (SCHEDULE_KEY, SPEC_CONFIG_FILE, check_speculative_config, schedule_text,
+                                         vllm_speculative_config)
 from recipes.layout import SERVE_SWEEP_DIR
 
 
@@ -74,7 +76,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "folder is what the code above loads.",
         "",
         *serving_section(cfg, target, repo_id, fmt, kind),
-        *sweep_section(sweep, target, vllm_folder(repo_id, fmt)),
+        *sweep_section(sweep, target, vllm_folder(repo_id, fmt), kind),
         "## Training",
         "",
         "| setting | value |",
@@ -142,13 +144,19 @@ def vllm_folder(draft: str, fmt: str) -> str:
     return str(draft) if fmt == "vllm" else f"{Path(str(draft)).name}-vllm"
 
 
-def card_speculative_config(sweep: dict | None, draft: str) -> dict | None:
-    """serve-sweep's fitted speculative config (k per batch size) with `model` = the folder the card serves."""
+def card_speculative_config(sweep: dict | None, draft: str, kind: ExportKind) -> dict | None:
+    """serve-sweep's fitted speculative config (k per batch size) with `model` = the folder the card serves and the
+    head kind's keys (`vllm_spec`: a P-EAGLE head's parallel_drafting), checked as served (`check_speculative_config`):
+    the card's command and the uploaded speculative_config.json never name a schedule the engine cannot run."""
     config = ((sweep or {}).get("schedule") or {}).get("speculative_config")
-    return {**config, "model": str(draft)} if config else None
+    if not config:
+        return None
+    where = f"serve-sweep's {SWEEP.name} (its schedule's speculative_config)"
+    return check_speculative_config({**config, **kind.vllm_spec(), "model": str(draft)}, where, served=kind.vllm_spec())
 
 
-def sweep_section(sweep: dict | None, base: str = "BASE", draft: str = "HEAD-vllm") -> list[str]:
+def sweep_section(sweep: dict | None, base: str = "BASE", draft: str = "HEAD-vllm",
+                  kind: ExportKind = EXPORT[EAGLE2]) -> list[str]:
     """Markdown lines: serve-sweep's best num_speculative_tokens per concurrency level, with its plot, and the
     fitted per-batch-size schedule as a `vllm serve` command (`draft`: the vLLM-format folder)."""
     if not sweep or not sweep.get("best"):
@@ -168,7 +176,7 @@ def sweep_section(sweep: dict | None, base: str = "BASE", draft: str = "HEAD-vll
         lines.append(f"| {b['concurrency']} | {b['best_k']}{' (no speculation)' if b['best_k'] == 0 else ''} | "
                      f"{b['output_tokens_per_s']:.0f} | {f'{speed:.2f}x' if speed else '–'} | {runner} |")
     lines += ["", f"![throughput vs concurrency](eval/{SERVE_SWEEP_DIR}/throughput.png)", ""]
-    config = card_speculative_config(sweep, draft)
+    config = card_speculative_config(sweep, draft, kind)
     if config:
         cmp = sweep["schedule"].get("comparison") or {}
         per = cmp.get("per_level") or []

@@ -176,9 +176,13 @@ def speculative_config(spec: dict, model: str, schedule: list[list[int]]) -> dic
     return {**vllm_speculative_config(spec, model, longest), SCHEDULE_KEY: schedule}
 
 
-def check_speculative_config(config, where: str) -> dict:
+def check_speculative_config(config, where: str, served: dict | None = None) -> dict:
     """A speculative config dict with a schedule: method and model strings, num_speculative_tokens >= 1, a valid
-    schedule no k of which exceeds it. Returns it with the schedule normalised."""
+    schedule no k of which exceeds it, and one the engine can run as served: `served` holds the keys the engine is
+    given for the head beside the file's (the head kind's `ExportKind.vllm_spec()`, with serve-check's overrides:
+    a P-EAGLE head turns parallel_drafting on whether the file says so or not), which decide the refusal
+    (`parallel_schedule_refusal`). serve-check, serve-sweep's file and the model card's (Hub staging) all check
+    here. Returns the config with the schedule normalised."""
     if not isinstance(config, dict):
         raise ScheduleError(f"{where}: expected a JSON object (vLLM's --speculative-config), got {type(config).__name__}")
     for key in ("method", "model"):
@@ -191,16 +195,19 @@ def check_speculative_config(config, where: str) -> dict:
         raise ScheduleError(f"{where}: no {SCHEDULE_KEY}: this file is one fixed k, pass --num-speculative-tokens "
                             "instead, or write the schedule serve-sweep fits")
     schedule = validate_schedule(config[SCHEDULE_KEY], where, n)
-    refusal = parallel_schedule_refusal(config, schedule, n)
+    refusal = parallel_schedule_refusal({**config, **(served or {})}, schedule, n)
     if refusal:
-        raise ScheduleError(f"{where}: {refusal}")
+        unsaid = not config.get("parallel_drafting")  # the head's kind turns it on, not the file
+        raise ScheduleError(f"{where}: {refusal}" + ("; the head is served with parallel_drafting (its kind drafts in "
+                                                     "parallel), which the file does not say" if unsaid else ""))
     return {**config, SCHEDULE_KEY: schedule}
 
 
-def read_speculative_config(path: str | Path) -> dict:
-    """A speculative_config.json (serve-sweep's, or hand-written), checked (`check_speculative_config`)."""
+def read_speculative_config(path: str | Path, served: dict | None = None) -> dict:
+    """A speculative_config.json (serve-sweep's, or hand-written), checked (`check_speculative_config`; `served`: the
+    keys the head is served with beside the file's)."""
     path = Path(path)
-    return check_speculative_config(read_json_state(path, SPEC_CONFIG), str(path))
+    return check_speculative_config(read_json_state(path, SPEC_CONFIG), str(path), served)
 
 
 def write_speculative_config(path: str | Path, config: dict) -> Path:

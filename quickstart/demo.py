@@ -24,7 +24,10 @@ expected error), 0 on success.
 Rerunnable: `{out}/quickstart_state.json` records each finished stage with a fingerprint of the recipe
 sections it reads and of the stages it reads from; a finished stage with the same fingerprint is skipped, an
 interrupted one is rerun (data prep and training resume from their own partial outputs), and a stage whose settings
-changed is redone from scratch together with every stage that reads its output.
+changed is redone from scratch together with every stage that reads its output. Its previous outputs are not
+deleted before that: when the stage starts they move to {out}/.superseded/ (with their state), a rerun with those
+settings again (a typo fixed) puts them back instead of redoing the stage, and they are deleted only once the run
+that superseded them has finished every stage.
 Side by side: a stage starts as soon as the stages it reads from are done, up to --jobs (default 2) at a time, so
 with both heads the EAGLE-3 chain (data prep, training, tuning) runs on the second core beside the EAGLE-2 training
 and tuning, each stage with one intra-op thread; their progress lines interleave. When a stage fails no further
@@ -147,15 +150,6 @@ def plan(head_kind: str) -> list[Stage]:
                           "questions, paired; calibration, losslessness")]
 
 
-def downstream(stages: list[Stage], name: str) -> list[Stage]:
-    """The stage `name` and every stage of `stages` that reads its output, directly or not."""
-    names = {name}
-    for s in stages:  # in order: a stage comes after the ones it reads
-        if set(s.after) & names:
-            names.add(s.name)
-    return [s for s in stages if s.name in names]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m quickstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -254,6 +248,61 @@ def remove_outputs(out_dir: Path, stages) -> None:
     for stage in stages:
         for name in stage.outputs:
             shutil.rmtree(out_dir / name, ignore_errors=True)
+
+
+SUPERSEDED_DIR = ".superseded"  # in the run folder: outputs of stages whose settings changed, with their state
+
+
+def supersede(out_dir: Path, stage: Stage, state: dict, held: dict) -> None:
+    """Move `stage`'s outputs and state record out of the way of its rerun with other settings, into SUPERSEDED_DIR
+    (`held`: its state file): kept there until the run that superseded them finishes. A finished run already held
+    there is not replaced by an unfinished one (that one's partial outputs are dropped instead)."""
+    rec, slot = state.pop(stage.name, None), out_dir / SUPERSEDED_DIR
+    keep_held = held.get(stage.name, {}).get("done") and not (rec or {}).get("done")
+    for name in stage.outputs:
+        if keep_held:
+            shutil.rmtree(out_dir / name, ignore_errors=True)
+        elif (out_dir / name).exists():
+            shutil.rmtree(slot / name, ignore_errors=True)
+            (slot / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out_dir / name, slot / name)
+    if not keep_held and rec:
+        held[stage.name] = rec
+    write_state(slot, held)
+    write_state(out_dir, state)
+
+
+def put_back(out_dir: Path, stage: Stage, state: dict, held: dict) -> None:
+    """Swap `stage`'s outputs and record with the superseded ones (those have this run's settings)."""
+    slot, rec = out_dir / SUPERSEDED_DIR, held.pop(stage.name)
+    for name in stage.outputs:
+        here, there, aside = out_dir / name, slot / name, slot / f"{name}.swap"
+        if here.exists():
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(here, aside)
+        if there.exists():
+            here.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(there, here)
+        if aside.exists():
+            os.replace(aside, there)
+    if stage.name in state:
+        held[stage.name] = state[stage.name]
+    state[stage.name] = rec
+    write_state(slot, held)
+    write_state(out_dir, state)
+
+
+def drop_superseded(out_dir: Path, stages, held: dict) -> None:
+    """After every stage of a run finished: the outputs it superseded go."""
+    slot = out_dir / SUPERSEDED_DIR
+    for stage in stages:
+        held.pop(stage.name, None)
+        for name in stage.outputs:
+            shutil.rmtree(slot / name, ignore_errors=True)
+    if held:
+        write_state(slot, held)
+    else:
+        shutil.rmtree(slot, ignore_errors=True)
 
 
 def run_stage(stage: Stage, recipe: str, overrides: list[str], env: dict) -> float:
@@ -457,6 +506,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         say(f"--fresh: removing the previous run's stage outputs in {out_dir}")
         remove_outputs(out_dir, STAGES)
         (out_dir / STATE_FILE).unlink(missing_ok=True)
+        shutil.rmtree(out_dir / SUPERSEDED_DIR, ignore_errors=True)
     stages = plan(args.head_kind)
     t0, c0 = time.time(), cpu_seconds()
     say(f"1/{len(stages) + 1} target: " + (args.target or "the embedded default target (built once, then cached)"))
@@ -478,7 +528,8 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
             raise RecipeError(f"{e}; {CHAINS[kind].fit_hint}" if CHAINS[kind].fit_hint else str(e)) from None
         chains[kind] = (recipe, overrides, cfg)
 
-    state = read_state(out_dir)
+    state, held = read_state(out_dir), read_state(out_dir / SUPERSEDED_DIR)
+    superseding: set[str] = set()  # stages whose outputs move aside when they start (their settings changed)
     fingerprints: dict[str, str] = {}
     timings = {"target": round(time.time() - t0, 1)}
     cpu = {"target": round(cpu_seconds() - c0, 1)}
@@ -489,15 +540,17 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         fingerprints[stage.name] = fp
         rec = state.get(stage.name, {})
         header = f"{i + 2}/{len(stages) + 1} {stage.title}"
+        if rec.get("fingerprint") != fp and held.get(stage.name, {}).get("fingerprint") == fp:
+            put_back(out_dir, stage, state, held)  # a rerun with the settings of the outputs set aside (a typo fixed)
+            rec = state[stage.name]
+            say(f"{header}: putting back its outputs with these settings from {out_dir / SUPERSEDED_DIR}")
         if rec.get("fingerprint") == fp and rec.get("done"):
             say(f"{header}: already done ({rec.get('seconds', '?')}s), reusing")
             continue
         if rec and rec.get("fingerprint") != fp:
-            later = downstream(stages, stage.name)
-            say(f"{header}: settings changed since the last run; redoing it and the stages that read its output")
-            remove_outputs(out_dir, later)
-            for s in later:
-                state.pop(s.name, None)
+            say(f"{header}: settings changed since the last run; redoing it and the stages that read its output (the "
+                f"previous outputs move to {out_dir / SUPERSEDED_DIR} when it starts, until this run finishes)")
+            superseding.add(stage.name)
         elif rec:
             say(f"{header}: resuming an interrupted run")
         todo.append((i, stage))
@@ -512,6 +565,8 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
             if beside:  # the other stage's progress bar may be mid-line (redrawn with carriage returns)
                 print(file=sys.stdout, flush=True)
             say(f"{i + 2}/{len(stages) + 1} {stage.title}" + (f" (beside {', '.join(beside)})" if beside else ""))
+            if stage.name in superseding:
+                supersede(out_dir, stage, state, held)
             state[stage.name] = {"fingerprint": fingerprints[stage.name], "done": False}
             write_state(out_dir, state)
         t = time.time()
@@ -540,6 +595,7 @@ def run_pipeline(args, user: list[str], out_dir: Path, env: dict, started: float
         else:  # a crash: its traceback is in the output above
             fail(f"{e} (its traceback is above, on stdout); rerun the same command to resume", err)
         return e.code
+    drop_superseded(out_dir, stages, held)
 
     eval_dir = out_dir / layout.EVAL_DIR
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())

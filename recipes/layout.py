@@ -75,6 +75,7 @@ def eval_dir(cfg) -> Path:
 
 SERVE_SWEEP_DIR = "serve_sweep"  # in EVAL_DIR: python -m evaluation serve-sweep writes it, the Hub card stages it
 SERVE_SWEEP_FILES = ("sweep.md", "sweep.json", "throughput.png", "speculative_config.json")  # what serve-sweep writes there
+SERVE_SWEEP_PARTIAL = f"{SERVE_SWEEP_DIR}.partial"  # beside it: a sweep being measured, or interrupted (resumable)
 
 
 def serve_sweep_dir(cfg) -> Path:

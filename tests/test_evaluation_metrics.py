@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,6 +242,71 @@ def test_report_files(hand_run, tmp_path):
     assert len(data["turns"]) == 4 and data["losslessness"]["lossless"]
     md = paths["markdown"].read_text()
     assert "| eagle2 | 3.50" in md and "LOSSLESS" in md and "calibration_eagle2.png" in md
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_report_rerun_that_fails_while_writing_keeps_the_previous_report(hand_run, tmp_path, monkeypatch):
+    """Every report a rerun replaces is first written whole beside the previous one: a failure at its last file (the
+    markdown, on a full disk here) leaves the previous evaluation, autotune, chi2 and serve-check reports
+    byte-identical, with no partial file or folder left; a complete rerun then replaces each (the evaluation's
+    plots the new report lacks and its answers.jsonl, not saved this time, go too)."""
+    import dataclasses
+    import errno
+
+    from eagle.decoding_config import DecodingConfig
+    from evaluation.autotune import TunePoint, TuneResult
+    from evaluation.losslessness import DistributionTest, PositionTest
+    from evaluation.report import write_autotune_report, write_chi2_report
+    from evaluation.serve_check import write_check_report
+
+    summaries = summarize(hand_run, n_resamples=100)
+    rounds = [rd for r in hand_run if r.method == "eagle2" for rd in r.stats.rounds]
+    report = EvalReport(meta={"target": "t", "methods": {"vanilla": {"describe": "naivegenerate"},
+                                                         "eagle2": {"describe": "dynamic 60/5/10"}}},
+                        run=BenchmarkRun(hand_run), summaries=summaries, comparisons=[],
+                        greedy=check_greedy(hand_run), calibration={"eagle2": calibrate(rounds)})
+    tune = TuneResult(vanilla_tokens_per_s=10.0, points=[TunePoint(16, 3, 2, 20.0, 2.5, 2.0, 6.0, 0.01, 0.01, 250.0)],
+                      best=DecodingConfig(total_token=16, depth=3, top_k=2), pick={"by": "model", "rule": "r"})
+    chi2 = [DistributionTest("eagle2", 100, 1.0, 0.01, [PositionTest(0, 1.0, 2, 3, 0.5)])]
+    eval_dir = tmp_path / "eval"
+
+    def write_all(tag: str, calibration: bool = True, answers: bool = True) -> None:
+        write_report(dataclasses.replace(report, meta={**report.meta, "tag": tag},
+                                         calibration=report.calibration if calibration else {}), eval_dir,
+                     (lambda path: path.write_text(f"{tag} answers\n") and path) if answers else None)
+        write_autotune_report(tune, {"tag": tag}, eval_dir / "autotune")
+        write_chi2_report(chi2, {"tag": tag}, eval_dir / "chi2")
+        write_check_report(eval_dir / "serve_check", {"tag": tag}, f"# {tag}\n", f"{tag} engine log\n")
+
+    write_all("old")
+    previous = files_of(eval_dir)
+    assert {"report.json", "report.md", "answers.jsonl", "calibration_eagle2.png", "autotune/autotune.md",
+            "chi2/chi2.md", "serve_check/report.md", "serve_check/engine.log"} <= set(previous)
+    real_write_text = Path.write_text
+
+    def full_disk_at_markdown(self, data, *a, **kw):
+        if self.suffix == ".md":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_write_text(self, data, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_text", full_disk_at_markdown)
+        for writer in (lambda: write_all("new"),
+                       lambda: write_autotune_report(tune, {"tag": "new"}, eval_dir / "autotune"),
+                       lambda: write_chi2_report(chi2, {"tag": "new"}, eval_dir / "chi2"),
+                       lambda: write_check_report(eval_dir / "serve_check", {}, "# new\n", "new log\n")):
+            with pytest.raises(OSError, match="No space left"):
+                writer()
+            assert files_of(eval_dir) == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval"]
+    write_all("new", calibration=False, answers=False)
+    now = files_of(eval_dir)
+    assert "calibration_eagle2.png" not in now and "answers.jsonl" not in now
+    assert all(b"new" in now[name] and b"old" not in now[name] for name in (
+        "report.json", "autotune/autotune.md", "chi2/chi2.md", "serve_check/report.md", "serve_check/engine.log"))
 
 
 def test_report_headline_is_the_fastest_speculative_method():

@@ -481,3 +481,30 @@ def test_head_pair_lines_match_trees_by_name_and_orient_the_ratio_b_over_a(tmp_p
     assert lines[2].strip() == ("tuned vs tuned@B: tau 6.00 vs 3.00, B / A 0.50 [0.40, 0.62]; speed-up 3.00x vs 1.50x, "
                                 "tokens/s B / A 0.50 [0.40, 0.62]")
     assert len(lines) == 3  # eagle1 has no head-B counterpart
+
+
+def test_a_changed_setting_that_fails_keeps_the_previous_outputs_until_fixed(monkeypatch, tmp_path, small_target,
+                                                                           capsys):
+    """A rerun with a changed data setting (a typo) whose data prep fails: the previous data is set aside, not
+    deleted, and every later stage's outputs stay in place (none of them started); the same command with the
+    setting fixed puts the data back and reuses every stage; with the new setting again, the failed stage resumes
+    its partial output. The set-aside outputs go once a run has finished every stage."""
+    out = tmp_path / "run"
+    assert run(monkeypatch, FakeStages(), out, small_target) == 0
+    before = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != demo.STATE_FILE}
+    typo = FakeStages(fail="data", tag="typo")
+    assert run(monkeypatch, typo, out, small_target, "data.max_new_tokens=9") == 3
+    assert typo.names == ["data"]
+    assert (out / demo.SUPERSEDED_DIR / "data" / "written-1").exists()  # the previous data, set aside
+    assert (out / "train" / "written-2").exists() and (out / "eval" / "report.json").exists()  # never started
+    fixed = FakeStages()
+    assert run(monkeypatch, fixed, out, small_target) == 0
+    assert fixed.names == [] and "putting back its outputs" in capsys.readouterr().out
+    after = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != demo.STATE_FILE}
+    assert after == before and not (out / demo.SUPERSEDED_DIR).exists()
+
+    assert run(monkeypatch, FakeStages(fail="data", tag="typo"), out, small_target, "data.max_new_tokens=9") == 3
+    again = FakeStages(tag="new")
+    assert run(monkeypatch, again, out, small_target, "data.max_new_tokens=9") == 0
+    assert again.names == BOTH and (out / "data" / "typo-1").exists()  # the interrupted data prep resumed its output
+    assert not (out / "data" / "written-1").exists() and not (out / demo.SUPERSEDED_DIR).exists()

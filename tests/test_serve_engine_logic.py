@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +17,18 @@ from evaluation.engine_vllm import fixed_expand
 from evaluation.serve_check_sampling import acceptance, compare, per_prompt_counts
 from evaluation.serve_sweep import (best_k, markdown, parse_int_list, plot, prompts_per_level, read_bench_result,
                                     recommendation_lines, sharegpt_dataset)
-from eagle.head_kinds import HEAD_KINDS
+from eagle.head_kinds import HEAD_KINDS, PEAGLE
+from eagle.peagle import PeagleHead
 from export.engine_formats import EngineFormatError
-from export.head_kinds import check_vllm_method, served_kind
+from export.head_kinds import EXPORT, check_vllm_method, served_kind
 from export.hub import push_to_hub
+from export.model_card import card_speculative_config
+from export.speculative_schedule import SCHEDULE_KEY, ScheduleError
 from recipes import load_config
 from statistical_rule import assert_same_law, binomial_pvalue
 from test_engine_formats import perturbed_head
+from test_evaluation_questions import char_tokenizer
+from tiny_models import random_head, tiny_target
 
 RELEASED_EAGLE3 = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}
 SPECULATORS_EAGLE3 = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3"}
@@ -210,3 +217,171 @@ def test_the_sweep_reaches_the_model_card_and_the_hub_upload(tmp_path):
     assert "| 1 | 3 | 180 | 1.80x | no speculation, 44% slower |" in card
     assert "| 64 | 0 (no speculation) | 900 | 1.00x | k = 3, 33% slower |" in card
     assert "![throughput vs concurrency](eval/serve_sweep/throughput.png)" in card
+
+
+def recording_engine(tmp_path, exit_code: int = 3) -> tuple[str, Path]:
+    """A stand-in engine interpreter: it passes check_engine's "vllm is importable" probe and records every other
+    start in a log (then fails, as an engine that cannot start)."""
+    log = tmp_path / "engine_starts.log"
+    path = tmp_path / "python-fake-vllm"
+    path.write_text(f"#!/bin/sh\ncase \"$2\" in *find_spec*) exit 0;; esac\necho \"$@\" >> {log}\nexit {exit_code}\n")
+    path.chmod(0o755)
+    return str(path), log
+
+
+def peagle_folders(tmp_path) -> tuple[Path, Path, Path]:
+    """(target with a tokenizer, a random P-EAGLE head, a one-line question file)."""
+    target = tiny_target("llama", num_layers=4, vocab_size=258, eos_token_id=1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
+    head = PeagleHead.from_target(target, aux_layers=[1, 2, 3])
+    head.kind.with_mask_token(head.config, 5)
+    head.save_pretrained(tmp_path / "h")
+    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    return tmp_path / "t", tmp_path / "h", tmp_path / "q.txt"
+
+
+def test_a_peagle_schedule_is_refused_as_served_before_any_engine_starts(tmp_path, capsys):
+    """serve-check of a P-EAGLE head with a hand-written schedule of k 4 and 2 whose file has no parallel_drafting
+    key: serve-check serves the head with parallel_drafting (its kind's), the combination vLLM 0.32's worker crashes
+    on, so it is refused in one line before any model loads or engine starts. The same file with parallel drafting
+    explicitly off is the sequential trap, refused by the method check."""
+    from evaluation.main import main
+
+    target, head, questions = peagle_folders(tmp_path)
+    engine, starts = recording_engine(tmp_path)
+    spec = tmp_path / "speculative_config.json"
+    spec.write_text(json.dumps({"method": "eagle3", "model": str(head) + "-vllm", "num_speculative_tokens": 4,
+                                "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 64, 2]]}))
+    argv = ["serve-check", "--base", str(target), "--head", str(head), "--questions", str(questions),
+            "--engine-python", engine, "--out", str(tmp_path / "e"), "--speculative-config", str(spec)]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"error: {spec}: vLLM 0.32 cannot run a shorter k (2) than "
+                                               "num_speculative_tokens = 4 with parallel_drafting"), err
+    assert "the head is served with parallel_drafting (its kind drafts in parallel)" in err[0]
+    assert not starts.exists(), starts.read_text()  # no engine was started
+    assert not (tmp_path / "e" / "serve_check").exists()
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "parallel_drafting": False}))
+    assert main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "holds a P-EAGLE head" in err[0] and '"parallel_drafting": true' in err[0], err
+    assert not starts.exists(), starts.read_text()
+    spec.write_text(json.dumps({k: v for k, v in json.loads(spec.read_text()).items() if k != "parallel_drafting"}))
+    with pytest.raises(ScheduleError, match="cannot run a shorter k"):
+        card_speculative_config({"schedule": {"speculative_config": json.loads(spec.read_text())}}, "H-vllm",
+                                EXPORT[PEAGLE])
+    assert card_speculative_config({"schedule": {"speculative_config": {**json.loads(spec.read_text()), "method": "eagle3",
+                                    SCHEDULE_KEY: [[1, 2, 4], [3, 64, 0]]}}}, "H-vllm", EXPORT[PEAGLE]) == {
+        "method": "eagle3", "model": "H-vllm", "num_speculative_tokens": 4, SCHEDULE_KEY: [[1, 2, 4], [3, 64, 0]],
+        "parallel_drafting": True}  # a schedule of one k and 0: served, with the kind's parallel_drafting
+
+
+FAKE_VLLM = '''#!{python}
+"""vLLM's CLI as serve-sweep runs it, without vLLM: `vllm serve` answers /health, or exits before it is ready when
+the mode file names its k ("*": every k); `vllm bench serve` writes a result whose tokens/s grow with k. Every start
+is logged."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+if args[:1] == ["-c"]:
+    sys.exit(0)  # check_engine: "vllm is importable"
+command = args[1]
+if command == "serve":
+    spec = json.loads(args[args.index("--speculative-config") + 1]) if "--speculative-config" in args else {{}}
+    k = str(spec.get("num_speculative_tokens", 0)) + ("s" if "num_speculative_tokens_per_batch_size" in spec else "")
+    with open({log!r}, "a") as f:
+        f.write(f"serve k{{k}}\\n")
+    failing = open({mode!r}).read().split()
+    if "*" in failing or k in failing:
+        print("RuntimeError: the engine could not allocate its KV cache", flush=True)
+        sys.exit(3)
+    print("vLLM API server version 0.32.0", flush=True)
+    health = type("Health", (BaseHTTPRequestHandler,), {{"log_message": lambda self, *a: None, "do_GET": lambda self: (
+        self.send_response(200 if self.path == "/health" else 404), self.end_headers())}})
+    HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), health).serve_forever()
+name = args[args.index("--result-filename") + 1]  # bench serve: k{{K}}_c{{C}}.json or schedule_c{{C}}.json
+with open({log!r}, "a") as f:
+    f.write(f"bench {{name}}\\n")
+n = int(args[args.index("--num-prompts") + 1])
+k = 2 if name.startswith("schedule") else int(name[1:name.index("_")])
+result = {{"completed": n, "failed": 0, "duration": 1.0, "total_output_tokens": 8 * n,
+          "output_throughput": 100.0 + 25 * k - name.startswith("schedule"), "median_e2el_ms": 50.0,
+          "p90_e2el_ms": 60.0, "median_ttft_ms": 5.0, "median_tpot_ms": 2.0}}
+if k:
+    result.update(spec_decode_acceptance_length=1.5, spec_decode_per_position_acceptance_rates=[0.5] * k,
+                  spec_decode_num_drafts=10)
+with open(args[args.index("--result-dir") + 1] + "/" + name, "w") as f:
+    json.dump(result, f)
+'''
+
+
+def fake_vllm(tmp_path) -> tuple[str, Path, Path]:
+    """(engine interpreter running FAKE_VLLM, its mode file, its log of starts)."""
+    path, mode, log = tmp_path / "python-fake-vllm", tmp_path / "fake_mode", tmp_path / "fake_starts.log"
+    path.write_text(FAKE_VLLM.format(python=sys.executable, mode=str(mode), log=str(log)))
+    path.chmod(0o755)
+    mode.write_text("")
+    return str(path), mode, log
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_failed_serve_sweep_rerun_keeps_the_last_sweep_and_a_rerun_resumes(tmp_path, capsys):
+    """A finished sweep in the eval folder (what the model card and the Hub upload ship), then serve-sweep reruns:
+    with an engine that fails to start, one error line and the sweep is unchanged, byte for byte; with one that
+    fails at k = 2, the k = 0 point is kept in serve_sweep.partial/ and the sweep still unchanged; the next rerun with
+    the same settings measures only what is missing (k = 0 is not served again), then replaces the sweep whole."""
+    from evaluation.main import main
+
+    target = tiny_target("llama", vocab_size=258, eos_token_id=1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
+    head = tmp_path / "run" / "head"
+    random_head(target).save_pretrained(head)
+    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    eval_dir = tmp_path / "run" / "eval"
+    sweep_dir = eval_dir / "serve_sweep"
+    sweep_dir.mkdir(parents=True)
+    points = [bench_json(tmp_path / f"{k}_{c}.json", k, c, v, 50.0) for (k, c), v in {(0, 1): 90, (3, 1): 170}.items()]
+    (sweep_dir / "sweep.json").write_text(json.dumps({"engine_version": "0.32.0", "max_new_tokens": 8,
+                                                      "load_average": [1.0, 1.0, 1.0], "best": best_k(points),
+                                                      "points": points}))
+    (sweep_dir / "sweep.md").write_text("# serve-sweep: the last good one\n")
+    (sweep_dir / "speculative_config.json").write_text('{"method": "eagle", "model": "H", "num_speculative_tokens": 3, '
+                                                       '"num_speculative_tokens_per_batch_size": [[1, 1, 3]]}')
+    good = files_of(sweep_dir)
+    engine, mode, starts = fake_vllm(tmp_path)
+    argv = ["serve-sweep", "--base", str(tmp_path / "t"), "--head", str(head), "--questions", str(tmp_path / "q.txt"),
+            "--engine-python", engine, "--out", str(eval_dir), "--concurrency", "1", "--ks", "0,2",
+            "eval.max_new_tokens=8"]
+
+    def sweep() -> tuple[int, list[str]]:
+        capsys.readouterr()
+        code = main(argv)
+        return code, [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+
+    mode.write_text("*")  # the engine fails to start
+    code, errors = sweep()
+    assert code == 2 and len(errors) == 1 and "exited with code 3 before it was ready" in errors[0], errors
+    assert files_of(sweep_dir) == good  # the last complete sweep is untouched
+    mode.write_text("2")  # k = 0 is measured, then k = 2 fails
+    code, errors = sweep()
+    assert code == 2 and len(errors) == 1, errors
+    assert files_of(sweep_dir) == good
+    partial = json.loads((eval_dir / "serve_sweep.partial" / "progress.json").read_text())
+    assert [(p["k"], p["concurrency"]) for p in partial["points"]] == [(0, 1)]
+    starts.write_text("")
+    mode.write_text("")
+    code, errors = sweep()
+    assert code == 0 and not errors
+    assert starts.read_text().split("\n")[:-1] == ["serve k2", "bench k2_c1.json", "serve k2s", "bench schedule_c1.json"]
+    report = json.loads((sweep_dir / "sweep.json").read_text())
+    assert [(p["k"], p["output_tokens_per_s"]) for p in report["points"]] == [(0, 100.0), (2, 150.0)]
+    assert report["points"][0] == partial["points"][0]  # reused as measured, load average included
+    assert report["best"][0]["best_k"] == 2 and not (eval_dir / "serve_sweep.partial").exists()
+    assert {"sweep.json", "sweep.md", "throughput.png", "speculative_config.json"} <= set(files_of(sweep_dir))
+    assert not (sweep_dir / "progress.json").exists() and not (sweep_dir / "models").exists()

@@ -195,6 +195,11 @@ def _bench(d: Path):
     return read_bench_result(d / "k{K}_c{C}.json", 0, 1)
 
 
+def _sweep_progress(d: Path):
+    from evaluation.serve_sweep import resumable
+    return resumable(d, REGISTRY["SERVE_SWEEP_PARTIAL/progress.json"].example["settings"])
+
+
 def _quickstart(d: Path):
     from quickstart.demo import read_state
     return read_state(d)
@@ -234,6 +239,7 @@ READERS = {
     "EVAL_DIR/report.json": _eval_report,
     "SERVE_SWEEP_DIR/sweep.json": _spec_loader("SERVE_SWEEP_DIR/sweep.json"),
     "SERVE_SWEEP_DIR/bench/k{K}_c{C}.json": _bench,
+    "SERVE_SWEEP_PARTIAL/progress.json": _sweep_progress,
     "SERVE_CHECK_WORK_DIR/ENGINE_result.json": _spec_loader("SERVE_CHECK_WORK_DIR/ENGINE_result.json"),
     "DATA_DIR/vllm_capture-SHARD/result.json": _spec_loader("DATA_DIR/vllm_capture-SHARD/result.json"),
     "SERVE_SWEEP_DIR/speculative_config.json": _speculative_config,

@@ -3,6 +3,7 @@ for both head kinds (EAGLE-2 on the 2-layer toy, EAGLE-3 on a 4-layer toy with a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -99,6 +100,76 @@ def test_zero0_checkpoint_of_two_ranks_resumes_on_one(toy2, tmp_path):
         diffs = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if not torch.equal(a[k], b[k])}
         print(f"{what}: max |resized - uninterrupted| {max(diffs.values(), default=0.0):.3g}")
         assert_same_training(a, b, steps, what=f"({what} vs the uninterrupted 1-rank run's)\n" + "\n".join(logs))
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+
+
+def start_ranks(cmd: list[str], cwd, world: int = 2) -> list[tuple[int, str]]:
+    """`world` ranks of `cmd` started as DeepSpeed's launcher starts them (rank variables; rank 0's process group
+    hosts the rendezvous store): each rank's (exit code, stderr)."""
+    port = str(free_port())
+    env = {**subprocess_env(), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port}
+    ranks = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, cwd=cwd) for r in range(world)]
+    return [(p.communicate(timeout=300)[1], p.returncode)[::-1] for p in ranks]
+
+
+def test_a_damaged_checkpoint_on_two_ranks_is_one_line_and_one_exit_code(toy2, tmp_path):
+    """README's promise on several ranks: a refused resume prints ONE `error:` line (not one per rank) and every rank
+    exits with code 2 (eagle/rank_errors.py). Under torchrun, whose agent hosts the rendezvous store and stops the
+    other ranks with SIGTERM as soon as one exits: `latest` names a missing step. Two ranks started as DeepSpeed's
+    launcher starts them (rank 0's process group hosts the store; each rank's exit code seen directly): a truncated
+    model-states file. Both are refused on every rank alike, at the same point of setup."""
+    out = tmp_path / "run"
+    common = ("train.zero_stage=0", "train.precision=fp32", "train.checkpoint_every=2")
+    proc = launch([sys.executable], toy2, out, *common, "train.stop_after=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checkpoints = out / "train" / "checkpoints"
+    (checkpoints / "latest").write_text("step-00000009")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    proc = launch(torchrun, toy2, out, *common)
+    errors = error_lines(proc.stderr)
+    codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", proc.stderr, re.M)  # torchrun's report: each failed rank
+    assert len(errors) == 1 and sorted(codes) == ["2", "2"], f"{errors}\nexit codes {codes}\n{proc.stderr[-3000:]}"
+    assert errors[0] == (f"error: {checkpoints / 'latest'} names checkpoint 'step-00000009', but "
+                         f"{checkpoints / 'step-00000009'} does not exist")
+
+    (checkpoints / "latest").write_text("step-00000002")
+    states = checkpoints / "step-00000002" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
+    cmd = [sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny",
+           *overrides(toy2["target"], out, f"train.cache_dir={toy2['cache']}", *common, steps=4)]
+    ended = start_ranks(cmd, tmp_path)
+    errors = [ln for _, err in ended for ln in error_lines(err)]
+    assert len(errors) == 1 and [code for code, _ in ended] == [2, 2], "\n".join(err[-2000:] for _, err in ended)
+    assert errors[0].startswith(f"error: checkpoint file {states} is unreadable") and "train.resume=false" in errors[0]
+
+
+def test_a_setup_step_failing_on_one_rank_is_one_line_on_every_rank(tmp_path):
+    """A setup step (`on_every_rank`) that fails on rank 1 only: every rank stops with the same line, printed once,
+    naming the rank, what every rank needs and rank 1's own reason; both ranks exit with code 2."""
+    script = ("from eagle.cli_errors import UserError, one_line_errors\n"
+              "from train.distributed import destroy_process_groups, exit_process, init_distributed\n"
+              "from train.main import on_every_rank\n"
+              "@one_line_errors\n"
+              "def main(argv):\n"
+              "    ctx = init_distributed('cpu')\n"
+              "    def step():\n"
+              "        if ctx.rank == 1:\n"
+              "            raise UserError('no data at /rank1/cache')\n"
+              "    try:\n"
+              "        on_every_rank(step, ctx.world_size, 'every rank needs the data')\n"
+              "    finally:\n"
+              "        destroy_process_groups()\n"
+              "exit_process(main([]))\n")
+    ended = start_ranks([sys.executable, "-c", script], tmp_path)
+    errors = [ln for _, err in ended for ln in error_lines(err)]
+    assert errors == ["error: rank 1 (node 0) could not set up (every rank needs the data): no data at /rank1/cache"], (
+        "\n".join(err[-2000:] for _, err in ended))
+    assert [code for code, _ in ended] == [2, 2]
 
 
 def checkpoint_tensors(folder) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from eagle.cli_errors import UserError
 from eagle.device import pick_device
+from eagle.rank_errors import keep_store
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCHER_POLL_S = 1.0  # how often a worker of DeepSpeed's per-node launcher checks that the `deepspeed` runner lives
@@ -158,6 +159,8 @@ def init_distributed(device: str = "auto", collective_timeout_s: float = 1800.0)
         if getattr(dist.distributed_c10d, "default_pg_nccl_timeout", None) is not None:
             dist.distributed_c10d.default_pg_nccl_timeout = timeout
         deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl", timeout=timeout)
+        if dist.get_world_size() > 1:  # a user error's line is said once through it, after the group is gone
+            keep_store(dist.distributed_c10d._get_default_store())
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 

@@ -11,6 +11,7 @@ reference code, vLLM (method "eagle3") and SGLang (EAGLE3) load.
 The folder also carries `recipe.yaml` and `train_summary.json` (read by the model card)."""
 from __future__ import annotations
 
+import os
 import runpy
 import subprocess
 import sys
@@ -95,6 +96,9 @@ def export_head(state_dict: dict[str, torch.Tensor], config, out_dir: Path, dtyp
     return write_folder(out_dir, fill, overwrite=True)  # the run's own head folder: a rerun replaces it
 
 
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def push_exported_head(head_dir: Path) -> None:
     """export.push_to_hub: push the head just exported (rank 0) with the export stage's own command, `python -m
     export.hub --recipe {head}/recipe.yaml --head {head}`, in a process of its own: the export stage sits above the
@@ -102,7 +106,8 @@ def push_exported_head(head_dir: Path) -> None:
     than importing it. Its output passes through; its one-line error (no token, no network...) becomes this run's,
     naming the exported head, which stays."""
     cmd = [sys.executable, "-m", "export.hub", "--recipe", str(Path(head_dir) / RECIPE_FILE), "--head", str(head_dir)]
-    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}  # not a rank of this run's launch
+    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=env)
     lines = proc.stderr.splitlines(keepends=True)
     sys.stderr.write("".join(lines if proc.returncode == 0 else lines[:-1]))
     if proc.returncode != 0:

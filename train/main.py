@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data_prep.target import load_target_config, resolve_target_path
-from eagle.cli_errors import ArgumentParser, UserError, one_line_errors
+from eagle.cli_errors import ArgumentParser, UserError, one_line, one_line_errors
 from eagle.run_lock import run_lock
 from recipes import add_print_config, command_config, layout, list_recipes
 from recipes.schema import describe_recipe_keys
@@ -76,8 +76,10 @@ def any_rank(flag: bool, world_size: int) -> bool:
 
 
 def on_every_rank(step, world_size: int, needs: str) -> None:
-    """Run a setup `step` on every rank and agree on the outcome: a rank that fails raises its own error; the
-    others stop too, naming the failed ranks (instead of waiting for them at the next collective)."""
+    """Run a setup `step` on every rank and agree on the outcome: when it fails on some rank, every rank stops with
+    the same one-line error (instead of the others waiting for the failed ones at the next collective), which the
+    launch then prints once (eagle/rank_errors.py): the failed rank's own line when every rank failed alike, else
+    the failed ranks and the first one's line."""
     try:
         step()
         error = None
@@ -87,13 +89,20 @@ def on_every_rank(step, world_size: int, needs: str) -> None:
         if error is not None:
             raise error
         return
-    me = torch.distributed.get_rank()
-    failed = [r for r, f in enumerate(all_reduce_sum([float(r == me and error is not None) for r in range(world_size)]))
-              if f]
-    if error is not None:
+    lines: list[str | None] = [None] * world_size
+    torch.distributed.all_gather_object(lines, None if error is None else one_line(error))
+    failed = [r for r, line in enumerate(lines) if line is not None]
+    if not failed:
+        return
+    first, alike = lines[failed[0]], len({lines[r] for r in failed}) == 1
+    if len(failed) == world_size and alike:
+        agreed = first
+    else:
+        agreed = (f"{describe_ranks(failed)} could not set up ({needs}): "
+                  + (first if alike else f"{describe_ranks(failed[:1])}: {first}"))
+    if error is not None and one_line(error) == agreed:
         raise error
-    if failed:
-        raise UserError(f"{describe_ranks(failed)} could not set up (see their error line): {needs}")
+    raise UserError(agreed)
 
 
 def set_scheduled_lr(engine, say) -> None:
