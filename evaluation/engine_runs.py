@@ -1,6 +1,5 @@
-"""Running a serving engine's script in a subprocess under the engine's own interpreter (its venv), so this
-project's venv never imports the engine: serve-check writes a REQUEST json, the script (evaluation/engine_vllm.py)
-writes a RESULT json (both described in that file), its output goes to a log whose end a failure shows.
+"""serve-check's runs in the engine: the REQUEST serve-check writes, the RESULT the engine script
+(engine/vllm_side/generate.py, under the engine's own interpreter; both described in that file) writes back.
 """
 from __future__ import annotations
 
@@ -8,25 +7,24 @@ import json
 import subprocess
 from pathlib import Path
 
-from data_prep.vllm_server import engine_env
-from eagle.cli_errors import UserError
 from eagle.state_files import StateFile, read_json_state, register
+from engine.engine_process import EngineError, engine_env
 
 ENGINES = ("vllm",)
 ENGINE_RESULT = register(StateFile(
-    "ENGINE_result.json", "SERVE_CHECK_WORK_DIR", writer="evaluation/engine_vllm.py (under the engine's interpreter)",
+    "ENGINE_result.json", "SERVE_CHECK_WORK_DIR", writer="engine/vllm_side/generate.py (under the engine's interpreter)",
     schema={"runs": {"*": dict}, "*": object},
     rebuild="rerun the serve-check: the engine script writes it fresh (its log beside it says why it is incomplete)",
     example={"runs": {"spec": {"outputs": [[1, 2]]}}}))
-ENGINE_SCRIPTS = {"vllm": Path(__file__).resolve().parent / "engine_vllm.py"}
+ENGINE_SCRIPTS = {"vllm": Path(__file__).resolve().parent.parent / "engine" / "vllm_side" / "generate.py"}
 
 
-class ServeCheckError(UserError):
+class ServeCheckError(EngineError):
     """The engine could not run (the message holds the end of its log, folded into the error line)."""
 
 
 def engine_run(engine: str, engine_python: str, request: dict, work: Path, timeout: float = 3600) -> dict:
-    """Run the engine script under `engine_python`; returns its RESULT json (see evaluation/engine_vllm.py)."""
+    """Run the engine script under `engine_python`; returns its RESULT json (see engine/vllm_side/generate.py)."""
     req, res, logf = work / f"{engine}_request.json", work / f"{engine}_result.json", work / f"{engine}.log"
     req.write_text(json.dumps(request))
     env = engine_env(engine_python)

