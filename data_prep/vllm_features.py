@@ -29,7 +29,6 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -43,12 +42,12 @@ from safetensors.torch import load_file
 from data_prep.cache_features import CacheStats
 from data_prep.feature_cache import FeatureCacheWriter
 from eagle.head_kinds import text_config
-from eagle.state_files import StateFile, read_json_state, register
-from engine.engine_process import EngineError, engine_env, resolve_engine_python
+from eagle.state_files import StateFile, register
+from engine.engine_process import EngineError, resolve_engine_python, run_engine_script
 from engine.head_dim_pad import servable_target
 from engine.vllm_server import VLLMServer
 
-ENGINE_CAPTURE = Path(__file__).resolve().parent.parent / "engine" / "vllm_side" / "capture.py"
+ENGINE_CAPTURE = "capture"  # the engine-side script (engine/vllm_side/capture.py)
 CAPTURE_DIR = "vllm_capture"  # beside the cache (in the data folder): per-record files, deleted once committed
 UNREQUESTED = "unrequested"  # in a capture folder: the server connector's default path, for requests naming none
 #   (never written: the shared server captures only requests that name their file; its presence means a bug)
@@ -123,19 +122,13 @@ def capture_work_dir(data_dir: Path, shard: int) -> Path:
 
 def engine_capture(engine_python: str, model: str, dtype: str, records: list[dict], layer_ids: list[int],
                    capture_dir: Path, seed: int, max_model_len: int, log_path: Path) -> dict:
-    """Run engine/vllm_side/capture.py on `records` ({"name", "input_ids"}); its RESULT (see that file)."""
+    """Run engine/vllm_side/capture.py on `records` ({"name", "input_ids"}); its RESULT (see that file). The engine
+    ending badly is the engine's EngineError line; vLLM refusing the capture, an EngineCaptureError."""
     capture_dir.mkdir(parents=True, exist_ok=True)
-    req, res = capture_dir / "request.json", capture_dir / "result.json"
-    res.unlink(missing_ok=True)
-    req.write_text(json.dumps({"model": model, "dtype": dtype, "max_model_len": max_model_len, "layer_ids": layer_ids,
-                               "capture_dir": str(capture_dir / "files"), "seed": seed, "records": records}))
-    with open(log_path, "w") as f:
-        proc = subprocess.run([engine_python, str(ENGINE_CAPTURE), str(req), str(res)], stdout=f,
-                              stderr=subprocess.STDOUT, env=engine_env(engine_python), cwd=capture_dir)
-    if proc.returncode != 0 or not res.exists():
-        tail = " | ".join(ln.strip() for ln in log_path.read_text(errors="replace").splitlines()[-6:] if ln.strip())
-        raise EngineCaptureError(f"the vLLM capture exited with {proc.returncode} (log {log_path}): {tail}")
-    result = read_json_state(res, CAPTURE_RESULT)
+    request = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "layer_ids": layer_ids,
+               "capture_dir": str(capture_dir / "files"), "seed": seed, "records": records}
+    result = run_engine_script(engine_python, ENGINE_CAPTURE, request, capture_dir / "request.json",
+                               capture_dir / "result.json", log_path, CAPTURE_RESULT, "the vLLM capture")
     if "error" in result:
         raise EngineCaptureError(f"vLLM at {engine_python} cannot capture hidden states (speculative method "
                                  f"extract_hidden_states + a hidden-states KV connector, vllm >= 0.32): "
@@ -145,8 +138,8 @@ def engine_capture(engine_python: str, model: str, dtype: str, records: list[dic
 
 def server_capture(server: VLLMServer, records: list[dict], capture_dir: Path, concurrency: int,
                    timeout_s: float) -> dict:
-    """The engine script's RESULT from a running capture server (`engine.vllm_server.capture_args`): each record ({"name",
-    "input_ids"}) is one /v1/completions request with its token ids as the prompt, max_tokens 1, greedy, and
+    """The engine script's RESULT from a running capture server (engine/vllm_server.py `capture_args`): each record
+    ({"name", "input_ids"}) is one /v1/completions request with its token ids as the prompt, max_tokens 1, greedy, and
     `kv_transfer_params.hidden_states_path` = capture_dir/NAME.safetensors (`concurrency` in flight, batched by
     vLLM's scheduler); the file is read once the connector releases its `.lock`."""
     capture_dir.mkdir(parents=True, exist_ok=True)

@@ -3,10 +3,10 @@
     with VLLMServer(engine_python, model_dir, log_path=..., args=["--max-model-len", "1024"]) as server:
         ... POST server.url + "/chat/completions" ...
 
-The server is `ENGINE_PYTHON engine/vllm_side/cli.py serve MODEL` (vLLM's own `vllm serve`, see that file for why
-not the installed script) under the engine's interpreter (engine/engine_process.py) in its own process group on
-127.0.0.1, and `stop()` ends that group. Also here: the `vllm serve` arguments this project always passes
-(`serve_args`) and those that make the server capture hidden states (`capture_args`).
+The server is `ENGINE_PYTHON -m vllm_side.cli serve MODEL` (vLLM's own `vllm serve`, see engine/vllm_side/cli.py for
+why not the installed script), started by engine/engine_process.py in its own process group on 127.0.0.1, and
+`stop()` ends that group. Also here: the `vllm serve` arguments this project always passes (`serve_args`), those that
+make the server capture hidden states (`capture_args`), and vLLM's own benchmark against a running server (`bench`).
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from engine.engine_process import EngineError, engine_env
+from engine.engine_process import EngineError, ended, log_tail, run_engine, start_engine
+from engine.vllm_side.capture import capture_config
 from recipes.chat_templates import read_template
 
-VLLM_CLI = Path(__file__).resolve().parent / "vllm_side" / "cli.py"
+VLLM_CLI = "cli"  # the engine-side module that runs vLLM's CLI (engine/vllm_side/cli.py)
 
 
 def free_port() -> int:
@@ -44,7 +45,7 @@ class VLLMServer:
         self.log_path = Path(log_path)
         self.args, self.port = [str(a) for a in args], port or free_port()
         self.startup_timeout_s = startup_timeout_s
-        self.env = {**engine_env(engine_python), **(env or {})}
+        self.env = dict(env or {})  # beside engine_env's
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -52,32 +53,20 @@ class VLLMServer:
         """OpenAI API base, e.g. http://127.0.0.1:PORT/v1."""
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def command(self) -> list[str]:
-        return [self.engine_python, str(VLLM_CLI), "serve", self.model, "--host", "127.0.0.1", "--port",
-                str(self.port), "--served-model-name", self.served_model_name, *self.args]
+    def serve_args(self) -> list[str]:
+        """`vllm serve`'s arguments: the model on 127.0.0.1:port under its served name, then `args`."""
+        return ["serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name",
+                self.served_model_name, *self.args]
 
     def start(self) -> "VLLMServer":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(self.command())}\n".encode())
-            log.flush()
-            # own process group: stop() ends the API server and the engine-core process it spawns, nothing else
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         cwd=self.log_path.parent, start_new_session=True)
+        # own process group: stop() ends the API server and the engine-core process it spawns, nothing else
+        self.proc = start_engine(self.engine_python, VLLM_CLI, self.serve_args(), self.log_path, self.log_path.parent,
+                                 env=self.env)
         return self
 
     def exit_code(self) -> int | None:
         """None while the server runs; its exit code once it has ended."""
         return None if self.proc is None else self.proc.poll()
-
-    def log_tail(self, lines: int = 12) -> str:
-        """The last `lines` lines of the server's log that are not request lines, joined on one line."""
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        kept = [ln.strip() for ln in text if ln.strip() and " HTTP/1.1\" " not in ln]  # uvicorn's access log
-        return " | ".join(kept[-lines:])
 
     def healthy(self) -> bool:
         try:
@@ -91,23 +80,19 @@ class VLLMServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.exit_code() is not None:
-                raise EngineError(f"the vLLM server for {self.model} exited with code {self.exit_code()} "
-                                        f"before it was ready (log {self.log_path}): {self.log_tail()}")
+                raise EngineError(ended(f"the vLLM server for {self.model}", self.exit_code(), self.log_path,
+                                        when="before it was ready"))
             if self.healthy():
                 return self
             time.sleep(2.0)
         self.stop()
         raise EngineError(f"the vLLM server for {self.model} was not ready after {self.startup_timeout_s:.0f} s "
-                                f"(log {self.log_path}): {self.log_tail()}")
+                          f"(log {self.log_path}): {log_tail(self.log_path)}")
 
     def died(self) -> str | None:
         """A one-line explanation when the server has ended on its own, else None."""
         code = self.exit_code()
-        if code is None:
-            return None
-        if code < 0:
-            return f"the vLLM server (pid {self.proc.pid}) was killed by {signal.Signals(-code).name} (log {self.log_path})"
-        return f"the vLLM server (pid {self.proc.pid}) exited with code {code} (log {self.log_path}): {self.log_tail(6)}"
+        return None if code is None else ended(f"the vLLM server (pid {self.proc.pid})", code, self.log_path)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after `timeout_s`."""
@@ -134,6 +119,18 @@ class VLLMServer:
             return True
         except (ProcessLookupError, PermissionError):
             return False
+
+    def bench(self, args: list[str], log_path: Path, what: str, output: Path) -> None:
+        """`vllm bench serve` (vllm/benchmarks/serve.py) against this server with `args`, run to its end under the
+        server's interpreter beside its log, its output in `log_path`; a failure, or no `output` written, is one
+        EngineError line, naming the server's end too when it died."""
+        args = ["bench", "serve", "--base-url", f"http://127.0.0.1:{self.port}", "--model", self.served_model_name,
+                *args]
+        try:
+            run_engine(self.engine_python, VLLM_CLI, args, log_path, self.log_path.parent, what, output=output)
+        except EngineError as e:
+            died = self.died()
+            raise EngineError(f"{e}; {died}" if died else str(e)) from None
 
     def metrics_text(self) -> str:
         """The Prometheus /metrics page."""
@@ -169,15 +166,12 @@ def serve_args(dtype: str, seed: int, max_model_len: int, chat_template: str | N
 
 def capture_args(layer_ids: list[int], storage: Path) -> list[str]:
     """`vllm serve` arguments that make the server capture hidden states too (data_prep/vllm_features.py
-    `server_capture`): the speculative method `extract_hidden_states` with the hidden-state ids `layer_ids` (it
-    drafts the token it sampled, so greedy replies are a plain server's) and this project's hidden-states connector
-    (engine/vllm_side/capture_connector.py, found beside cli.py), capturing only the requests that name a
-    hidden_states_path; prefix caching off, so every captured state is computed for its own request, as offline."""
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-    kv = {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "capture_connector",
-          "kv_role": "kv_producer", "kv_connector_extra_config": {
-              "shared_storage_path": str(storage), "allow_custom_save_path": True, "capture_only_requested": True}}
+    `server_capture`): the offline capture's configuration (engine/vllm_side/capture.py `capture_config`: the
+    speculative method `extract_hidden_states` with the hidden-state ids `layer_ids`, which drafts the token it sampled
+    so greedy replies are a plain server's, and this project's hidden-states connector), capturing only the requests
+    that name a hidden_states_path; prefix caching off, so every captured state is computed for its own request, as
+    offline."""
+    spec, kv = capture_config(layer_ids, str(storage), capture_only_requested=True)
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
             "--no-enable-prefix-caching"]
 

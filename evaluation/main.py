@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv
     if command == "serve-check":
-        # the engine missing or crashed: ServeCheckError, a UserError (one line holding its log's end; --debug: traceback)
+        # the engine missing or crashed: EngineError, a UserError (one line holding its log's end; --debug: traceback)
         return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
                            k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
                            engine_format=args.engine_format, engine_method=args.engine_method,

@@ -30,15 +30,14 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from eagle.head_config import read_head_json
 from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
-from engine.engine_process import check_engine, engine_env
-from engine.vllm_server import VLLM_CLI, VLLMServer, serve_args
+from engine.engine_process import check_engine
+from engine.vllm_server import VLLMServer, serve_args
 from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind
@@ -74,13 +73,12 @@ def sharegpt_dataset(texts: list[str], path: Path) -> Path:
     return path
 
 
-def bench_command(engine_python: str, server: VLLMServer, tokenizer: str, dataset: Path, chat: bool, num_prompts: int,
-                  concurrency: int, output_len: int, seed: int, result: Path) -> list[str]:
-    """`vllm bench serve` against `server`: greedy, every request max `output_len` tokens, `concurrency` in flight."""
-    return [engine_python, str(VLLM_CLI), "bench", "serve",
-            "--backend", "openai-chat" if chat else "openai",
+def bench_args(tokenizer: str, dataset: Path, chat: bool, num_prompts: int, concurrency: int, output_len: int,
+               seed: int, result: Path) -> list[str]:
+    """`vllm bench serve` arguments (`VLLMServer.bench` adds the server's): greedy, every request max `output_len`
+    tokens, `concurrency` in flight."""
+    return ["--backend", "openai-chat" if chat else "openai",
             "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
-            "--base-url", f"http://127.0.0.1:{server.port}", "--model", server.served_model_name,
             "--tokenizer", tokenizer, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
             "--sharegpt-output-len", str(output_len), "--num-prompts", str(num_prompts), "--disable-shuffle",
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0", "--seed", str(seed),
@@ -91,7 +89,7 @@ def bench_command(engine_python: str, server: VLLMServer, tokenizer: str, datase
 
 _NUMBER = (int, float)
 BENCH_RESULT = register(StateFile(
-    "k{K}_c{C}.json", "SERVE_SWEEP_DIR/bench", writer="vllm bench serve (started by evaluation/serve_sweep.py)",
+    "k{K}_c{C}.json", "SERVE_SWEEP_DIR/bench", writer="vllm bench serve (serve-sweep's, engine/vllm_server.py bench)",
     schema={"completed": int, "failed?": int, "duration": _NUMBER, "total_output_tokens": int,
             "output_throughput": _NUMBER, "median_e2el_ms": _NUMBER, "p90_e2el_ms": _NUMBER, "median_ttft_ms": _NUMBER,
             "median_tpot_ms": _NUMBER, "spec_decode_acceptance_length?": (float, type(None)),
@@ -303,15 +301,8 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
             for c in concurrency:
                 n = prompts_per_level(c, len(fits), min_prompts)
                 result = out / "bench" / f"{name}_c{c}.json"
-                cmd = bench_command(engine_python, server, target, dataset, chat, n, c, s.gen.max_new_tokens,
-                                    int(s.cfg.seed), result)
-                with open(out / "bench" / f"{name}_c{c}.log", "w") as f:
-                    proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=engine_env(engine_python),
-                                          cwd=out)
-                if proc.returncode != 0 or not result.exists():
-                    died = server.died()
-                    raise RuntimeError(f"vllm bench serve failed at {name}, concurrency {c} (exit {proc.returncode}, "
-                                       f"log {out / 'bench' / f'{name}_c{c}.log'})" + (f"; {died}" if died else ""))
+                server.bench(bench_args(target, dataset, chat, n, c, s.gen.max_new_tokens, int(s.cfg.seed), result),
+                             out / "bench" / f"{name}_c{c}.log", f"vllm bench serve at {name}, concurrency {c}", result)
                 point = read_bench_result(result, k, c)
                 point["requests"] = n
                 point["load_1min"] = round(os.getloadavg()[0], 2)  # at the end of the point: what it competed with

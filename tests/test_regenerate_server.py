@@ -328,7 +328,7 @@ def test_server_starts_waits_and_stops(tmp_path):
     with server:
         assert server.healthy() and server.died() is None and server.url.endswith(f":{server.port}/v1")
     assert server.exit_code() is not None and not server.healthy()  # the whole process group is gone
-    assert "serve MODEL --host 127.0.0.1" in (tmp_path / "server.log").read_text()
+    assert "-m vllm_side.cli serve MODEL --host 127.0.0.1" in (tmp_path / "server.log").read_text()
 
 
 def test_a_server_that_dies_is_named(tmp_path):
