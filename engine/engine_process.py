@@ -67,6 +67,7 @@ def engine_env(engine_python: str) -> dict[str, str]:
     if iomp.exists() and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = str(iomp)  # vLLM CPU: speculative decoding is much slower without Intel OpenMP
     # the engine side imports the standard library, vllm and vllm_side/: not this project, nor the caller's PYTHONPATH
+    # (engine/'s own modules sit on this path too; nothing in the engine imports them)
     env["PYTHONPATH"] = str(ENGINE_DIR)
     return env
 
