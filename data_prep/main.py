@@ -45,13 +45,15 @@ from data_prep.tokenized import load_tokenized, write_tokenized
 from data_prep.tool_calls import tool_call_format
 from data_prep.vllm_features import (UNREQUESTED, cache_shard_vllm, capture_layer_ids,
                                      capture_work_dir, staging_bytes_per_token)
-from data_prep.vllm_server import recipe_server
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
 from eagle.device import pick_device
 from eagle.head_kinds import text_config
 from eagle.hub_ids import check_local_exists
 from eagle.run_lock import run_lock
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
+from engine.engine_process import resolve_engine_python
+from engine.head_dim_pad import servable_target
+from engine.vllm_server import VLLMServer, capture_args, serve_args
 from recipes import add_print_config, command_config, layout
 
 STAGES = ("all", "load", "regenerate", "tokenize", "cache", "inspect")
@@ -174,9 +176,29 @@ def shares_server(cfg) -> bool:
     return d.backend == "openai" and bool(d.serve) and d.feature_source == "vllm"
 
 
+def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log_path: Path,
+                  capture: tuple[list[int], Path] | None = None) -> VLLMServer:
+    """The server `data.serve` starts for regeneration: the target (padded when vLLM's CPU attention needs it),
+    `serve_args` with a context of data.max_length + data.max_new_tokens (capped at the target's
+    max_position_embeddings), then data.serve_args. `capture` (hidden-state ids, capture folder): the same server
+    also captures those states for the cache stage (`capture_args`)."""
+    d = cfg.data
+    engine_python = resolve_engine_python(d.engine_python)
+    config = load_target_config(target_path)
+    model, _ = servable_target(target_path, config, work)
+    limit = int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
+    context = d.max_length + d.max_new_tokens
+    args = serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, cfg.target.chat_template,
+                      work)
+    if capture is not None:
+        args += capture_args(*capture)
+    return VLLMServer(engine_python, model, log_path, served_model_name=served_model_name,
+                      args=args + [str(a) for a in d.serve_args])
+
+
 def shared_server(run: Run):
     """The running regenerate-and-capture server (`shares_server`), started on the first call: the recipe's
-    regeneration server (`recipe_server`) with the cache's hidden-state ids captured (`vllm_server.capture_args`)."""
+    regeneration server (`recipe_server`) with the cache's hidden-state ids captured (`capture_args`)."""
     if run.server is None:
         path = resolve_target_path(run.cfg.target)
         config = load_target_config(path, run.cfg.target.revision)

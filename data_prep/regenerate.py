@@ -29,8 +29,8 @@ from data_prep.assistant_spans import split_reply
 from data_prep.token_ids import chat_messages, prompt_ids
 from data_prep.tool_calls import FORMATS as CALL_FORMATS
 from data_prep.tool_calls import ToolCallFormat
-from eagle.cli_errors import UserError
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
+from engine.engine_process import EngineError
 
 
 @dataclass
@@ -61,7 +61,7 @@ def too_long(n: int, max_length: int) -> str:
     return f"the prompt alone does not fit max_length {max_length} ({n} tokens)"
 
 
-class ServerError(UserError, RuntimeError):
+class ServerError(EngineError):
     """An OpenAI-compatible server failed in a way retrying will not fix (the message says what to change)."""
 
 

@@ -3,17 +3,17 @@ format, training cannot tell where it came from.
 
     python data_prep/main.py --recipe R data.feature_source=vllm data.engine_python=/work/venvs/vllm/bin/python
 
-The cache stage hands the tokenized records to data_prep/engine_capture.py under the engine's interpreter (vLLM's
-`extract_hidden_states` method with a hidden-states connector, data_prep/vllm_capture_connector.py), which writes
+The cache stage hands the tokenized records to engine/vllm_side/capture.py under the engine's interpreter (vLLM's
+`extract_hidden_states` method with a hidden-states connector, engine/vllm_side/capture_connector.py), which writes
 each record's states to a capture folder beside the cache; this side checks each file (the engine's token ids must
 be the record's), turns vLLM's hidden-state ids into the cache's (`capture_layer_ids`: vLLM's id L is the residual
 stream before the final norm, the cache's final state is after it, so the target's final RMSNorm is applied here,
 `FinalNorm`), writes the records with the same FeatureCacheWriter and deletes each capture file once its record is
 committed. Targets whose head_dim vLLM's CPU attention lacks are served as exactly equivalent padded copies
-(data_prep/vllm_server.py `servable_target`); their residual streams are the original's.
+(engine/head_dim_pad.py `servable_target`); their residual streams are the original's.
 
 With `data.backend=openai data.serve=true` the engine is not a second one: data prep starts ONE `vllm serve`
-(data_prep/main.py `shared_server`, with `vllm_server.capture_args`), which answers the regeneration requests
+(data_prep/main.py `shared_server`, with engine/vllm_server.py `capture_args`), which answers the regeneration requests
 (greedy replies equal to a plain server's: the capture method drafts the token it sampled) and, after tokenize, the
 capture requests (`server_capture`: each record's token ids as a /v1/completions prompt with max_tokens 1 and the
 file to write), so the cache is the offline engine's; a rerun whose regeneration is done starts it for the cache.
@@ -29,7 +29,6 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -42,23 +41,24 @@ from safetensors.torch import load_file
 
 from data_prep.cache_features import CacheStats
 from data_prep.feature_cache import FeatureCacheWriter
-from data_prep.vllm_server import VLLMServer, engine_env, resolve_engine_python, servable_target
-from eagle.cli_errors import UserError
 from eagle.head_kinds import text_config
-from eagle.state_files import StateFile, read_json_state, register
+from eagle.state_files import StateFile, register
+from engine.engine_process import EngineError, resolve_engine_python, run_engine_script
+from engine.head_dim_pad import servable_target
+from engine.vllm_server import VLLMServer
 
-ENGINE_CAPTURE = Path(__file__).resolve().parent / "engine_capture.py"
+ENGINE_CAPTURE = "capture"  # the engine-side script (engine/vllm_side/capture.py)
 CAPTURE_DIR = "vllm_capture"  # beside the cache (in the data folder): per-record files, deleted once committed
 UNREQUESTED = "unrequested"  # in a capture folder: the server connector's default path, for requests naming none
 #   (never written: the shared server captures only requests that name their file; its presence means a bug)
 CAPTURE_RESULT = register(StateFile(
-    "result.json", "DATA_DIR/vllm_capture-SHARD", writer="data_prep/engine_capture.py (under the engine's interpreter)",
+    "result.json", "DATA_DIR/vllm_capture-SHARD", writer="engine/vllm_side/capture.py (under the engine's interpreter)",
     schema={"files": {"*": str}, "errors": {"*": str}, "error?": str, "*": object},
     rebuild="rerun the cache stage: the engine script writes it fresh (engine.log beside it says why it is incomplete)",
     example={"vllm_version": "0.32.0", "files": {"r00000000": "files/r00000000.safetensors"}, "errors": {}}))
 
 
-class EngineCaptureError(UserError, RuntimeError):
+class EngineCaptureError(EngineError):
     """vLLM could not capture the features (no support, a failed write, token ids unlike the record's)."""
 
 
@@ -122,19 +122,13 @@ def capture_work_dir(data_dir: Path, shard: int) -> Path:
 
 def engine_capture(engine_python: str, model: str, dtype: str, records: list[dict], layer_ids: list[int],
                    capture_dir: Path, seed: int, max_model_len: int, log_path: Path) -> dict:
-    """Run data_prep/engine_capture.py on `records` ({"name", "input_ids"}); its RESULT (see that file)."""
+    """Run engine/vllm_side/capture.py on `records` ({"name", "input_ids"}); its RESULT (see that file). The engine
+    ending badly is the engine's EngineError line; vLLM refusing the capture, an EngineCaptureError."""
     capture_dir.mkdir(parents=True, exist_ok=True)
-    req, res = capture_dir / "request.json", capture_dir / "result.json"
-    res.unlink(missing_ok=True)
-    req.write_text(json.dumps({"model": model, "dtype": dtype, "max_model_len": max_model_len, "layer_ids": layer_ids,
-                               "capture_dir": str(capture_dir / "files"), "seed": seed, "records": records}))
-    with open(log_path, "w") as f:
-        proc = subprocess.run([engine_python, str(ENGINE_CAPTURE), str(req), str(res)], stdout=f,
-                              stderr=subprocess.STDOUT, env=engine_env(engine_python), cwd=capture_dir)
-    if proc.returncode != 0 or not res.exists():
-        tail = " | ".join(ln.strip() for ln in log_path.read_text(errors="replace").splitlines()[-6:] if ln.strip())
-        raise EngineCaptureError(f"the vLLM capture exited with {proc.returncode} (log {log_path}): {tail}")
-    result = read_json_state(res, CAPTURE_RESULT)
+    request = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "layer_ids": layer_ids,
+               "capture_dir": str(capture_dir / "files"), "seed": seed, "records": records}
+    result = run_engine_script(engine_python, ENGINE_CAPTURE, request, capture_dir / "request.json",
+                               capture_dir / "result.json", log_path, CAPTURE_RESULT, "the vLLM capture")
     if "error" in result:
         raise EngineCaptureError(f"vLLM at {engine_python} cannot capture hidden states (speculative method "
                                  f"extract_hidden_states + a hidden-states KV connector, vllm >= 0.32): "
@@ -144,8 +138,8 @@ def engine_capture(engine_python: str, model: str, dtype: str, records: list[dic
 
 def server_capture(server: VLLMServer, records: list[dict], capture_dir: Path, concurrency: int,
                    timeout_s: float) -> dict:
-    """The engine script's RESULT from a running capture server (`vllm_server.capture_args`): each record ({"name",
-    "input_ids"}) is one /v1/completions request with its token ids as the prompt, max_tokens 1, greedy, and
+    """The engine script's RESULT from a running capture server (engine/vllm_server.py `capture_args`): each record
+    ({"name", "input_ids"}) is one /v1/completions request with its token ids as the prompt, max_tokens 1, greedy, and
     `kv_transfer_params.hidden_states_path` = capture_dir/NAME.safetensors (`concurrency` in flight, batched by
     vLLM's scheduler); the file is read once the connector releases its `.lock`."""
     capture_dir.mkdir(parents=True, exist_ok=True)
@@ -192,8 +186,8 @@ def server_capture(server: VLLMServer, records: list[dict], capture_dir: Path, c
 def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer: FeatureCacheWriter, shard: int,
                      num_shards: int, layers: list[int] | None, data_dir: Path, server=None) -> CacheStats:
     """`cache_features.cache_shard` with vLLM computing the states (module docstring). `server`: a callable giving
-    the running capture server (data prep's one server for regeneration and capture, `vllm_server.capture_args`),
-    called only when there is work; None = a second, offline engine (data_prep/engine_capture.py)."""
+    the running capture server (data prep's one server for regeneration and capture, `engine.vllm_server.capture_args`),
+    called only when there is work; None = a second, offline engine (engine/vllm_side/capture.py)."""
     mine = [r for i, r in enumerate(records) if i % num_shards == shard]
     stats = CacheStats(records_total=len(mine))
     todo = [r for r in mine if r["id"] not in writer]
@@ -214,7 +208,7 @@ def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer:
             result = server_capture(server(), named, work / "files", int(cfg.data.gen_batch_size),
                                     float(cfg.data.api_timeout_s))
         else:
-            model, _ = servable_target(target_path, work / "models")
+            model, _ = servable_target(target_path, config, work / "models")
             result = engine_capture(resolve_engine_python(cfg.data.engine_python), model, str(cfg.target.dtype),
                                     named, layer_ids, work, int(cfg.seed), min(longest, limit) if limit else longest,
                                     work / "engine.log")

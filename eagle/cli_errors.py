@@ -77,7 +77,7 @@ def one_line(exc: BaseException) -> str:
 
 
 _REPO = Path(__file__).resolve().parent.parent
-_OWN_PACKAGES = {"eagle", "eagle_train", "train", "data_prep", "export", "evaluation", "quickstart", "recipes", "benchmarks", "tests"}
+_OWN_PACKAGES = {"eagle", "eagle_train", "train", "engine", "data_prep", "export", "evaluation", "quickstart", "recipes", "benchmarks", "tests"}
 
 
 def library_origin(exc: BaseException) -> str | None:

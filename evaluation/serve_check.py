@@ -9,9 +9,9 @@
    head kind (eagle / eagle3); `--engine-method` serves it with another, which the check refuses with one line
    naming the mismatch (the trap that otherwise shows up as acceptance 1.0 or a loader error).
 2. When the engine's CPU attention does not support the model's head_dim (vLLM: 32, 64, 80, ...), target and
-   head are replaced by exactly equivalent zero-padded copies (eagle/head_dim_pad.py); the copies are
+   head are replaced by exactly equivalent zero-padded copies (engine/head_dim_pad.py); the copies are
    first shown to decode token-identically to the originals in this project's decoder (vanilla and chain).
-3. The engine (evaluation/engine_vllm.py, in a subprocess under `--engine-python`, so this venv never needs
+3. The engine (engine/vllm_side/generate.py, in a subprocess under `--engine-python`, so this venv never needs
    vllm) decodes the evaluation prompts greedily without and with speculation (a chain of k drafted tokens).
 4. This project's decoder runs the same prompts with the same chain of k (`DecodingConfig(mode="chain")`).
 Reported: outputs identical per prompt (engine speculative vs engine plain, engine vs ours), the engine's
@@ -41,15 +41,15 @@ from pathlib import Path
 import torch
 
 from data_prep.target import load_target_config
-from data_prep.vllm_server import check_engine, servable_target
 from eagle.atomic_folder import write_results_folder
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
 from eagle.head_config import read_head_json
-from eagle.head_dim_pad import pad_head
 from eagle.head_files import load_head
+from engine.engine_process import check_engine
+from engine.head_dim_pad import pad_head, servable_target
 from evaluation import serve_check_sampling
-from evaluation.engine_process import ENGINES, ServeCheckError, engine_runs
+from evaluation.engine_runs import ENGINES, ServeCheckError, engine_runs
 from evaluation.head_health import acceptance_warning, warn
 from export.head_kinds import ExportKind, check_vllm_method, export_kind, served_kind, write_engine_head
 from export.speculative_schedule import (SCHEDULE_KEY, ScheduleError, check_speculative_config, k_at,
@@ -107,11 +107,12 @@ def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_
     """(target folder, draft folder, padded head_dim or None) that the engine will load. EAGLE-3 heads go to vLLM as
     its speculators config naming the (padded) target as verifier, or as the released folder (`engine_format`
     eagle)."""
-    target_path, padded = servable_target(target_path, work)
+    tcfg = load_target_config(target_path)
+    target_path, padded = servable_target(target_path, tcfg, work)
     if padded:  # the head gets the same head_dim as the padded target
         head = pad_head(load_head(head_path, dtype=torch.float32), padded)
         head_path = str(head.save_pretrained(work / "head_padded", dtype=torch.float32))
-    tcfg = load_target_config(target_path)
+        tcfg = load_target_config(target_path)  # the padded copy's
     if engine_format == "eagle":
         return target_path, head_path, padded  # the official / released folder, unchanged
     draft = write_engine_head(head_path, work / f"head_{engine}", engine, tcfg, verifier=target_path,

@@ -27,7 +27,7 @@ import time
 import torch
 
 from eagle.decoding_config import DecodingConfig
-from evaluation.engine_process import engine_runs
+from evaluation.engine_runs import engine_runs
 
 DEFAULT_ALPHA = 0.01
 RULES = ("probabilistic", "greedy")

@@ -4,7 +4,7 @@
         [--concurrency 1,4,16,64] [--ks 0,1,2,3,4,5]
 
 For every k (0 = no speculation, then chains of k drafted tokens) one `vllm serve` is started on the target
-(data_prep/vllm_server.py; the head in vLLM's format, padded copies where vLLM's CPU attention needs them, the
+(engine/vllm_server.py; the head in vLLM's format, padded copies where vLLM's CPU attention needs them, the
 method from the head kind, prefix caching off so repeated prompts cost the same as new ones), and for every
 concurrency level C `vllm bench serve` (vllm/benchmarks/serve.py) sends the evaluation prompts with at most C
 requests in flight, greedily, max_new_tokens each: it measures output tokens/s, per-request end-to-end latency
@@ -33,16 +33,16 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from data_prep.vllm_server import VLLM_CLI, EngineServerError, VLLMServer, check_engine, engine_env, serve_args
 from eagle.atomic_folder import replace_folder
 from eagle.head_config import read_head_json
 from eagle.run_lock import run_lock
 from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
+from engine.engine_process import check_engine
+from engine.vllm_server import VLLMServer, serve_args
 from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
 from export.head_kinds import export_kind, served_kind
@@ -78,13 +78,12 @@ def sharegpt_dataset(texts: list[str], path: Path) -> Path:
     return path
 
 
-def bench_command(engine_python: str, server: VLLMServer, tokenizer: str, dataset: Path, chat: bool, num_prompts: int,
-                  concurrency: int, output_len: int, seed: int, result: Path) -> list[str]:
-    """`vllm bench serve` against `server`: greedy, every request max `output_len` tokens, `concurrency` in flight."""
-    return [engine_python, str(VLLM_CLI), "bench", "serve",
-            "--backend", "openai-chat" if chat else "openai",
+def bench_args(tokenizer: str, dataset: Path, chat: bool, num_prompts: int, concurrency: int, output_len: int,
+               seed: int, result: Path) -> list[str]:
+    """`vllm bench serve` arguments (`VLLMServer.bench` adds the server's): greedy, every request max `output_len`
+    tokens, `concurrency` in flight."""
+    return ["--backend", "openai-chat" if chat else "openai",
             "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
-            "--base-url", f"http://127.0.0.1:{server.port}", "--model", server.served_model_name,
             "--tokenizer", tokenizer, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
             "--sharegpt-output-len", str(output_len), "--num-prompts", str(num_prompts), "--disable-shuffle",
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0", "--seed", str(seed),
@@ -95,7 +94,7 @@ def bench_command(engine_python: str, server: VLLMServer, tokenizer: str, datase
 
 _NUMBER = (int, float)
 BENCH_RESULT = register(StateFile(
-    "k{K}_c{C}.json", "SERVE_SWEEP_DIR/bench", writer="vllm bench serve (started by evaluation/serve_sweep.py)",
+    "k{K}_c{C}.json", "SERVE_SWEEP_DIR/bench", writer="vllm bench serve (serve-sweep's, engine/vllm_server.py bench)",
     schema={"completed": int, "failed?": int, "duration": _NUMBER, "total_output_tokens": int,
             "output_throughput": _NUMBER, "median_e2el_ms": _NUMBER, "p90_e2el_ms": _NUMBER, "median_ttft_ms": _NUMBER,
             "median_tpot_ms": _NUMBER, "spec_decode_acceptance_length?": (float, type(None)),
@@ -383,16 +382,8 @@ def measure_sweep(s, fits: list[str], engine_python: str, engine_format: str, co
                 n = prompts_per_level(c, len(fits), min_prompts)
                 result = stage / "bench" / f"{name}_c{c}.json"
                 result.unlink(missing_ok=True)  # an interrupted point's result is not this one's
-                cmd = bench_command(engine_python, server, target, dataset, chat, n, c, s.gen.max_new_tokens,
-                                    int(s.cfg.seed), result)
-                with open(stage / "bench" / f"{name}_c{c}.log", "w") as f:
-                    proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=engine_env(engine_python),
-                                          cwd=stage)
-                if proc.returncode != 0 or not result.exists():
-                    died = server.died()
-                    raise EngineServerError(f"vllm bench serve failed at {name}, concurrency {c} (exit "
-                                            f"{proc.returncode}, log {stage / 'bench' / f'{name}_c{c}.log'})"
-                                            + (f"; {died}" if died else ""))
+                server.bench(bench_args(target, dataset, chat, n, c, s.gen.max_new_tokens, int(s.cfg.seed), result),
+                             stage / "bench" / f"{name}_c{c}.log", f"vllm bench serve at {name}, concurrency {c}", result)
                 point = read_bench_result(result, k, c)
                 point["requests"] = n
                 point["load_1min"] = round(os.getloadavg()[0], 2)  # at the end of the point: what it competed with

@@ -43,7 +43,7 @@ class DataSettings:
     api_retries: int = 3
     api_endpoint: str = "chat"  # chat (/v1/chat/completions) | completions (/v1/completions fed this project's prompt ids: raw-text models)
     api_token_ids: bool = True  # ask for vLLM's return_token_ids + stop_token_ids (exactly on-policy ids); false for servers refusing them
-    serve: bool = False  # openai backend: start `vllm serve` on the target for this run (data_prep/vllm_server.py), stop it at the end
+    serve: bool = False  # openai backend: start `vllm serve` on the target for this run (data_prep/main.py recipe_server), stop it at the end
     engine_python: str = ""  # interpreter of a venv with vllm for data.serve ("" = $EAGLE_VLLM_PYTHON)
     serve_args: list[str] = field(default_factory=list)  # extra `vllm serve` arguments, e.g. ["--tensor-parallel-size", "8"]
 

@@ -48,8 +48,8 @@ REFUSED = {"python evaluation/main.py": ([sys.executable, "evaluation/main.py"],
                                                                                   "eagle-train eval"))}
 NOT_A_CLI = {"python tests/float_variants.py"}  # runs the numeric tests under each arithmetic variant: no --help
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
-OWN = {"eagle", "eagle_train", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks",
-       "tests"}  # a `python -m venv` or `python -m pip` line runs no program of this project
+OWN = {"eagle", "eagle_train", "recipes", "engine", "data_prep", "train", "export", "evaluation", "quickstart",
+       "benchmarks", "tests"}  # a `python -m venv` or `python -m pip` line runs no program of this project
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess:

@@ -21,8 +21,9 @@ import data_prep.vllm_features as vf
 from data_prep.cache_features import cache_shard
 from data_prep.feature_cache import FeatureCacheReader, FeatureCacheWriter
 from data_prep.vllm_features import EngineCaptureError, FinalNorm, capture_layer_ids, features_of
-from data_prep.vllm_server import VLLM_CLI, capture_args
 from eagle.cli_errors import is_expected
+from engine.engine_process import ENGINE_DIR, EngineError, engine_env
+from engine.vllm_server import capture_args
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function
 from recipes import RecipeError, load_config
 from test_data_prep_helpers import build_model
@@ -108,7 +109,7 @@ def test_the_engine_cache_equals_the_transformers_cache(target, tmp_path, monkey
     layers = None if kind == "eagle2" else [1, 0, 1, LAYERS]
     cfg = load_config("tiny", [f"target.path={path}", "data.cache_dtype=float32", "data.engine_python=python"])
     monkeypatch.setattr(vf, "resolve_engine_python", lambda value: "python")
-    monkeypatch.setattr(vf, "servable_target", lambda p, work: (p, None))
+    monkeypatch.setattr(vf, "servable_target", lambda p, config, work: (p, None))
     meta = {"target": str(path), "config_hash": "h", "hidden_size": 32}
     if layers:
         meta["feature_layers"] = layers
@@ -238,25 +239,35 @@ def test_the_capture_server_arguments(tmp_path):
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}}}
-    assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "vllm_capture_connector"
+    assert kv["kv_connector"] == "CPUHiddenStatesConnector"
+    assert kv["kv_connector_module_path"] == "vllm_side.capture_connector"
     assert kv["kv_connector_extra_config"]["capture_only_requested"] is True and "--no-enable-prefix-caching" in args
-    assert (VLLM_CLI.parent / "vllm_capture_connector.py").exists()  # beside vllm_cli.py: on the server's sys.path
+    # the engine process imports it from its PYTHONPATH, engine/ (engine_env), as it imports vllm_side.cli
+    assert (ENGINE_DIR / "vllm_side" / "capture_connector.py").exists()
+    assert engine_env(sys.executable)["PYTHONPATH"] == str(ENGINE_DIR)
 
 
-def test_an_engine_without_capture_support_or_that_crashes_is_one_line(tmp_path, monkeypatch):
-    script = tmp_path / "engine.py"
-    script.write_text("import json, sys\njson.dump({'files': {}, 'errors': {}, 'error': \"ValueError: Invalid method "
-                      "extract_hidden_states\"}, open(sys.argv[2], 'w'))\n")
-    monkeypatch.setattr(vf, "ENGINE_CAPTURE", script)
-    args = (sys.executable, "m", "float32", [{"name": "a", "input_ids": [1, 2]}], [2], tmp_path / "w", 0, 8,
-            tmp_path / "log")
+def fake_engine_python(path, body: str) -> str:
+    """An engine interpreter that runs `body` instead of the capture script (argv: -m vllm_side.capture REQUEST
+    RESULT)."""
+    path.write_text(f"#!{sys.executable}\nimport json, sys\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_an_engine_without_capture_support_or_that_crashes_is_one_line(tmp_path):
+    refusing = fake_engine_python(tmp_path / "refusing", "json.dump({'files': {}, 'errors': {}, 'error': \"ValueError: "
+                                  "Invalid method extract_hidden_states\"}, open(sys.argv[4], 'w'))")
+    args = ("m", "float32", [{"name": "a", "input_ids": [1, 2]}], [2], tmp_path / "w", 0, 8, tmp_path / "log")
     with pytest.raises(EngineCaptureError, match=r"cannot capture hidden states .*ValueError: Invalid method "
                                                  r"extract_hidden_states; use data.feature_source=transformers") as e:
-        vf.engine_capture(*args)
+        vf.engine_capture(refusing, *args)
     assert is_expected(e.value) and "\n" not in str(e.value)
-    script.write_text("import sys\nprint('engine died: out of memory')\nsys.exit(3)\n")
-    with pytest.raises(EngineCaptureError, match=r"exited with 3 \(log .*\): engine died: out of memory"):
-        vf.engine_capture(*args)
+    assert f"{refusing} -m vllm_side.capture " in (tmp_path / "log").read_text().splitlines()[0]
+    crashing = fake_engine_python(tmp_path / "crashing", "print('engine died: out of memory')\nsys.exit(3)")
+    with pytest.raises(EngineError, match=r"exited with code 3 \(log .*\): .*engine died: out of memory") as e:
+        vf.engine_capture(crashing, *args)
+    assert is_expected(e.value) and "\n" not in str(e.value)
     request = json.loads((tmp_path / "w" / "request.json").read_text())
     assert request["layer_ids"] == [2] and request["records"] == [{"name": "a", "input_ids": [1, 2]}]
 

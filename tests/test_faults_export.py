@@ -324,8 +324,8 @@ def test_evaluation_warns_for_a_nan_head_and_acceptance_exactly_one(nan_eval, tm
 
 
 def test_serve_check_warns_when_the_engine_never_accepts(nan_eval, tmp_path, capsys, caplog, monkeypatch):
-    """The engine's side replaced by its RESULT (vLLM's counters with nothing accepted), as engine_vllm.py reports it."""
-    import evaluation.engine_process as engine_process
+    """The engine's side replaced by its RESULT (vLLM's counters with nothing accepted), as engine/vllm_side/generate.py reports it."""
+    import evaluation.engine_runs as engine_runs
     from evaluation.main import main
 
     fake_python = tmp_path / "python-with-vllm"
@@ -340,7 +340,7 @@ def test_serve_check_warns_when_the_engine_never_accepts(nan_eval, tmp_path, cap
             "plain": {"outputs": outs, "load_s": 0.0, "generate_s": 0.0},
             "speculative": {"outputs": outs, "metrics": metrics, "load_s": 0.0, "generate_s": 0.0}}}
 
-    monkeypatch.setattr(engine_process, "engine_run", engine_run)
+    monkeypatch.setattr(engine_runs, "engine_run", engine_run)
     with caplog.at_level(logging.WARNING):
         code, _, err = run_cli(main, ["serve-check", "--engine", "vllm", "--engine-python", fake_python,
                                       *eval_argv(nan_eval, "--out", tmp_path / "eval", head="good_head")], capsys)

@@ -13,7 +13,8 @@ from export.head_kinds import EXPORT
 from train.head_kinds import TRAINING
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("eagle", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks", "eagle_train")
+STAGES = ("eagle", "recipes", "engine", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks",
+          "eagle_train")
 
 
 @pytest.mark.parametrize("name", sorted(HEAD_KINDS))

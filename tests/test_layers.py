@@ -1,7 +1,7 @@
 """The import contract of pyproject.toml ([tool.importlinter]: the stages import only downward, eagle <- recipes <-
-data_prep <- train <- export <- evaluation <- quickstart / benchmarks, and no package's modules import each other in
-a cycle) holds. import-linter reads every import, also those inside functions; a broken contract fails this test
-with import-linter's report, which names the importing module, the imported one and the line."""
+engine <- data_prep <- train <- export <- evaluation <- quickstart / benchmarks, and no package's modules import each
+other in a cycle) holds. import-linter reads every import, also those inside functions; a broken contract fails this
+test with import-linter's report, which names the importing module, the imported one and the line."""
 from __future__ import annotations
 
 import subprocess

@@ -14,7 +14,7 @@ from fault_helpers import run_cli
 from recipes import config_yaml, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("eagle", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks")
+PACKAGES = ("eagle", "recipes", "engine", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks")
 
 
 def commands_with_print_config() -> set[str]:

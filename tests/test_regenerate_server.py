@@ -15,8 +15,9 @@ import pytest
 from data_prep.loss_mask import tokenize_records, tokenize_with_mask
 from data_prep.regenerate import GenerationSettings, OpenAIBackend, Rejected, ServerError, regenerate_chunk
 from data_prep.token_ids import prompt_ids, tokenize_from_token_ids
-from data_prep.vllm_server import EngineServerError, VLLMServer, resolve_engine_python
 from eagle.cli_errors import is_expected
+from engine.engine_process import EngineError, resolve_engine_python
+from engine.vllm_server import VLLMServer
 from test_data_prep_helpers import build_tokenizer
 from test_data_prep_regenerate import local_server
 
@@ -327,11 +328,11 @@ def test_server_starts_waits_and_stops(tmp_path):
     with server:
         assert server.healthy() and server.died() is None and server.url.endswith(f":{server.port}/v1")
     assert server.exit_code() is not None and not server.healthy()  # the whole process group is gone
-    assert "serve MODEL --host 127.0.0.1" in (tmp_path / "server.log").read_text()
+    assert "-m vllm_side.cli serve MODEL --host 127.0.0.1" in (tmp_path / "server.log").read_text()
 
 
 def test_a_server_that_dies_is_named(tmp_path):
-    with pytest.raises(EngineServerError, match=r"exited with code 3 before it was ready .*KV cache"):
+    with pytest.raises(EngineError, match=r"exited with code 3 before it was ready .*KV cache"):
         VLLMServer(fake_engine(tmp_path, "crash"), "MODEL", tmp_path / "crash.log", startup_timeout_s=60).__enter__()
     server = VLLMServer(fake_engine(tmp_path), "MODEL", tmp_path / "kill.log", startup_timeout_s=60)
     with server:
@@ -342,11 +343,11 @@ def test_a_server_that_dies_is_named(tmp_path):
 
 def test_engine_python_must_have_vllm(tmp_path, monkeypatch):
     monkeypatch.delenv("EAGLE_VLLM_PYTHON", raising=False)
-    with pytest.raises(EngineServerError, match="EAGLE_VLLM_PYTHON"):
+    with pytest.raises(EngineError, match="EAGLE_VLLM_PYTHON"):
         resolve_engine_python("")
-    with pytest.raises(EngineServerError, match="cannot import vllm"):
+    with pytest.raises(EngineError, match="cannot import vllm"):
         resolve_engine_python(sys.executable)  # this venv never has vllm
-    with pytest.raises(EngineServerError, match="No such file"):
+    with pytest.raises(EngineError, match="No such file"):
         resolve_engine_python(str(tmp_path / "missing-python"))
     monkeypatch.setenv("EAGLE_VLLM_PYTHON", fake_engine(tmp_path))
     assert resolve_engine_python("") == fake_engine(tmp_path)

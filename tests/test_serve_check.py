@@ -13,7 +13,7 @@ import torch
 
 from eagle.decoding_config import DecodingConfig
 from eagle.ea_model import EaModel
-from eagle.head_dim_pad import pad_head, pad_target_folder, padded_head_dim, row_map
+from engine.head_dim_pad import pad_head, pad_target_folder, padded_head_dim, row_map
 from evaluation.serve_check import Acceptance, strip_stop
 from float_tolerance import LAYER_REDUCTIONS, assert_same_function
 from tiny_models import random_head, single_thread, tiny_target  # noqa: F401
@@ -159,7 +159,7 @@ def test_vllm_loads_converted_eagle3_folders(tmp_path, shared_dir, vllm_python):
     loading, not acceptance; norm_before_residual is pinned by tests/test_engine_formats.py."""
     from safetensors.torch import save_file
 
-    from evaluation.engine_process import engine_run
+    from evaluation.engine_runs import engine_run
     from test_engine_formats import eagle3_folder
     from export.engine_formats import convert_eagle3_folder
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from eagle.cli_errors import is_expected
-from evaluation.engine_vllm import fixed_expand
 from evaluation.serve_check_sampling import acceptance, compare, per_prompt_counts
 from evaluation.serve_sweep import (best_k, markdown, parse_int_list, plot, prompts_per_level, read_bench_result,
                                     recommendation_lines, sharegpt_dataset)
 from eagle.head_kinds import HEAD_KINDS, PEAGLE
 from eagle.peagle import PeagleHead
+from engine.vllm_side.generate import fixed_expand
 from export.engine_formats import EngineFormatError
 from export.head_kinds import EXPORT, check_vllm_method, served_kind
 from export.hub import push_to_hub
@@ -287,7 +287,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 args = sys.argv[1:]
 if args[:1] == ["-c"]:
     sys.exit(0)  # check_engine: "vllm is importable"
-command = args[1]
+command = args[2]  # `-m vllm_side.cli COMMAND ...` (engine/engine_process.py: engine_command)
 if command == "serve":
     spec = json.loads(args[args.index("--speculative-config") + 1]) if "--speculative-config" in args else {{}}
     k = str(spec.get("num_speculative_tokens", 0)) + ("s" if "num_speculative_tokens_per_batch_size" in spec else "")

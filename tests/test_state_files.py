@@ -20,7 +20,7 @@ from eagle.state_files import (REGISTRY, StateFile, StateFileError, read_state, 
                                write_yaml_state)
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("eagle", "recipes", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks")
+PACKAGES = ("eagle", "recipes", "engine", "data_prep", "train", "export", "evaluation", "quickstart", "benchmarks")
 LOADER = "eagle/state_files.py"
 
 
@@ -71,19 +71,18 @@ NOT_STATE = {
                                     "back via HEAD_CONFIG"),
     "export/head_kinds.py": (1, "the trap message quotes the kind's vLLM speculative-config keys as JSON"),
     "export/model_card.py": (2, "command lines in the card (one with the fitted speculative config)"),
-    "data_prep/engine_capture.py": (3, "runs under the engine's interpreter (no project imports): reads the request "
-                                       "written just before, writes CAPTURE_RESULT (read back through the loader)"),
-    "data_prep/vllm_features.py": (4, "the target's safetensors index (an input); writes the engine script's "
-                                      "request, read by it at once; the capture request body sent to the server"),
-    "data_prep/vllm_server.py": (2, "vllm serve's --speculative-config / --kv-transfer-config arguments"),
+    "engine/vllm_side/script.py": (2, "runs under the engine's interpreter (no project imports): reads the request "
+                                      "written just before, writes the script's RESULT (CAPTURE_RESULT, ENGINE_RESULT: "
+                                      "read back through the loader)"),
+    "engine/engine_process.py": (1, "writes an engine script's request, read by it at once"),
+    "data_prep/vllm_features.py": (3, "the target's safetensors index (an input); the capture request body sent to "
+                                      "the server"),
+    "engine/vllm_server.py": (2, "vllm serve's --speculative-config / --kv-transfer-config arguments"),
     "evaluation/serve_check.py": (1, "serve-check's report.json, for people, never read back"),
     "evaluation/serve_sweep.py": (3, "the ShareGPT prompt file vllm bench reads; command-line arguments; the "
                                      "speculative config shown in sweep.md"),
     "evaluation/report.py": (5, "a JSON round trip before write_json_state; answers.jsonl, autotune.json and "
                                 "chi2 report.json: reports for people, never read back"),
-    "evaluation/engine_vllm.py": (2, "runs under the engine's interpreter (no project imports): reads the request "
-                                     "written just before, writes ENGINE_RESULT (read back through the loader)"),
-    "evaluation/engine_process.py": (1, "writes the engine script's request, read by it at once"),
     "evaluation/questions.py": (1, "question JSONL records, checked per line"),
     "quickstart/demo.py": (4, "the demo's input conversations/questions, a fingerprint hash, a command-line value"),
     "benchmarks/decode_bench.py": (1, "results for people"),

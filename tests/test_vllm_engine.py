@@ -82,7 +82,7 @@ def test_what_vllm_itself_does_with_the_trap(heads, tmp_path, vllm_python):
     """Without the check: vLLM 0.32.0 loads an EAGLE-3 speculators folder under method "eagle" and silently accepts
     almost nothing; the released EAGLE-3 folder under "eagle" and EAGLE-2 folders under "eagle3" fail to load with
     messages that do not name the mismatch. (A change in vLLM shows up here.)"""
-    from evaluation.engine_process import engine_run
+    from evaluation.engine_runs import engine_run
     from evaluation.serve_check import prepare_engine_models
 
     folders = {}

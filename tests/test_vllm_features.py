@@ -101,7 +101,7 @@ def test_one_server_regenerates_and_captures(target, tmp_path, vllm_python):
     # regenerated ids: the capture server's greedy replies are the plain server's, token for token
     assert token_ids(tmp_path / "shared") == token_ids(tmp_path / "plain") and len(token_ids(tmp_path / "plain")) == 12
     assert (shared / "tokenized.jsonl").read_bytes() == (plain / "tokenized.jsonl").read_bytes()
-    # the offline engine's cache of the same records (a second vLLM pass, data_prep/engine_capture.py)
+    # the offline engine's cache of the same records (a second vLLM pass, engine/vllm_side/capture.py)
     shutil.copytree(plain, tmp_path / "offline" / "data", ignore=shutil.ignore_patterns("features", "report.json"))
     code, out, err = data_prep(base + [f"output_dir={tmp_path / 'offline'}", "cache", "data.feature_source=vllm"])
     assert code == 0, err[-3000:]

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from data_prep.regenerate import read_parts
-from data_prep.vllm_server import VLLMServer, servable_target
+from data_prep.target import load_target_config
+from engine.head_dim_pad import servable_target
+from engine.vllm_server import VLLMServer
 from test_data_prep_helpers import CORPUS, save_target
 
 pytestmark = pytest.mark.slow
@@ -102,7 +104,7 @@ def test_server_failures_and_a_killed_server(chat, tmp_path, vllm_python):
     from transformers import AutoTokenizer
 
     root, base = chat
-    model, _ = servable_target(str(root / "target"), tmp_path / "served")
+    model, _ = servable_target(str(root / "target"), load_target_config(root / "target"), tmp_path / "served")
     long = conversations(2)
     long[0]["conversations"][0]["value"] = " ".join(CORPUS) * 8
     assert len(AutoTokenizer.from_pretrained(root / "target")(long[0]["conversations"][0]["value"])["input_ids"]) > 320
@@ -155,7 +157,7 @@ def test_tool_conversation_history_renders_in_vllm_as_here(tmp_path, vllm_python
     model_hf.config.max_position_embeddings = 1024  # the qwen3 tool preamble alone is ~500 tokens of this tokenizer
     model_hf.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
-    model, _ = servable_target(str(tmp_path / "target"), tmp_path / "served")
+    model, _ = servable_target(str(tmp_path / "target"), load_target_config(tmp_path / "target"), tmp_path / "served")
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     hist = [{"role": "user", "content": "Weather in Paris?"},

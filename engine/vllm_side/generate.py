@@ -1,9 +1,10 @@
-"""Run vLLM on token-id prompts, with or without an EAGLE draft; print a JSON result.
+"""Run vLLM on token-id prompts, with or without an EAGLE draft; write a JSON result.
 
-    /work/venvs/vllm/bin/python evaluation/engine_vllm.py REQUEST.json RESULT.json
+    PYTHONPATH=engine /work/venvs/vllm/bin/python -m vllm_side.generate REQUEST.json RESULT.json
 
-Run by `evaluation/main.py serve-check` in a subprocess under the engine's own interpreter: this file imports
-only the standard library and vllm (never this project), so the project's venv never needs vllm.
+Run by `python -m evaluation serve-check` (evaluation/engine_runs.py) in a subprocess under the engine's own
+interpreter: this file imports only the standard library and vllm (never this project), so the project's venv never
+needs vllm; it starts and ends as every engine-side script does (script.py).
 REQUEST: {"model", "dtype", "max_model_len", "prompts": [[ids]], "max_tokens", "stop_token_ids", "seed",
           "temperature" (0 = greedy; > 0: request i samples with seed + i), "top_p", "top_k",
           "patch_cpu_expand": false (true: install `fixed_expand`, see below),
@@ -24,10 +25,9 @@ acceptance near 0, outputs not distributed as the target). Greedy requests retur
 expands [0.3, 0.7] over [2, 3] tokens through vLLM's own dispatch; `patch_cpu_expand` swaps in `fixed_expand`.
 """
 import gc
-import json
-import os
-import sys
 import time
+
+from . import script
 
 
 def spec_metrics(llm) -> dict:
@@ -83,11 +83,8 @@ def engine_defects() -> list[str]:
             "(vllm/utils/cpu_triton_utils.py _expand_kernel_impl writes an int64 copy)"]
 
 
-def main(request_path: str, result_path: str) -> int:
-    req = json.loads(open(request_path).read())
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: one import of vllm
+def main(req: dict) -> dict:
+    """The RESULT of REQUEST `req` (module docstring)."""
     # lazy: vllm lives in the engine's own venv; this script runs under that interpreter only
     import vllm
     from vllm import LLM, SamplingParams
@@ -117,7 +114,7 @@ def main(request_path: str, result_path: str) -> int:
         try:
             llm = LLM(**kwargs)
         except Exception as e:  # noqa: BLE001 - vLLM refused this configuration: the caller names it
-            out["runs"][run["name"]] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:1500]}"}
+            out["runs"][run["name"]] = {"error": script.refusal(e)}
             gc.collect()
             continue
         load_s = time.perf_counter() - start
@@ -137,10 +134,8 @@ def main(request_path: str, result_path: str) -> int:
                                     "load_s": load_s, "generate_s": generate_s}
         del llm
         gc.collect()
-    with open(result_path, "w") as f:
-        json.dump(out, f)
-    return 0
+    return out
 
 
 if __name__ == "__main__":  # vLLM may start worker processes: the guard is required
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    script.run(main)

