@@ -1,7 +1,8 @@
 """The library, the bottom layer (docs/design.md): EAGLE-2 / EAGLE-3 / P-EAGLE head kinds and heads (`EagleHead`,
 `Eagle3Head`, `PeagleHead`, `load_head`), the target adapter with its preallocated KV cache, draft trees, lossless verification and
-`EaModel`, the decoding API. The pipeline stages import it: recipes <- data_prep <- export <- train <- evaluation <-
-quickstart, and the `eagle-train` command (eagle_train/) over them all."""
+`EaModel`, the decoding API. The stages above import it, in the order of pyproject.toml's layers contract: eagle <-
+recipes <- engine <- data_prep <- train <- export <- evaluation <- quickstart, benchmarks <- eagle_train (the
+`eagle-train` command)."""
 from eagle.decoding_config import DecodingConfig
 from eagle.eagle2 import EagleHead
 from eagle.eagle3 import Eagle3Head

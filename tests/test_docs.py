@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import re
 from pathlib import Path
 
@@ -115,3 +116,60 @@ def test_every_results_page_is_linked_from_readme():
     pages = {p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "results").glob("*.md")}
     missing = {p for p in pages if f"]({p})" not in README}
     assert not missing, sorted(missing)
+
+
+def layer_order() -> list[set[str]]:
+    """pyproject.toml's layers contract, bottom first: a set of package names per layer."""
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers")
+    return [set(layer.replace(" ", "").split("|")) for layer in reversed(layers)]
+
+
+def stated_chains(text: str, packages: set[str]) -> list[list[str]]:
+    """The `a <- b <- c` chains of package names a text states; names joined by "," or "/" share a layer (`quickstart,
+    benchmarks`). A chain runs through every segment between two arrows that holds package names only."""
+    segments = [[w for w in re.split(r"[^\w]+", seg) if w] for seg in " ".join(text.split()).split(" <- ")]
+    chains, chain = [], []
+    for i, words in enumerate(segments):
+        inner = 0 < i < len(segments) - 1 and words and set(words) <= packages
+        if chain and inner:
+            chain.append(words)
+            continue
+        if chain:  # the chain ends with the package names this segment starts with
+            lead = list(itertools.takewhile(lambda w: w in packages, words))
+            if lead:
+                chains.append([", ".join(part) for part in (*chain, lead)])
+            chain = []
+        trail = list(itertools.takewhile(lambda w: w in packages, reversed(words)))[::-1]
+        if trail and i < len(segments) - 1:  # a new chain starts with the names this segment ends with
+            chain = [trail]
+    return chains
+
+
+def test_every_stated_layer_order_is_the_contracts():
+    """README, docs/design.md, the package docstrings and pyproject.toml's own contract name state the stage order as
+    `eagle <- recipes <- ...`: each such chain lists the packages in the contract's order, none skipped between two it
+    names (issue 47: eagle/__init__.py stated one the contract does not have)."""
+    order = layer_order()
+    packages = set().union(*order)
+    index = {p: i for i, group in enumerate(order) for p in group}
+    sources = [REPO / "README.md", REPO / "docs" / "design.md", REPO / "pyproject.toml", REPO / "tests" / "test_layers.py",
+               *sorted(REPO.glob("*/__init__.py"))]
+    wrong, checked = [], 0
+    for source in sources:
+        for chain in stated_chains(source.read_text(), packages):
+            levels = [{index[p] for p in re.split(r",\s*|\s+", part)} for part in chain]
+            checked += 1
+            if any(len(lv) != 1 for lv in levels) or [next(iter(lv)) for lv in levels] != list(
+                    range(next(iter(levels[0])), next(iter(levels[0])) + len(levels))):
+                wrong.append(f"{source.relative_to(REPO)}: {' <- '.join(chain)}")
+    assert checked >= 4 and not wrong, wrong
+
+
+def test_the_layer_order_check_catches_a_wrong_chain():
+    order = layer_order()
+    packages = set().union(*order)
+    assert stated_chains("stages: recipes <- data_prep <- export <- train (old)", packages) == [
+        ["recipes", "data_prep", "export", "train"]]
