@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT, SHARED  # noqa: F401  (one home for where ../shared is: EAGLE_SHARED_DIR or beside the repo)
 from tiny_models import TEST_THREADS
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED = REPO_ROOT.parent / "shared"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>"]
