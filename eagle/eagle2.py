@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eagle.head_checks import layout_problems
@@ -22,7 +21,8 @@ from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE2, HeadConfigError
 from eagle.head_module import HeadModule
 from eagle.layers import DecoderLayer, Rotary, init_head_weights
-from eagle.unroll import padded_positions, unroll_self_fed
+from eagle.sliding_window import window_size
+from eagle.unroll import causal_attention, padded_positions, unroll_self_fed
 
 
 class EagleHead(HeadModule, kind=EAGLE2):
@@ -77,6 +77,14 @@ class EagleHead(HeadModule, kind=EAGLE2):
             return self.unroll(features, next_ids, attention_mask, steps=steps, rows=rows)
         B, T, _ = features.shape
         x = self.fc(torch.cat([self.embed_tokens(next_ids).to(features.dtype), features], dim=-1))  # [B, T, H]
+        window = window_size(self.config.options)
+        if window is not None:  # eagle/sliding_window.py: query blocks against their window, no [T, T] mask
+            real, pos, _ = padded_positions(attention_mask, T, x.device)
+            pos = pos if position_ids is None else position_ids
+            attn = self.layers[0].self_attn
+            q, k, v = attn.qkv(x, *self.rotary(pos, x.dtype))
+            out = causal_attention(q, k, v, None, pos, real, window)  # [B, h, T, D]
+            return self._finish(x, attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))
         mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             real = attention_mask.bool()  # [B, T]
@@ -112,8 +120,8 @@ class EagleHead(HeadModule, kind=EAGLE2):
         real, pos, mask = padded_positions(attention_mask, T, dev)  # [B, T] | None, [B|1, T], [B, 1, T, T] | None
         cos, sin = self.rotary(pos, dt)
         q, k1, v1 = attn.qkv(x, cos, sin)  # [B, h, T, D], [B, kv, T, D] x 2
-        out = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=attn.n_kv != attn.n_heads)  # [B, h, T, D]
+        window = window_size(self.config.options)
+        out = causal_attention(q, k1, v1, mask, pos, real, window)  # [B, h, T, D]
         hidden = self._finish(x, attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))  # [B, T, H]
 
         def prepare(emb: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +129,7 @@ class EagleHead(HeadModule, kind=EAGLE2):
             return x, x
 
         return [hidden] + unroll_self_fed(attn, self.rotary, self.embed_tokens, prepare, self._finish, hidden, k1, v1,
-                                          next_ids, pos, real, steps, rows)
+                                          next_ids, pos, real, steps, rows, window)
 
     def _finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The decoder layer after its attention: residual, post-attention norm, MLP (as `DecoderLayer.forward`)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eagle.head_checks import layout_problems
@@ -26,7 +25,8 @@ from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError, draft_vocab_problems
 from eagle.head_module import HeadModule
 from eagle.layers import MLP, Attention, RMSNorm, Rotary, init_head_weights
-from eagle.unroll import padded_positions, unroll_self_fed
+from eagle.sliding_window import window_size
+from eagle.unroll import causal_attention, padded_positions, unroll_self_fed
 
 
 class Eagle3Layer(nn.Module):
@@ -155,8 +155,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         real, pos, mask = padded_positions(attention_mask, T, dev)  # [B, T] | None, [B|1, T], [B, 1, T, T] | None
         cos, sin = self.rotary(pos, dt)
         q, k1, v1 = attn.qkv(layer.attn_input(emb, feat), cos, sin)  # [B, h, T, D], [B, kv, T, D] x 2
-        out = F.scaled_dot_product_attention(q, k1, v1, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=attn.n_kv != attn.n_heads)  # [B, h, T, D]
+        out = causal_attention(q, k1, v1, mask, pos, real, window_size(self.config.options))  # [B, h, T, D]
         hidden = layer.finish(feat, attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))  # [B, T, H]
         if steps == 1:
             return [hidden]
@@ -167,7 +166,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         step reading its own step j-1 hidden and the data's token. A kind drafting otherwise overrides this."""
         layer = self.midlayer
         return unroll_self_fed(layer.self_attn, self.rotary, self.embed_tokens, self._self_fed_input, layer.finish,
-                               hidden, k1, v1, next_ids, pos, real, steps, rows)
+                               hidden, k1, v1, next_ids, pos, real, steps, rows, window_size(self.config.options))
 
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -96,7 +96,7 @@ class HeadConfig:
         kwargs = {k: d[k] for k in known if k in d and (d[k] is not None or k in nullable)}
         extra = {k: v for k, v in d.items() if k not in known and k not in ("architectures", "model_type", "dtype")}
         foreign = [(k, other) for other in HEAD_KINDS.values() if other is not kind for k in other.options.head_keys()
-                   if extra.get(k)]
+                   if extra.get(k) and k not in kind.options.head_keys()]  # every kind's own (sliding_window) kept
         if foreign:  # e.g. EAGLE-3.1's fc_norm on an EAGLE-2 head: its weights would never be built
             key, other = foreign[0]
             raise HeadConfigError(f"{key}={extra[key]!r}: a setting of an {other.title} head (kind={other.name!r}), "

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from eagle.attention import sdpa_attention
 from eagle.layers import (accumulation_dtype, linear_t, positions_end, rms_norm, rotate_rolled, rows_at,
                           signed_sin)
+from eagle.sliding_window import restrict_mask, window_size
 
 FAST_HEAD_MAX_BYTES = 64 * 2**20  # extra bytes (tables, folded and rolled weight copies) the fast path may take
 # The copies are re-taken at every reset (every generation, so weights edited in between are used); building
@@ -75,6 +76,7 @@ class HeadDecoder:
         self.length = 0
         self._kv = torch.zeros(2 * self.n_kv, capacity, self.head_dim, dtype=self.head.dtype, device=self.head.device)  # [2 kv, cap, D]: K heads, then V heads
         self._keys, self._values = self._kv[None, : self.n_kv], self._kv[None, self.n_kv :]  # [1, kv, cap, D] views
+        self._pos = torch.zeros(capacity, dtype=torch.long, device=self.head.device)  # [cap] each slot's position
         self._cos = self._sin = None  # fast path: [P, h + 2 kv, D] rotary tables (identity on v heads), built on use
         self._norm_rows = None  # fast path: [rows, H + 1] residual scratch ending in sqrt(H eps)
 
@@ -100,6 +102,7 @@ class HeadDecoder:
         head, layer = self.head, self.head.layers[0]
         a, m = layer.self_attn, layer.mlp
         H, D = self.hidden, self.head_dim
+        self.window = window_size(head.config.options)  # head.sliding_window (None = full attention)
         if self.lm_head is not None:  # the target's lm_head scores the drafts
             self._lm_t = self.lm_head.weight.detach().t()  # [H, V]
             self._lm_b = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
@@ -160,7 +163,7 @@ class HeadDecoder:
         draft-tree level); mask [n, length + n] bool (True = attend) or additive float, None = causal over the
         new rows. Appends their K/V; returns the predicted features [n, H]."""
         n = next_ids.shape[0]
-        end, mask = self._append_bounds(n, mask, features.device)
+        end, mask = self._append_bounds(n, mask, features.device, positions)
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
         features = features.to(self._kv.dtype)
         if self.fast:
@@ -209,13 +212,25 @@ class HeadDecoder:
         logits = linear_t(features.to(self._lm_t.dtype), self._lm_t, self._lm_b).float()  # [n, V]
         return torch.softmax(logits / temperature, dim=-1)
 
-    def _append_bounds(self, n: int, mask: torch.Tensor | None, device) -> tuple[int, torch.Tensor | None]:
-        """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1)."""
+    def _append_bounds(self, n: int, mask: torch.Tensor | None, device,
+                       positions: "torch.Tensor | range | int") -> tuple[int, torch.Tensor | None]:
+        """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1;
+        with a sliding window, also restricted by eagle/sliding_window.py's rule on the slots' positions, which are
+        recorded here)."""
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(f"draft KV cache overflow: {end} positions > capacity {self.capacity}")
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=self.length)  # [n, L + n]
+        if self.window is not None:
+            new = self._pos[self.length : end]
+            if isinstance(positions, int):
+                new.fill_(positions)
+            elif isinstance(positions, range):
+                new.copy_(torch.arange(positions.start, positions.stop, device=new.device))
+            else:
+                new.copy_(positions.reshape(-1).expand(n) if positions.numel() == 1 else positions.reshape(-1))
+            mask = restrict_mask(mask, new, self._pos[:end], self.window)  # [.., n, L + n]
         return end, mask
 
     def _rotary(self, positions: "torch.Tensor | range | int") -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,6 +269,7 @@ class Eagle3HeadDecoder(HeadDecoder):
         head, layer = self.head, self.head.midlayer
         a, m = layer.self_attn, layer.mlp
         H, D = self.hidden, self.head_dim
+        self.window = window_size(head.config.options)  # head.sliding_window (None = full attention)
         self.fc_t = head.fc.weight.detach().t()  # [3H, H]
         self.o_t = a.o_proj.weight.detach().t()  # [h D, H]
         self.down_t = m.down_proj.weight.detach().t()  # [I, H]
@@ -323,7 +339,7 @@ class Eagle3HeadDecoder(HeadDecoder):
         """As `HeadDecoder.forward`: features [n, H] (fused aux states or the head's own output hiddens), next_ids [n],
         positions, mask [n, length + n] (None = causal over the new rows). Returns the output hiddens [n, H]."""
         n = next_ids.shape[0]
-        end, mask = self._append_bounds(n, mask, features.device)
+        end, mask = self._append_bounds(n, mask, features.device, positions)
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
         features = features.to(self._kv.dtype)
         if self.fast:

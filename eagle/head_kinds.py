@@ -27,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
+
+from eagle.sliding_window import SlidingWindowOptions, window_config, window_from_config, window_options
 
 N_AUX_LAYERS = 3  # EAGLE-3 fuses three target layers (low, middle, high): fc is [H, 3H]
 
@@ -146,6 +148,7 @@ class KindOptions:
 
     steps_key: ClassVar[str] = ""  # the field counting the unrolled training steps ("" = the kind trains one step)
     stride_key: ClassVar[str] = ""  # the field thinning steps >= 2 to every n-th position
+    sliding_window: Optional[SlidingWindowOptions] = head_key(None)  # the draft layer's attention window (every kind; eagle/sliding_window.py: a query at position q sees keys q-size+1..q); null = full attention
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -162,11 +165,18 @@ class KindOptions:
         """The options of a recipe's `head` section (a DictConfig or a dict); a key it lacks (the recipe.yaml of an
         older export) takes its default; lists come out as plain lists."""
         values = {f.name: section[f.name] for f in fields(cls) if f.name in section and section[f.name] is not None}
-        return cls(**{k: list(v) if not isinstance(v, (str, int, float, bool)) else v for k, v in values.items()})
+        if "sliding_window" in values:
+            values["sliding_window"] = window_options(values["sliding_window"])
+        return cls(**{k: list(v) if not isinstance(v, (str, int, float, bool, SlidingWindowOptions)) else v
+                      for k, v in values.items()})
 
     def problems(self) -> list[Problem]:
         """The values out of range; [] when every value is valid."""
-        return []
+        return self.window_problems()
+
+    def window_problems(self) -> list[Problem]:
+        """What is wrong with `sliding_window` (every kind's; its kind's `problems` starts with these)."""
+        return [] if self.sliding_window is None else window_options(self.sliding_window).problems()
 
     def target_problems(self, target_text_config) -> list[Problem]:
         """What does not fit the target (its text config: num_hidden_layers, vocab_size)."""
@@ -236,6 +246,9 @@ class HeadKind:
         if type(c.options) is not self.options:
             raise HeadConfigError(f"a {self.title} head (kind={self.name!r}) takes {self.options.__name__}, not "
                                   f"{type(c.options).__name__} (another kind's options)")
+        c.options.sliding_window = window_options(c.options.sliding_window)
+        for key, value, expect in c.options.window_problems()[:1]:
+            raise HeadConfigError(f"{key}={value!r}: {expect}")
 
     def recognises(self, d: dict) -> bool:
         """True when a config.json without a `kind` key describes a head of this kind."""
@@ -243,7 +256,7 @@ class HeadKind:
 
     def parse_config(self, d: dict) -> tuple[KindOptions, dict]:
         """Take this kind's keys out of a config.json dict `d`: (its options, keys kept in HeadConfig.extra)."""
-        return self.options(), {}
+        return self.options(sliding_window=window_from_config(d)), {}
 
     def config_dict(self, c) -> dict:
         """The config.json dict of HeadConfig `c` in this kind's released layout."""
@@ -305,7 +318,7 @@ class Eagle2Options(KindOptions):
 
     def problems(self) -> list[Problem]:
         w = list(self.align_step_weights)
-        return failed([
+        return self.window_problems() + failed([
             (self.align_steps >= 1, ("align_steps", self.align_steps, "expected >= 1 (1 = plain EAGLE-2 training)")),
             (not w or (len(w) == self.align_steps and all(x >= 0 for x in w) and w[0] > 0),
              ("align_step_weights", w, f"expected [] or {self.align_steps} weights >= 0 (one per head.align_steps), "
@@ -325,7 +338,7 @@ class Eagle2Kind(HeadKind):
         d = llama_layer_config(c, "LlamaForCausalLM", after_vocab={}, after_act={"bias": c.bias})
         if c.qkv_bias:
             d["qkv_bias"] = True
-        return {**c.extra, **d}
+        return {**c.extra, **d, **window_config(c.options)}
 
 
 # ----------------------------------------------------------------------------- EAGLE-3
@@ -352,7 +365,7 @@ class Eagle3Options(KindOptions):
 
     def problems(self) -> list[Problem]:
         aux, w = list(self.aux_layers), list(self.ttt_step_weights)
-        return failed([
+        return self.window_problems() + failed([
             (not aux or (len(aux) == N_AUX_LAYERS and all(isinstance(a, int) and a >= 0 for a in aux)
                          and aux == sorted(set(aux))),
              ("aux_layers", aux, "expected [] (the target default) or 3 strictly increasing layer ids >= 0")),
@@ -425,7 +438,7 @@ class Eagle3Kind(HeadKind):
             raise HeadConfigError(f"head config has target_hidden_size={target_h} != hidden_size="
                                   f"{d.get('hidden_size')}: heads narrower than their target are not supported")
         options = self.options(aux_layers=list(aux or []), draft_vocab_size=d.pop("draft_vocab_size", None) or 0, **norms,
-                               **self.own_keys(d))
+                               sliding_window=window_from_config(d), **self.own_keys(d))
         return options, ({"eagle_config": eagle_config} if eagle_config else {})
 
     def own_keys(self, d: dict) -> dict:
@@ -446,7 +459,7 @@ class Eagle3Kind(HeadKind):
         if eagle_config:
             d["eagle_config"] = eagle_config
         d.update({k: True for k in o.norms()})  # written only when on: older heads unchanged
-        return {**extra, **d}
+        return {**extra, **d, **window_config(o)}
 
     def from_target(self, shape: dict, num_layers: int, options: KindOptions) -> dict:
         """A plain Llama layer (no fc / q/k/v bias) with the aux ids resolved: the recipe's, or (2, L//2, L-3)."""

@@ -23,6 +23,7 @@ from eagle.eagle3 import Eagle3Head
 from eagle.head_config import HeadConfig
 from eagle.head_kinds import N_AUX_LAYERS, PEAGLE
 from eagle.parallel_draft import ParallelDrafter
+from eagle.sliding_window import window_size
 from eagle.unroll import unroll_self_fed
 
 
@@ -59,4 +60,4 @@ class PeagleHead(Eagle3Head, kind=PEAGLE):
             return layer.attn_input(token_emb, residual), residual
 
         return unroll_self_fed(layer.self_attn, self.rotary, mask_embedding, prepare, layer.finish, hidden, k1, v1,
-                               next_ids, pos, real, steps, rows)
+                               next_ids, pos, real, steps, rows, window_size(self.config.options))

@@ -12,15 +12,17 @@ import math
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from eagle.layers import Attention, Rotary, accumulation_dtype
+from eagle.sliding_window import WINDOW_QUERY_BLOCK, visible, windowed_attention
 
 UNROLL_ROW_CHUNKS = 4  # the query rows of steps >= 2 are split into this many causal chunks
 
 
-def prefix_diag_attention(q, k1, v1, bias, dk, dv):
+def prefix_diag_attention(q, k1, v1, bias, dk, dv, diag_bias=None):
     """Attention of unrolled step j: each query row r attends to the step-1 keys (additive bias masks the ones after
-    its index / padding) and to its OWN keys of steps 2..j (the diagonal).
+    its index / padding) and to its OWN keys of steps 2..j (the diagonal; diag_bias [n] additive, None = all seen).
     q [B, h, R, D]; k1, v1 [B, kv, S, D]; bias [B|1, R, S]; dk, dv [B, kv, R, n, D] -> [B, h, R, D]."""
     B, h, R, D = q.shape
     kv, S, n = k1.shape[1], k1.shape[2], dk.shape[3]
@@ -28,6 +30,8 @@ def prefix_diag_attention(q, k1, v1, bias, dk, dv):
     qg = q.reshape(B, kv, g * R, D) * (1.0 / math.sqrt(D))  # query heads of a kv group stacked: no K/V copies
     s_prefix = (qg @ k1.transpose(-1, -2)).view(B, kv, g, R, S) + bias[:, None, None]  # [B, kv, g, R, S]
     s_diag = (qg.view(B, kv, g, R, 1, D) * dk[:, :, None]).sum(-1)  # [B, kv, g, R, n]
+    if diag_bias is not None:
+        s_diag = s_diag + diag_bias
     s = torch.cat([s_prefix, s_diag], dim=-1)  # [B, kv, g, R, S + n]
     p = s.softmax(-1, dtype=accumulation_dtype(q.dtype)).to(q.dtype)
     o = (p[..., :S].reshape(B, kv, g * R, S) @ v1).view(B, kv, g, R, D)
@@ -48,15 +52,28 @@ def padded_positions(attention_mask: torch.Tensor | None, T: int, device):
     return real, pos, mask
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor,
+                     real: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """Step 1's attention over a training sequence: q [B, h, T, D], k, v [B, kv, T, D]; mask the `padded_positions`
+    mask (None = plain causal), pos / real its positions and padding; window W (None = full attention) runs
+    `windowed_attention` (eagle/sliding_window.py: no [T, T] tensor). Returns [B, h, T, D]."""
+    if window is not None:
+        return windowed_attention(q, k, v, pos, real, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
 def unroll_self_fed(attn: Attention, rotary: Rotary, embed: Callable[[torch.Tensor], torch.Tensor],
                     prepare: Callable, finish: Callable, hidden: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
                     next_ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor | None, steps: int,
-                    rows: torch.Tensor | None) -> list[torch.Tensor]:
+                    rows: torch.Tensor | None, window: int | None = None) -> list[torch.Tensor]:
     """Steps 2..`steps` after step 1 (module docstring).
 
     hidden [B, T, H]: step 1's outputs; k1, v1 [B, kv, T, D]: step 1's rotated keys and values; next_ids [B, T];
     pos [B|1, T] positions of the indices; real [B, T] bool (None = no padding); rows [R] sorted indices (None = all
-    T): steps >= 2 run only there (a cost knob). prepare(token_emb [B, R, H], prev [B, R, H]) -> (attention input,
+    T): steps >= 2 run only there (a cost knob); window W (None = full attention): step j at position t + j - 1 sees
+    the step-1 keys at positions > t + j - 1 - W and its own steps i with j - i < W (eagle/sliding_window.py's rule),
+    in row blocks against their W + block keys only (no [R, T] tensor). prepare(token_emb [B, R, H], prev [B, R, H]) -> (attention input,
     residual); finish(residual, attention output [B, R, H]) -> the step's hidden [B, R, H]. Returns steps - 1
     hiddens [B, R, H]; indices where t + j - 1 runs off the sequence read a pad token and must be masked by the caller.
     """
@@ -65,13 +82,32 @@ def unroll_self_fed(attn: Attention, rotary: Rotary, embed: Callable[[torch.Tens
     h_, D = attn.n_heads, attn.head_dim
     idx = torch.arange(T, device=dev) if rows is None else rows.to(dev)  # [R]
     R = idx.numel()
-    # row chunks: chunk c reads step-1 keys [0, end_c) only (causality), ~(1 + 1/n) / 2 of the full score matrix
-    bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
+    if window is None:
+        # row chunks: chunk c reads step-1 keys [0, end_c) only (causality), ~(1 + 1/n) / 2 of the full score matrix
+        bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
+    else:  # blocks of rows, each against the step-1 keys [start_c, end_c) its window can reach
+        bounds = [(lo, min(lo + WINDOW_QUERY_BLOCK, R)) for lo in range(0, R, WINDOW_QUERY_BLOCK)]
     bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
     ends = (idx[torch.tensor([hi - 1 for _, hi in bounds], device=dev)] + 1).tolist()  # one host sync per unroll
-    visible = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
-    visible = visible[None] if real is None else visible[None] & real[:, None, :]  # [B|1, R, T]
-    bias = torch.zeros(visible.shape, dtype=dt, device=dev).masked_fill_(~visible, torch.finfo(dt).min)
+    if window is None:
+        starts = [0] * len(bounds)
+        visible_keys = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
+        visible_keys = visible_keys[None] if real is None else visible_keys[None] & real[:, None, :]  # [B|1, R, T]
+        bias = torch.zeros(visible_keys.shape, dtype=dt, device=dev).masked_fill_(~visible_keys, torch.finfo(dt).min)
+    else:
+        starts = [max(0, s - window + 1) for s in idx[torch.tensor([lo for lo, _ in bounds], device=dev)].tolist()]
+    key_idx = torch.arange(T, device=dev)
+
+    def chunk_bias(lo: int, hi: int, start: int, end: int, j: int) -> torch.Tensor:
+        """[B|1, hi - lo, end - start] additive: step j's rows lo..hi against step-1 keys start..end."""
+        if window is None:
+            return bias[:, lo:hi, start:end]
+        seen = (key_idx[None, start:end] <= idx[lo:hi, None])[None] & visible(
+            pos_r[:, lo:hi, None] + j - 1, pos[:, None, start:end], window)  # [B|1, rows, keys]
+        if real is not None:
+            seen = seen & real[:, None, start:end]
+        return torch.zeros(seen.shape, dtype=dt, device=dev).masked_fill_(~seen, torch.finfo(dt).min)
+
     ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
     pos_r = pos[:, idx]  # [B|1, R]
     prev = hidden if rows is None else hidden[:, idx]  # [B, R, H]
@@ -86,9 +122,14 @@ def unroll_self_fed(attn: Attention, rotary: Rotary, embed: Callable[[torch.Tens
         diag_k.append(k)
         diag_v.append(v)
         dk, dv = torch.stack(diag_k, dim=-2), torch.stack(diag_v, dim=-2)  # [B, kv, R, j - 1, D]
-        o = torch.cat([prefix_diag_attention(q[:, :, lo:hi], k1[:, :, :end], v1[:, :, :end],
-                                             bias[:, lo:hi, :end], dk[:, :, lo:hi], dv[:, :, lo:hi])
-                       for (lo, hi), end in zip(bounds, ends)], dim=2)  # [B, h, R, D]
+        diag_bias = None  # own step i (2..j) at position t + i - 1: in the window iff j - i < W
+        if window is not None and j - window >= 2:
+            own = torch.arange(2, j + 1, device=dev)
+            diag_bias = torch.zeros(j - 1, dtype=dt, device=dev).masked_fill_(j - own >= window, torch.finfo(dt).min)
+        o = torch.cat([prefix_diag_attention(q[:, :, lo:hi], k1[:, :, start:end], v1[:, :, start:end],
+                                             chunk_bias(lo, hi, start, end, j), dk[:, :, lo:hi], dv[:, :, lo:hi],
+                                             diag_bias)
+                       for (lo, hi), start, end in zip(bounds, starts, ends)], dim=2)  # [B, h, R, D]
         prev = finish(residual, attn.o_proj(o.transpose(1, 2).reshape(B, R, h_ * D)))  # [B, R, H]
         hiddens.append(prev)
     return hiddens

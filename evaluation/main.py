@@ -61,6 +61,7 @@ from evaluation.engine_runs import ENGINES
 from evaluation.head_health import acceptance_warning, warn, weights_warning
 from evaluation.losslessness import check_greedy, distribution_test, explain_mismatches
 from evaluation.methods import Method, parse_methods
+from evaluation.context_buckets import by_context
 from evaluation.metrics import compare_all_pairs, summarize
 from evaluation.questions import STANDARD_SET, QuestionError, load_questions
 from evaluation.report import (EvalReport, markdown, write_answers, write_autotune_report, write_chi2_report,
@@ -369,7 +370,8 @@ def bench(s: Setup, questions: list) -> int:
                                   ev.calibration_bins) for m in speculative},
         spans=spans,
         span_comparisons=[c for a, b in itertools.combinations(speculative, 2)
-                          for c in compare_spans(drafted, a, b, labeler, **stat_kw)] if labeler else [])
+                          for c in compare_spans(drafted, a, b, labeler, **stat_kw)] if labeler else [],
+        context=by_context(run.results, [int(e) for e in ev.context_buckets], speculative, **stat_kw))
     answers = (lambda path: write_answers(run, s.fmt.decode, path)) if ev.save_outputs else None
     paths = write_report(report, s.out_dir, answers)  # the previous report's files replaced only once all are written
     md = markdown(report, {})

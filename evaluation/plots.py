@@ -168,3 +168,28 @@ def plot_autotune(result: TuneResult, path: Path) -> Path:
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def plot_tau_by_context(context, path: Path) -> Path:
+    """tau per prompt-length bucket, one line per method with its 95% CI (evaluation/context_buckets.py)."""
+    labels = [b for b in context.labels if any(s.category == b for s in context.summaries)]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in dict.fromkeys(s.method for s in context.summaries):
+        by = {s.category: s.tau for s in context.summaries if s.method == m}
+        xs = [i for i, b in enumerate(labels) if b in by]
+        ests = [by[labels[i]] for i in xs]
+        err = [[e.value - e.low if e.low is not None else 0.0 for e in ests],
+               [e.high - e.value if e.high is not None else 0.0 for e in ests]]
+        ax.errorbar(xs, [e.value for e in ests], yerr=err, marker="o", capsize=3, label=m)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("tokens per target forward")
+    ax.set_title("Acceptance length tau by context length (95% CI)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -13,6 +13,7 @@ from evaluation import plots
 from evaluation.autotune import TuneResult
 from evaluation.bootstrap import Estimate
 from evaluation.calibration import Calibration
+from evaluation.context_buckets import ContextReport
 from evaluation.headline import headline_text
 from evaluation.headline import number_text
 from evaluation.losslessness import DistributionTest, GreedyCheck
@@ -32,6 +33,7 @@ class EvalReport:
     calibration: dict[str, dict[str, Calibration]] = field(default_factory=dict)  # method -> quantity -> Calibration
     spans: list[SpanSummary] = field(default_factory=list)  # tau per reasoning / answer / tool-call span
     span_comparisons: list[SpanComparison] = field(default_factory=list)  # tau(b) - tau(a) per span, paired
+    context: ContextReport | None = None  # tau / alpha_d per prompt-length bucket (eval.context_buckets)
 
     def to_dict(self) -> dict:
         return {
@@ -43,6 +45,7 @@ class EvalReport:
             "calibration": {m: {q: c.to_dict() for q, c in cals.items()} for m, cals in self.calibration.items()},
             "spans": [x.to_dict() for x in self.spans],
             "span_comparisons": [x.to_dict() for x in self.span_comparisons],
+            "context": self.context.to_dict() if self.context is not None else None,
             "skipped": self.run.skipped,
             "turns": [{"question_id": r.question_id, "category": r.category, "turn": r.turn, "method": r.method,
                        "prompt_tokens": len(r.prompt_ids), "new_tokens": r.new_tokens, "wall_s": r.wall_s,
@@ -101,6 +104,25 @@ def span_lines(report: EvalReport) -> list[str]:
     return lines
 
 
+def context_lines(context: ContextReport | None) -> list[str]:
+    """The report's "By context length" section: tau and alpha_d per (method, bucket), paired differences per bucket."""
+    if context is None or not context.summaries:
+        return []
+    depth = max((len(s.depth_acceptance) for s in context.summaries), default=0)
+    lines = ["## By context length", "", f"Buckets of prompt tokens (eval.context_buckets={list(context.edges)}); "
+             "turns per bucket: " + ", ".join(f"{b} {n}" for b, n in context.turns.items()) + ".", "",
+             "| bucket | method | questions | rounds | tau | " + " | ".join(f"alpha_{d}" for d in range(1, depth + 1)) + " |",
+             "|" + "---|" * (5 + depth)]
+    for s in context.summaries:
+        alphas = [number_text(a.rate) for a in s.depth_acceptance] + ["–"] * (depth - len(s.depth_acceptance))
+        lines.append(f"| {s.category} | {s.method} | {s.questions} | {s.rounds} | {_ci(s.tau)} | " + " | ".join(alphas) + " |")
+    if context.comparisons:
+        lines += ["", "| bucket | a | b | tau(a) - tau(b) | tau(a) / tau(b) |", "|---|---|---|---|---|"]
+        lines += [f"| {c.category} | {c.a} | {c.b} | {_ci(c.tau_difference)} | {_ci(c.tau_ratio)} |"
+                  for c in context.comparisons]
+    return lines + [""]
+
+
 def markdown(report: EvalReport, figures: dict[str, str]) -> str:
     """The report's tables as Markdown (figures: caption -> relative PNG path)."""
     m = report.meta
@@ -138,6 +160,7 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += span_lines(report)
+    lines += context_lines(report.context)
     if report.comparisons:
         lines += ["## Paired comparisons", "", "| a | b | tau(a) - tau(b) | tau(a) / tau(b) | tokens/s(a) / tokens/s(b) |",
                   "|---|---|---|---|---|"]
@@ -229,6 +252,8 @@ def write_report(report: EvalReport, out_dir: Path, answers=None) -> dict[str, P
             paths["speedup"] = plots.plot_speedup(report.summaries, tmp / "speedup_by_category.png")
         if any(s.depth_acceptance for s in report.summaries):
             paths["depth_acceptance"] = plots.plot_depth_acceptance(report.summaries, tmp / "depth_acceptance.png")
+        if report.context is not None and report.context.summaries:
+            paths["tau by context"] = plots.plot_tau_by_context(report.context, tmp / "tau_by_context.png")
         for meth, cals in report.calibration.items():
             if any(c.nodes for c in cals.values()):
                 paths[f"calibration {meth}"] = plots.plot_calibration(

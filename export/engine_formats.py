@@ -39,6 +39,13 @@ P-EAGLE (the EAGLE-3 layout + `mask_hidden [1, 3H]` + config `mask_token_id`):
   "parallel_drafting": true`. `update_peagle` keeps EAGLE-3.1's `norm_before_fc` only: a P-EAGLE head with `fc_norm`
   or `norm_output` is refused (`Speculator.norms`).
 - `sglang`: refused (no P-EAGLE loader: export/head_kinds.py `PeagleExport`, which also holds its `Speculator`).
+
+Sliding window (`head.sliding_window`, eagle/sliding_window.py; our config.json: HF's `sliding_window` + `layer_types`):
+- `vllm` EAGLE-3 / P-EAGLE: `transformer_layer_config.sliding_window` = W and `layer_types: ["sliding_attention"]`,
+  what vLLM's Llama attention reads per layer for the draft's one layer (docs/results/long-context.md says how it was
+  checked). vLLM's sliding window is q - W < p <= q, the rule the head was trained with.
+- EAGLE-1/2 (`vllm`, `sglang`) and SGLang's EAGLE-3: refused in one line; those draft models would serve the head
+  with full attention, silently another function.
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ from eagle.head_checks import check_head_weights
 from eagle.head_config import HeadConfig, read_head_json
 from eagle.head_files import CONFIG_NAME, SAFE_WEIGHTS_NAME, load_weights
 from eagle.head_kinds import EAGLE31_NORMS, text_config
+from eagle.sliding_window import window_from_config, window_size
 from export.config_drift import check_drift, raise_on_errors, rope_uses_max_position
 
 log = logging.getLogger(__name__)
@@ -100,6 +108,11 @@ def engine_head(config: HeadConfig, state_dict: dict[str, torch.Tensor], fmt: st
         raise EngineFormatError(f"format {fmt!r}: expected one of {FORMATS}")
     sd = {k: v.detach().contiguous() for k, v in state_dict.items()}
     cfg = config.to_dict()
+    window = window_size(config.options)
+    if window is not None and fmt != "eagle":
+        raise EngineFormatError(f"head.sliding_window.size={window}: {ENGINE_VERSIONS[fmt]}'s EAGLE-1/2 draft model "
+                                "would serve it with full attention (another function than it was trained for); export "
+                                "--format eagle, or train an EAGLE-3 / P-EAGLE head for a windowed vLLM draft")
     if target_config is not None and config.max_position_embeddings < _max_pos(target_config) and fmt != "eagle":
         if rope_uses_max_position(config):
             log.warning("head max_position_embeddings %d < target's %d, kept: its rope (dynamic) depends on it",
@@ -268,8 +281,13 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
     draft_vocab = int(cfg.get("draft_vocab_size") or cfg["vocab_size"])
     aux = _aux_ids(cfg)
     norms = eagle31_norms(cfg)
+    window = window_from_config(dict(cfg))
     if fmt == "eagle":
         return dict(cfg), dict(sd)
+    if fmt == "sglang" and window is not None:
+        raise EngineFormatError(f"head.sliding_window.size={window.size}: {ENGINE_VERSIONS['sglang']}'s "
+                                "LlamaForCausalLMEagle3 would serve it with full attention (another function than it "
+                                "was trained for): export --format vllm (its draft layer honours the window)")
     if fmt == "sglang" and norms:
         raise EngineFormatError(f"the head uses EAGLE-3.1's {', '.join(norms)}, which SGLang's LlamaForCausalLMEagle3 "
                                 "does not build (its loader skips the norm weights and serves another function): "
@@ -292,6 +310,8 @@ def eagle3_engine_head(cfg: dict, sd: dict[str, torch.Tensor], fmt: str, verifie
     if not verifier:
         raise EngineFormatError("the vLLM speculators format names its verifier: pass the target (--base)")
     layer = {k: cfg[k] for k in LAYER_KEYS if k in cfg}
+    if window is not None:
+        layer.update(sliding_window=window.size, layer_types=["sliding_attention"])
     layer.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
                  tie_word_embeddings=False)
     out = {

@@ -47,6 +47,7 @@ class EvalSettings:
     bootstrap_samples: int = 5000
     confidence_level: float = 0.95
     calibration_bins: int = 10
+    context_buckets: list[int] = field(default_factory=lambda: [1024, 4096, 16384])  # prompt-token edges of the report's "by context length" buckets (<1k, 1k-4k, 4k-16k, 16k+); [] = one bucket
     save_outputs: bool = True  # answers.jsonl with every method's decoded text and token ids
     fail_on_mismatch: bool = True  # exit code 1 when a T = 0 output diverges from vanilla's (beyond a near-tie)
     tie_ulps: float = 4.0  # a mismatch whose target logits differ by <= this many ulps (target dtype) is a near-tie
@@ -101,3 +102,6 @@ def validate_eval_section(ev) -> None:
     check(all(int(p) >= 0 for p in ev.chi2_positions), "eval.chi2_positions", list(ev.chi2_positions),
           "expected positions >= 0")
     check(all(int(e) >= 0 for e in ev.eos_token_ids), "eval.eos_token_ids", list(ev.eos_token_ids), "expected ids >= 0")
+    edges = [int(e) for e in ev.context_buckets]
+    check(all(e >= 1 for e in edges) and edges == sorted(set(edges)), "eval.context_buckets", edges,
+          "expected strictly increasing token counts >= 1 (bucket edges)")

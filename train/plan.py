@@ -52,6 +52,7 @@ from data_prep.docstring_corpus import default_conversations
 from data_prep.feature_cache import bytes_per_token, merge_manifests
 from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
+from eagle.sliding_window import WINDOW_QUERY_BLOCK, window_size
 from eagle.unroll import UNROLL_ROW_CHUNKS
 from eagle.head_config import head_config_from_target
 from eagle.head_kinds import text_config
@@ -379,9 +380,11 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
                     f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length", FWD_BWD))
     part = training_class(s.kind)
     rows = part.unrolled_rows(s, n_tok)
-    # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys
-
-    keys = T * (1 + 1 / UNROLL_ROW_CHUNKS) / 2
+    # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys; under head.sliding_window W, a block of
+    # WINDOW_QUERY_BLOCK rows (every ttt_row_stride-th index) reads W - 1 + its span keys (eagle/sliding_window.py)
+    window = window_size(head_options(cfg.head))
+    keys = T * (1 + 1 / UNROLL_ROW_CHUNKS) / 2 if window is None else min(
+        T, window - 1 + WINDOW_QUERY_BLOCK * s.ttt_row_stride)
     act = activation_bytes_per_token(s, cb) * rows[0] + sum(
         activation_bytes_per_token(s, cb, step=j, keys=keys) * r for j, r in enumerate(rows[1:], start=2))
     if len(rows) > 1:  # the unroll's contiguous copy of the step-1 keys and values, read by every later step
