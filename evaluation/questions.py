@@ -29,7 +29,8 @@ class QuestionError(ValueError):
 # Named question sets shipped with the package (evaluation/question_sets/README.md says where they come from):
 # `eval.questions: mt-bench` works on a fresh clone, offline.
 QUESTION_SETS = {"mt-bench": Path(__file__).resolve().parent / "question_sets" / "mt_bench.jsonl",
-                 "reasoning-tools": Path(__file__).resolve().parent / "question_sets" / "reasoning_tools.jsonl"}
+                 "reasoning-tools": Path(__file__).resolve().parent / "question_sets" / "reasoning_tools.jsonl",
+                 "long-context": Path(__file__).resolve().parent / "question_sets" / "long_context.jsonl"}
 STANDARD_SET = "mt-bench"  # what a recipe evaluates on when it names no questions (and has a target of its own)
 
 

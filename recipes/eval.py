@@ -21,7 +21,8 @@ class EvalSettings:
     # questions: *.jsonl[.gz] in the MT-bench/Spec-Bench schema (question_id, category, turns),
     # *.txt with one prompt per line, "paragraphs:FILE" (opening sentences of blank-line separated
     # paragraphs), "hf:DATASET[:CONFIG]" (see hf_* keys), or a set shipped with the package: "mt-bench",
-    # "reasoning-tools" (reasoning and tool-call prompts, evaluation/question_sets/README.md)
+    # "reasoning-tools" (reasoning and tool-call prompts, evaluation/question_sets/README.md), "long-context"
+    # (12 prompts of about 1k-24k tokens, for eval.context_buckets)
     # (evaluation/question_sets/). "" = the embedded default target's questions_eval.jsonl when target.path
     # is "", else mt-bench.
     questions: str = ""

@@ -85,3 +85,14 @@ def test_the_recipe_key_is_checked():
     assert list(load_config("tiny", []).eval.context_buckets) == EDGES
     with pytest.raises(RecipeError, match="eval.context_buckets"):
         load_config("tiny", ["eval.context_buckets=[4096,1024]"])
+
+
+def test_the_long_context_question_set_is_shipped_and_regenerates_unchanged():
+    from benchmarks.long_context_questions import OUT, questions
+    from evaluation.questions import QUESTION_SETS, load_questions
+
+    assert QUESTION_SETS["long-context"] == OUT
+    assert OUT.read_text() == "".join(json.dumps(q) + "\n" for q in questions())  # the shipped file is the script's
+    qs = load_questions("long-context")
+    words = sorted(len(q.turns[0].split()) for q in qs)
+    assert len(qs) == 12 and words[0] >= 700 and words[-1] >= 18000
