@@ -188,3 +188,19 @@ def test_recipe_key():
     assert head_options(load_config("tiny", [])).sliding_window is None
     with pytest.raises(RecipeError, match="head.sliding_window.size"):
         load_config("tiny", ["head.sliding_window.size=0"])
+
+
+def test_the_plan_counts_the_window_linear_in_length():
+    """train/plan.py: under a window the unrolled steps' kept scores grow linearly with data.max_length."""
+    from recipes import load_config
+    from train.plan import Hardware, memory_items, plan_shape
+
+    def activations(length: int, *window: str) -> float:
+        cfg = load_config("llama3-8b", ["head.kind=eagle3", "head.draft_vocab_size=32000", "train.micro_batch_size=1",
+                                        f"data.max_length={length}", *window])
+        return {i.name: i.bytes for i in memory_items(cfg, Hardware(), plan_shape(cfg))}["head activations"]
+
+    win = ["head.sliding_window.size=1024"]
+    assert activations(32768, *win) / activations(16384, *win) == pytest.approx(2.0, rel=1e-9)
+    assert activations(32768) / activations(16384) > 2.5  # full attention: the [R, T] scores of every step
+    assert activations(16384, *win) < activations(16384) / 4
