@@ -11,6 +11,7 @@ style, to summarise it, or to answer from it, so an answer leans on the long con
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -92,7 +93,9 @@ def questions() -> list[dict]:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(prog="python -m benchmarks.long_context_questions", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     OUT.write_text("".join(json.dumps(q) + "\n" for q in questions()))
     print(f"wrote {OUT} ({OUT.stat().st_size / 1e6:.2f} MB)")
     return 0
