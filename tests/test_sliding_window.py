@@ -204,3 +204,34 @@ def test_the_plan_counts_the_window_linear_in_length():
     assert activations(32768, *win) / activations(16384, *win) == pytest.approx(2.0, rel=1e-9)
     assert activations(32768) / activations(16384) > 2.5  # full attention: the [R, T] scores of every step
     assert activations(16384, *win) < activations(16384) / 4
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_a_tree_level_under_a_window_is_each_nodes_own_chain(kind):
+    """Tree levels as `Drafter.draft_dynamic` runs them (k frontier nodes per level at one shared position, an additive
+    mask: the committed prefix, then each node's ancestors and itself): every node's output equals the chain decode
+    along its own path, with a window shorter than the tree's depth (the rule on positions, siblings never seen)."""
+    target = tiny_target("llama", num_layers=4, seed=2)
+    head = windowed(enlarge_weights(random_head(target, kind=kind, aux_layers=[1, 2, 3]), 0.2), 3)
+    ids, feats = sequence(T=12, width=64 if kind == "eagle2" else N_AUX_LAYERS * 64)
+    k, depth, t = 3, 4, 8
+    tokens = torch.randint(0, 256, (depth, k), generator=torch.Generator().manual_seed(4))  # level d, frontier row r
+    with torch.no_grad():
+        dec = head.decoder(64)
+        root = dec.forward(dec.fuse(feats[0, : t + 1]), ids[0, : t + 1], range(t + 1))[-1:]  # [1, H]
+        committed, blocked = t + 1, torch.finfo(root.dtype).min
+        mask = torch.full((k, committed + depth * k), blocked)
+        mask[:, :committed] = 0.0
+        front, outs = root.expand(k, -1), []
+        for d in range(depth):  # frontier row r's parent is row r of the level before (a k-wide bundle of chains)
+            end = committed + (d + 1) * k
+            mask[:, end - k : end] = torch.full((k, k), blocked).fill_diagonal_(0.0)
+            front = dec.forward(front, tokens[d], committed + d, mask[:, :end])
+            outs.append(front)
+        for r in range(k):
+            chain = head.decoder(64)
+            h = chain.forward(chain.fuse(feats[0, : t + 1]), ids[0, : t + 1], range(t + 1))[-1:]
+            for d in range(depth):
+                h = chain.forward(h, tokens[d, r : r + 1], committed + d)
+                assert_same_function(outs[d][r], h[0], terms=STEP_TERMS, chained=(d + 2) * STEP_REDUCTIONS,
+                                     magnitude=float(h.abs().max()), msg=f"row {r} depth {d + 1}")
