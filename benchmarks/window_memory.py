@@ -27,7 +27,7 @@ from eagle.sliding_window import SlidingWindowOptions
 def one_run(length: int, window: int, steps: int) -> dict:
     target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
-    config = head_config_from_target(target, kind="eagle3", aux_layers=[1, 2, 3],
+    config = head_config_from_target(target, kind=Eagle3Head.kind.name, aux_layers=[1, 2, 3],
                                      sliding_window=SlidingWindowOptions(window) if window else None)
     head = Eagle3Head(config)
     g = torch.Generator().manual_seed(0)
