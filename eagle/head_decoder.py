@@ -163,7 +163,7 @@ class HeadDecoder:
         draft-tree level); mask [n, length + n] bool (True = attend) or additive float, None = causal over the
         new rows. Appends their K/V; returns the predicted features [n, H]."""
         n = next_ids.shape[0]
-        end, mask = self._append_bounds(n, mask, features.device, positions)
+        end, mask, start = self._append_bounds(n, mask, features.device, positions)
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
         features = features.to(self._kv.dtype)
         if self.fast:
@@ -182,7 +182,7 @@ class HeadDecoder:
             self._kv[:kv_, self.length : end] = rotate_rolled(k, cos, sin)
             self._kv[kv_:, self.length : end] = v
         self.length = end
-        keys, values = self._keys.narrow(2, 0, end), self._values.narrow(2, 0, end)  # [1, kv, L + n, D] views
+        keys, values = self._keys.narrow(2, start, end - start), self._values.narrow(2, start, end - start)  # [1, kv, L + n, D]
         att = sdpa_attention(q.unsqueeze(0), keys, values, mask)  # [n, h D]
         if self.fast:
             rows = self._scratch(n)
@@ -213,10 +213,11 @@ class HeadDecoder:
         return torch.softmax(logits / temperature, dim=-1)
 
     def _append_bounds(self, n: int, mask: torch.Tensor | None, device,
-                       positions: "torch.Tensor | range | int") -> tuple[int, torch.Tensor | None]:
-        """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1;
-        with a sliding window, also restricted by eagle/sliding_window.py's rule on the slots' positions, which are
-        recorded here)."""
+                       positions: "torch.Tensor | range | int") -> tuple[int, torch.Tensor | None, int]:
+        """(cache length after appending n rows, the mask: None = causal over the new rows, built here for n > 1,
+        the first cache slot the rows may see: 0). With a sliding window, the mask is also restricted by
+        eagle/sliding_window.py's rule on the slots' positions (recorded here) and starts at the first slot inside the
+        lowest row's window (every earlier slot is outside every row's window): drafting reads W keys, not L."""
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(f"draft KV cache overflow: {end} positions > capacity {self.capacity}")
@@ -231,7 +232,9 @@ class HeadDecoder:
             else:
                 new.copy_(positions.reshape(-1).expand(n) if positions.numel() == 1 else positions.reshape(-1))
             mask = restrict_mask(mask, new, self._pos[:end], self.window)  # [.., n, L + n]
-        return end, mask
+            start = int((self._pos[:end] > new.min() - self.window).nonzero()[0])  # one host sync per call
+            return end, mask[..., start:], start
+        return end, mask, 0
 
     def _rotary(self, positions: "torch.Tensor | range | int") -> tuple[torch.Tensor, torch.Tensor]:
         self._reserve(positions_end(positions))
@@ -339,7 +342,7 @@ class Eagle3HeadDecoder(HeadDecoder):
         """As `HeadDecoder.forward`: features [n, H] (fused aux states or the head's own output hiddens), next_ids [n],
         positions, mask [n, length + n] (None = causal over the new rows). Returns the output hiddens [n, H]."""
         n = next_ids.shape[0]
-        end, mask = self._append_bounds(n, mask, features.device, positions)
+        end, mask, start = self._append_bounds(n, mask, features.device, positions)
         h_, kv_, d_ = self.n_heads, self.n_kv, self.head_dim
         features = features.to(self._kv.dtype)
         if self.fast:
@@ -363,7 +366,7 @@ class Eagle3HeadDecoder(HeadDecoder):
             self._kv[kv_:, self.length : end] = qkv[h_ + kv_ :]
             q = qk[:h_]
         self.length = end
-        keys, values = self._keys.narrow(2, 0, end), self._values.narrow(2, 0, end)  # [1, kv, L + n, D] views
+        keys, values = self._keys.narrow(2, start, end - start), self._values.narrow(2, start, end - start)  # [1, kv, L + n, D]
         att = sdpa_attention(q.unsqueeze(0), keys, values, mask)  # [n, h D]
         if self.fast:
             x = torch.addmm(features, att, self.o_t, out=rows.narrow(1, 0, self.hidden))  # residual + o_proj
