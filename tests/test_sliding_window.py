@@ -235,3 +235,16 @@ def test_a_tree_level_under_a_window_is_each_nodes_own_chain(kind):
                 h = chain.forward(h, tokens[d, r : r + 1], committed + d)
                 assert_same_function(outs[d][r], h[0], terms=STEP_TERMS, chained=(d + 2) * STEP_REDUCTIONS,
                                      magnitude=float(h.abs().max()), msg=f"row {r} depth {d + 1}")
+
+
+def test_a_windowed_draft_step_reads_only_its_window():
+    """The decoder's attention under a window starts at the first slot of the lowest row's window (W keys, not L)."""
+    target = tiny_target("llama", seed=2)
+    head = windowed(random_head(target), 4)
+    ids, feats = sequence(T=30)
+    with torch.no_grad():
+        dec = head.decoder(64)
+        dec.forward(feats[0], ids[0], range(30))
+        end, mask, start = dec._append_bounds(1, None, feats.device, 30)
+        assert (end, start, tuple(mask.shape)) == (31, 27, (1, 4)) and bool(mask.all())
+        assert windowed(head, None).decoder(64)._append_bounds(1, None, feats.device, 0)[1:] == (None, 0)
