@@ -5,20 +5,27 @@ position, draft ms per round (docs/results/dflash.md).
 
     python -m benchmarks.paired_decode OPENINGS.txt FIRST N RUNS.json    # RUNS: [[label, head_dir, DecodingConfig kwargs]]
 """
+import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 from transformers import AutoTokenizer
 from eagle import DecodingConfig, EaModel
+
+ap = argparse.ArgumentParser(prog="python -m benchmarks.paired_decode", description=__doc__.splitlines()[0])
+ap.add_argument("text")
+ap.add_argument("first", type=int)
+ap.add_argument("n", type=int)
+ap.add_argument("runs", help="JSON file: [[label, head_dir, DecodingConfig kwargs], ...]")
+ap.add_argument("raw", nargs="?", default="", help="write the per-prompt records here (JSON)")
+args = ap.parse_args()
 torch.set_num_threads(1)
 T = os.environ.get("TARGET", "../shared/models/stories260K")
 tok = AutoTokenizer.from_pretrained(T)
-text, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-paras = [p.strip() for p in open(text).read().split("\n\n") if p.strip()][first:first + n]
-runs = json.loads(open(sys.argv[4]).read())
+paras = [p.strip() for p in open(args.text).read().split("\n\n") if p.strip()][args.first:args.first + args.n]
+runs = json.loads(open(args.runs).read())
 models = {}
 for label, head_dir, dec in runs:
     models[label] = (EaModel.from_pretrained(T, head_dir, torch_dtype=torch.float32), DecodingConfig(**dec))
@@ -58,5 +65,5 @@ for label in models:
                       "P(accept >= d)": [round(x, 3) for x in per_pos],
                       "draft_ms_per_round": round(1000 * sum(x["draft_s"] for x in r) / rounds, 3),
                       "mismatches": 0}))
-if len(sys.argv) > 5:
-    json.dump(res, open(sys.argv[5], "w"))
+if args.raw:
+    json.dump(res, open(args.raw, "w"))

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.stories_openings", description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--target", default="../shared/models/stories260K")
     ap.add_argument("--n", type=int, default=1000)

@@ -42,7 +42,7 @@ def test_config_round_trip_keeps_the_kinds_keys_apart(setup):
     d = head.config.to_dict()
     assert d["architectures"] == ["DFlashDraftModel"] and "num_hidden_layers" not in d and "mask_token_id" not in d
     assert d["dflash"] == {"block_size": 4, "draft_layers": 2, "target_layers": LAYERS, "mask_token_id": 5,
-                           "causal": False}
+                           "causal": False, "tie_k_norm": False}
     back = HeadConfig.from_dict(json.loads(json.dumps(d)))
     assert back.kind == DFLASH.name and back.options == head.config.options and back.to_dict() == d
     assert kind_of_config(dict(d)) is DFLASH
