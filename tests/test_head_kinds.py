@@ -31,7 +31,10 @@ def test_a_config_names_its_kind():
     # a P-EAGLE config is also an EAGLE-3 one: the most specific kind that recognises it wins
     assert kind_of_config({"draft_vocab_size": 8, "mask_token_id": 3}) is HEAD_KINDS["peagle"]
     assert kind_of_config({"architectures": ["PeagleLlamaForCausalLM"], "draft_vocab_size": 8}) is HEAD_KINDS["peagle"]
-    with pytest.raises(ValueError, match="head kind='eagle9': expected one of \\('eagle2', 'eagle3', 'peagle'\\)"):
+    # a DFlash config keeps its keys under `dflash` (a top-level mask_token_id would read as P-EAGLE's)
+    assert kind_of_config({"dflash": {"block_size": 4}}) is HEAD_KINDS["dflash"]
+    assert kind_of_config({"architectures": ["DFlashDraftModel"]}) is HEAD_KINDS["dflash"]
+    with pytest.raises(ValueError, match="head kind='eagle9': expected one of \\('eagle2', 'eagle3', 'peagle', 'dflash'\\)"):
         kind_of_config({"kind": "eagle9"})
 
 
@@ -77,7 +80,7 @@ def test_no_module_decides_by_kind_name_or_head_class():
 # the method "eagle2", EAGLE-1's static tree "eagle1") or an engine's own name (vLLM's method "eagle3", its
 # speculators algorithms "eagle3" / "peagle").
 NOT_A_KIND = {"evaluation/methods.py": {"eagle2"}, "recipes/eval.py": {"eagle2"}, "export/eval_outputs.py": {"eagle2"},
-              "export/engine_formats.py": {"eagle3"}, "export/head_kinds.py": {"eagle3", "peagle"}}
+              "export/engine_formats.py": {"eagle3"}, "export/head_kinds.py": {"eagle3", "peagle", "dflash"}}  # dflash: vLLM's method name
 
 
 def kind_literals(source: str) -> list[tuple[int, str]]:

@@ -30,8 +30,8 @@ def test_every_published_model_has_a_recipe():
 @pytest.mark.parametrize("name", list_recipes())
 def test_every_recipe_names_its_head_kind(name):
     assert "kind:" in recipe_path(name).read_text()
-    suffix = name.rsplit("-", 1)[-1]  # llama3-8b-eagle3, tiny-peagle: the kind; the others are EAGLE-2 recipes
-    assert load_config(name, []).head.kind == (suffix if suffix in ("eagle3", "peagle") else "eagle2")
+    suffix = name.rsplit("-", 1)[-1]  # llama3-8b-eagle3, tiny-peagle, tiny-dflash: the kind; the others are EAGLE-2 recipes
+    assert load_config(name, []).head.kind == (suffix if suffix in ("eagle3", "peagle", "dflash") else "eagle2")
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -267,3 +267,21 @@ def test_aux_layers_are_checked_against_the_target():
         feature_layers(load_config("stories260k-eagle3", ["head.aux_layers=[1,2,7]"]).head, five)
     with pytest.raises(RecipeError, match="set head.aux_layers explicitly"):
         feature_layers(load_config("stories260k-eagle3", ["head.aux_layers=[]"]).head, five)
+
+
+@pytest.mark.parametrize("name,eagle3", [("tiny-dflash", "tiny-eagle3"), ("stories260k-dflash", "stories260k-eagle3")])
+def test_dflash_recipes_reuse_their_eagle3_cache_and_draft_one_block(name, eagle3):
+    """The DFlash recipes read the same feature layers as their EAGLE-3 recipe (one cache serves both) and decode
+    a chain of head.block_size - 1 (what one block drafts); the kind's keys are refused with another kind."""
+    from types import SimpleNamespace
+
+    from data_prep.feature_layers import feature_layers
+
+    cfg, other = load_config(name, []), load_config(eagle3, [])
+    layers = SimpleNamespace(num_hidden_layers=16 if name.startswith("tiny") else 5, hidden_size=64, vocab_size=512)
+    assert feature_layers(cfg.head, layers) == feature_layers(other.head, layers)
+    assert cfg.decoding.mode == "chain" and cfg.decoding.chain_length == cfg.head.block_size - 1
+    with pytest.raises(RecipeError, match=r"^head.block_size=4: only used by head.kind=dflash$"):
+        load_config(eagle3, ["head.block_size=4"])
+    with pytest.raises(RecipeError, match=r"^head.block_weights=\[1.0\]: expected \[\] or 7 weights"):
+        load_config(name, ["head.block_weights=[1.0]"])

@@ -24,13 +24,14 @@ import torch.nn.functional as F
 
 from data_prep.feature_layers import feature_layers
 from eagle.head_config import head_config_from_target
-from eagle.head_kinds import EAGLE2, EAGLE3, EAGLE31_NORMS, PEAGLE, HeadKind, head_kind, text_config
+from eagle.head_kinds import DFLASH, EAGLE2, EAGLE3, EAGLE31_NORMS, PEAGLE, HeadKind, head_kind, text_config
 from eagle.sampling import greedy_ids
 from recipes import RecipeError
 from recipes.head import check_head_fits_target, dpace, head_options
 from recipes.loss import loss_section
 from train.draft_vocab import build_draft_vocab, count_loss_tokens, vocab_coverage
 from train.loss import ChunkedTokenLoss, LossOutput, Shifted, StepScore, add_input_noise, draft_loss, shift, topk_hits
+from train.block_loss import block_loss, sample_anchors
 from train.losses import TokenLoss, confidence, feature_loss, position_weighting, smooth_l1, token_loss
 from train.held_out import all_fed_rollout, chain_rollout
 
@@ -474,7 +475,127 @@ class PeagleTraining(Eagle3Training):
 
 
 
-TRAINING: dict[HeadKind, type[TrainingKind]] = {EAGLE2: Eagle2Training, EAGLE3: Eagle3Training, PEAGLE: PeagleTraining}
+# ----------------------------------------------------------------------------- DFlash
+class DFlashTraining(TrainingKind):
+    """DFlash (block drafting, eagle/dflash_head.py): per record `head.anchors` anchor positions p sampled among its
+    loss positions (train/block_loss.py, from a generator seeded by (seed, micro-batch): the same anchors on any
+    number of ranks and after a resume); each anchor's block [x_p, mask x (B - 1)] sees the context before p only;
+    block position i is scored against the target's distribution of x_{p+i} with `head.block_weights` (0.8^(i-1))
+    or D-PACE's per-block weights. Data: the cache of the target layers + the final state ((K + 1) H per token)."""
+
+    kind = DFLASH
+    extra_eval = "block"
+
+    def __init__(self, cfg, target_config):
+        super().__init__(cfg, target_config)
+        o = self.options
+        self.logged_steps = self.extra_steps = o.drafted
+        self.step_weights = self.unrolled_weights()  # head.block_weights, 0.8^(i-1), or 1 each (D-PACE)
+        self.mask_token = o.mask_token_id
+
+    def describe(self) -> str:
+        o = self.options
+        return (f"DFlash head: {o.draft_layers} draft layers over target layers {self.layers[:-1]}, block of "
+                f"{o.block_size} ({'causal' if o.causal else 'bidirectional'}), {o.anchors} anchors per record "
+                f"({self.weights_text(self.step_weights)}), mask token {self.mask_token}")
+
+    def new_head(self, target_config, source, train_indices, lm_head):
+        """A fresh DFlash head (or head.init_from) with the mask token: the recipe's, or (-1) the smallest target id
+        absent from the training split's loss tokens."""
+        h, module = self.cfg.head, self.kind.module
+        if h.init_from:
+            head = module.from_pretrained(h.init_from)
+            self.kind.fit_to_target(head.config, text_config(target_config))
+        else:
+            config = head_config_from_target(target_config, kind=self.kind.name, options=self.options)
+            chosen = self.options.mask_token_id
+            if chosen < 0:
+                V = int(text_config(target_config).vocab_size)
+                chosen = int(count_loss_tokens(source, train_indices, V, self.cfg.data.max_length).argmin())
+            head = module(self.kind.with_mask_token(config, chosen))
+        self.mask_token = head.mask_token_id
+        return head
+
+    def summary(self) -> dict:
+        o = self.options
+        return {"head_kind": self.kind.name, "target_layers": self.layers[:-1], "block_size": o.block_size,
+                "draft_layers": o.draft_layers, "causal": bool(o.causal), "anchors": o.anchors,
+                "block_weights": self.step_weights, "mask_token_id": self.mask_token}
+
+    def parts(self, features, batch):
+        """(context states [b, T, K H], final states [b, T, H])."""
+        return self.kind.head_inputs(features, self.hidden), features[..., -self.hidden:]
+
+    def loss(self, engine, features, batch, lm_head, micro: int, seed: int = 0) -> LossOutput:
+        t = self.t
+        inputs, final = self.parts(features, batch)
+        gen = torch.Generator(features.device).manual_seed((seed * 1_000_003 + micro) % 2**63)
+        anchors = sample_anchors(batch.attention_mask, batch.loss_mask, self.options.anchors, gen)
+        inputs = add_input_noise(inputs, t.noise, t.noise_std, gen)
+        out = engine(inputs, batch.input_ids, batch.attention_mask, anchors)
+        return block_loss(out, final, batch, anchors, lm_head, self.token_loss, self.step_weights, self.weighting)
+
+    def eval_batch(self, head, features, batch, lm_head, k: int) -> EvalBatch:
+        """The loss at anchors drawn from a fixed generator; the chains: the block at anchor p = start + 1 (the
+        start's next token is the root), its position j + 1 right when it is the target's argmax of x_{p+j+1}."""
+        inputs, final = self.parts(features, batch)
+        gen = torch.Generator(features.device).manual_seed(0)
+        anchors = sample_anchors(batch.attention_mask, batch.loss_mask, self.options.anchors, gen)
+        out = block_loss(head(inputs, batch.input_ids, batch.attention_mask, anchors), final, batch, anchors, lm_head,
+                         self.token_loss, self.step_weights, self.weighting)
+        target_top = greedy_ids(F.linear(final.to(lm_head.dtype), lm_head))  # [b, T]: argmax of x_{t+1}
+        weights = (batch.loss_mask[:, 1:] * batch.attention_mask[:, 1:])
+        drafted = self.options.drafted
+
+        def chains(b: int, n: int, starts: list[int]) -> torch.Tensor:
+            p = torch.tensor(starts, device=features.device) + 1  # [s]
+            blocks = head(inputs[b:b + 1, :n], batch.input_ids[b:b + 1, :n], batch.attention_mask[b:b + 1, :n],
+                          p[None])[0, :, 1:]  # [s, B-1, H]
+            drafts = F.linear(blocks.to(lm_head.dtype), lm_head).argmax(-1)  # [s, B-1]
+            idx = p[:, None] + torch.arange(drafted, device=p.device)  # [s, B-1] final index of x_{p+j+1}
+            want = torch.where(idx < n, target_top[b, idx.clamp(max=n - 1)], -1)
+            correct = (drafts == want)[:, :k]
+            return F.pad(correct, (0, k - correct.shape[1]), value=False).cpu()  # [s, k]
+
+        return EvalBatch(out, weights, chains, torch.tensor(out.step_hits, dtype=torch.float64),
+                         torch.tensor(out.step_counts, dtype=torch.float64))
+
+    # -- the plan ------------------------------------------------------------------------
+    @staticmethod
+    def unrolled_rows(s, n_tok: int) -> list[int]:
+        """One forward of the block query rows: anchors x block_size per record of `record_tokens`."""
+        return [math.ceil(n_tok * s.block_rows / max(s.record_tokens, 1))]
+
+    @staticmethod
+    def activation_bytes(s, cb: int, step: int = 1, keys: float = 0.0) -> float:
+        """Per block row, every draft layer keeps what a Llama layer keeps (input norm, q, k, v, attention output,
+        MLP input, SwiGLU 4 x [I]; two float32 norms; q_norm / k_norm inputs), plus the final norm's float32 input."""
+        H, I, kv, h, D = s.hidden, s.intermediate, s.kv_heads * s.head_dim, s.heads, s.head_dim
+        per_layer = (7 * H + 2 * kv + 4 * I + h * D + kv) * cb + 2 * H * 4 + h * 4
+        return s.draft_layers * per_layer + H * 4
+
+    @staticmethod
+    def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
+        """The context K/V of every draft layer over all n_tok positions, the block rows' attention scores over
+        (record + block rows) keys, and the token loss over (block_size - 1) / block_size of the rows through the
+        target's lm_head (head logits in cb and fp32, log-softmax, the target's distribution)."""
+        rows = DFlashTraining.unrolled_rows(s, n_tok)[0]
+        kv = s.kv_heads * s.head_dim
+        keys = s.record_tokens + s.block_rows
+        context = n_tok * (s.hidden * (cb + 4) + s.draft_layers * (3 * kv * cb + kv * 4))
+        scores = s.draft_layers * s.heads * rows * keys * (4 + cb)
+        loss_rows = math.ceil(rows * (s.block_size - 1) / s.block_size)
+        return [("context K/V (all draft layers)", context, f"{n_tok} tokens x {s.draft_layers} layers "
+                 f"(fc + hidden_norm, k/v)", "train.micro_batch_size / data.max_length", ("forward", "backward")),
+                ("block attention scores", scores, f"{rows} block rows (head.anchors x head.block_size per record) x "
+                 f"{keys} keys x {s.heads} heads x {s.draft_layers} layers", "head.anchors / head.block_size",
+                 ("forward", "backward")),
+                ("token-loss logits", loss_rows * s.vocab * (2 * cb + 12), f"{loss_rows} rows x {s.vocab} vocab",
+                 "head.anchors", ("forward", "backward"))]
+
+
+TRAINING: dict[HeadKind, type[TrainingKind]] = {EAGLE2: Eagle2Training, EAGLE3: Eagle3Training, PEAGLE: PeagleTraining,
+                                                DFLASH: DFlashTraining}
 
 
 def training_class(kind_name: str) -> type[TrainingKind]:

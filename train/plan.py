@@ -144,6 +144,10 @@ class Shape:
     ttt_steps: int = 1  # unrolled steps, each a full head pass (eagle3: head.ttt_steps; eagle2: head.align_steps)
     ttt_row_stride: int = 1  # steps >= 2 run at every n-th position only (head.ttt_row_stride / head.align_row_stride)
     cache_row: int = 1  # hidden states cached per token (eagle2 1 = last layer; eagle3 4 = 3 aux + last)
+    draft_layers: int = 1  # decoder layers of the head (dflash: head.draft_layers)
+    block_size: int = 1  # rows of one drafted block (dflash: head.block_size)
+    block_rows: int = 0  # block query rows trained per record (dflash: head.anchors x head.block_size)
+    record_tokens: int = 0  # data.max_length: the tokens of a record the block rows are counted against
     target_source: str = ""  # where the target's shape was read (printed with the plan's assumptions)
 
 
@@ -267,7 +271,7 @@ def plan_shape(cfg, config=None) -> Shape:
                  head_trainable=sum(trainable), head_largest=max(trainable), kind=hc.kind,
                  draft_vocab=hc.head_kind.draft_vocab_size(hc), ttt_steps=options.steps,
                  ttt_row_stride=options.row_stride, cache_row=len(hc.head_kind.feature_layers(options, L) or [L]),
-                 target_source=source)
+                 target_source=source, record_tokens=int(cfg.data.max_length), **options.plan_fields())
 
 
 # ----------------------------------------------------------------------------- memory
