@@ -620,9 +620,16 @@ class DFlashOptions(KindOptions):
     anchors: int = 8  # blocks trained per record: anchor positions sampled among its loss positions
     block_weights: list[float] = field(default_factory=list)  # loss weight of block position i = 1..block_size-1; [] = 0.8^(i-1)
 
+    def window_problems(self) -> list[Problem]:
+        """A window is refused: the block drafter attends its whole context in training, decoding and vLLM's
+        qwen3_dflash.py alike (a windowed DFlash draft is not built here yet)."""
+        return failed([(self.sliding_window is None,
+                        ("sliding_window", self.sliding_window, "not supported by head.kind=dflash (its draft layers "
+                         "attend the whole context; unset head.sliding_window)"))])
+
     def problems(self) -> list[Problem]:
         w, ids = list(self.block_weights), list(self.target_layers)
-        return failed([
+        return self.window_problems() + failed([
             (self.block_size >= 2, ("block_size", self.block_size, "expected >= 2 (the verified token + >= 1 mask)")),
             (self.draft_layers >= 1, ("draft_layers", self.draft_layers, "expected >= 1")),
             (not ids or not dflash_layer_problems(ids, None), ("target_layers", ids, dflash_layer_problems(ids, None)

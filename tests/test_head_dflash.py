@@ -15,6 +15,7 @@ from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_files import load_head
 from eagle.head_kinds import DFLASH, HeadConfigError, default_target_layers, kind_of_config
 from eagle.tree import StaticTreeSpec
+from recipes import RecipeError, load_config
 from tiny_models import enlarge_weights, single_thread, tiny_target  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.numeric]
@@ -152,3 +153,15 @@ def test_chain_and_dynamic_tree_come_from_one_block(setup):
         with pytest.raises(ValueError, match="drafts head.block_size - 1 = 3") as e:
             drafter.draft_dynamic(ids[0, 12:13], None, total_token=8, depth=3, top_k=2)
         assert "\n" not in str(e.value)
+
+
+def test_a_window_on_a_dflash_head_is_refused_in_one_line(setup):
+    """head.sliding_window is every other kind's option; the block drafter attends its whole context (training, our
+    decoder and vLLM's qwen3_dflash.py), so a window there would be silently ignored: refused at the recipe and at
+    the config instead."""
+    with pytest.raises(RecipeError, match="head.sliding_window.*not supported by head.kind=dflash") as e:
+        load_config("tiny-dflash", ["head.sliding_window.size=16"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(HeadConfigError, match="not supported by head.kind=dflash"):
+        head_config_from_target(setup[0].config, kind=DFLASH.name, target_layers=LAYERS, mask_token_id=5,
+                                sliding_window={"size": 16})
