@@ -6,7 +6,7 @@ Methods (round-to-nearest, weight-only, applied to every `nn.Linear` of the deco
 lm_head stay in `target.dtype`, as AWQ / GPTQ checkpoints and vLLM keep them):
 
     none        the full-precision target
-    int8        symmetric int8 per output channel (absmax / 127), the grid of torchao's int8 weight-only
+    int8        symmetric int8 per output channel (scale absmax / 127.5, levels -128..127): torchao's Int8WeightOnlyConfig
     int4        asymmetric int4 per output channel (min/max -> 0..15 with a zero point)
     int4-gN     asymmetric int4 per group of N input columns, N in 16 / 32 / 64 / 128 (the grid AWQ / GPTQ
                 4-bit checkpoints use, group 128 most often)
@@ -57,15 +57,16 @@ class QuantMethod:
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         """One scale (and zero point) per row of x [out, g]: round to nearest on that grid, dequantized."""
-        if self.symmetric:
-            qmax = 2 ** (self.bits - 1) - 1
-            scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
-            return torch.round(x / scale).clamp(-qmax, qmax) * scale
+        if self.symmetric:  # levels -2^(b-1) .. 2^(b-1) - 1, scale absmax / (2^b - 1) / 2: torchao's symmetric mapping
+            qmin, qmax = -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
+            scale = (x.abs().amax(dim=-1, keepdim=True) / ((qmax - qmin) / 2)).clamp(min=1e-12)
+            return torch.round(x * (1.0 / scale)).clamp(qmin, qmax) * scale  # x * (1 / scale): torchao's rounding, ties too
         qmax = 2 ** self.bits - 1
-        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+        lo = x.amin(dim=-1, keepdim=True).clamp(max=0)  # the range holds 0 (exactly representable), as torchao's
+        hi = x.amax(dim=-1, keepdim=True).clamp(min=0)
         scale = ((hi - lo) / qmax).clamp(min=1e-12)
         zero = torch.round(-lo / scale)
-        return (torch.round(x / scale) + zero).clamp(0, qmax).sub(zero) * scale
+        return (torch.round(x * (1.0 / scale)) + zero).clamp(0, qmax).sub(zero) * scale
 
 
 def _int4(group: int) -> QuantMethod:
@@ -80,7 +81,7 @@ def _int4(group: int) -> QuantMethod:
 
 QUANT_METHODS: dict[str, QuantMethod] = {m.name: m for m in (
     QuantMethod(NONE, 0, 0, True, "none (full-precision weights)", "`vllm serve TARGET`"),
-    QuantMethod("int8", 8, 0, True, "int8 weight-only, symmetric per output channel (round to nearest)",
+    QuantMethod("int8", 8, 0, True, "int8 weight-only, symmetric per output channel (round to nearest, torchao's grid)",
                 "serve an int8 weight-only checkpoint of the target (e.g. compressed-tensors W8A16: `vllm serve "
                 "TARGET-W8A16`)"),
     _int4(0), _int4(16), _int4(32), _int4(64), _int4(128),
