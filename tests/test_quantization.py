@@ -221,3 +221,19 @@ def test_chi2_sampling_matches_the_quantized_targets_distribution(name):
     law = dict(temperature=1.0, max_length=64, eos_token_id=[], alpha=0.01)
     assert_same_law(distribution_test_run(model, vanilla, eagle2, **law), draws=DISTRIBUTION_SAMPLES, seed=0,
                     what=f"distribution_test of eagle2 against vanilla on the {name} target")
+
+
+def test_model_card_names_the_quantization_and_how_to_serve_it():
+    from export.model_card import model_card
+
+    report = {"meta": {"quantization": "int4-g128"}}
+    card = model_card(load_config("tiny", ["target.quantization=int4-g128"]), "me/head", "apache-2.0", None, None,
+                      report, [])
+    assert "## Target quantization" in card and 'quantization="int4-g128"' in card
+    assert "int4 weight-only, asymmetric per group of 128 input columns" in card
+    assert "the evaluation below decoded against the same quantized target" in card
+    assert "--quantization awq" in card
+    other = model_card(load_config("tiny", ["target.quantization=int8"]), "me/head", "apache-2.0", None, None, report, [])
+    assert "decoded against a `int4-g128` target, not the one it was trained for" in other
+    plain = model_card(load_config("tiny", []), "me/head", "apache-2.0", None, None, None, [])
+    assert "quantization" not in plain.lower()  # a full-precision head's card is as before
