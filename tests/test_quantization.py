@@ -237,3 +237,32 @@ def test_model_card_names_the_quantization_and_how_to_serve_it():
     assert "decoded against a `int4-g128` target, not the one it was trained for" in other
     plain = model_card(load_config("tiny", []), "me/head", "apache-2.0", None, None, None, [])
     assert "quantization" not in plain.lower()  # a full-precision head's card is as before
+
+
+def test_corpus_cache_holds_the_quantized_targets_states_and_training_refuses_it_for_another(tmp_path, capsys):
+    """The cache a quantized recipe writes: its meta says target_quantization, its states are the quantized model's
+    (the batched forward's rounding apart); a recipe of another quantization is refused at training in one line."""
+    from test_data_prep_helpers import CORPUS
+    from test_data_prep_helpers import save_target as save_chat_target
+
+    from data_prep.corpus_cache import build_corpus_cache
+    from data_prep.feature_cache import FeatureCacheReader
+    from data_prep.feature_layers import target_features
+    from train.main import main
+
+    target = save_chat_target(tmp_path / "target")
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(CORPUS))
+    over = [f"target.path={target}", "target.dtype=float32", f"output_dir={tmp_path / 'run'}", "data.cache_dtype=float32"]
+    cfg = load_config("tiny", [*over, "target.quantization=int4-g16"])
+    manifest = build_corpus_cache(cfg, text, progress=False)
+    assert manifest["target_quantization"] == "int4-g16" and manifest["num_records"] == len(CORPUS)
+    model = load_target_model(cfg.target, torch.device("cpu"))
+    full = load_target_model(load_config("tiny", over).target, torch.device("cpu"))
+    rec = FeatureCacheReader(tmp_path / "run" / "data" / "features")[0]
+    ids = rec["input_ids"][None]
+    quantized_gap = (rec["hidden_states"] - target_features(model.model, ids, None, None)[0]).abs().max()
+    full_gap = (rec["hidden_states"] - target_features(full.model, ids, None, None)[0]).abs().max()
+    assert quantized_gap < 1e-4 < full_gap  # the batched cache forward rounds apart; 4 bits move the states far more
+    code, _, err = run_cli(main, ["--recipe", "tiny", *over, "target.quantization=int8"], capsys)
+    assert code == 2 and "target quantization int4-g16 (cache) != int8 (recipe target.quantization)" in err, err
