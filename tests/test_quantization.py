@@ -218,7 +218,7 @@ def test_chi2_sampling_matches_the_quantized_targets_distribution(name):
     model = EaModel(target, fit_good_head(target, prompts=random_prompts(4, vocab_size=16), new_tokens=12),
                     DecodingConfig(total_token=8, depth=2, top_k=3))
     vanilla, eagle2 = parse_methods(["eagle2"], model.decoding)
-    law = dict(temperature=1.0, max_length=64, eos_token_id=[], alpha=0.01)
+    law = dict(positions=[1, 2], temperature=1.0, max_length=64, eos_token_id=[], alpha=0.01)
     assert_same_law(distribution_test_run(model, vanilla, eagle2, **law), draws=DISTRIBUTION_SAMPLES, seed=0,
                     what=f"distribution_test of eagle2 against vanilla on the {name} target")
 
