@@ -33,7 +33,8 @@ from data_prep.cache_features import check_disk
 from data_prep.chat_template import stop_token_ids
 from data_prep.feature_cache import FeatureCacheWriter
 from data_prep.feature_layers import feature_layers, target_features
-from data_prep.target import load_target_model, load_target_tokenizer, resolve_target_path, target_config_hash
+from data_prep.target import (load_target_model, load_target_tokenizer, quantization_meta, resolve_target_path,
+                              target_config_hash)
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
 from eagle.device import pick_device
 from eagle.run_lock import run_lock
@@ -98,6 +99,7 @@ def build_corpus_cache(cfg, text_file: str | Path, first: int = 0, batch_size: i
     meta = {"target": target_path, "config_hash": target_config_hash(model.config),
             "hidden_size": int(model.config.hidden_size), "vocab_size": int(model.config.vocab_size),
             "target_dtype": cfg.target.dtype, "source": f"text:{Path(text_file).name}" + (f"[:{first}]" if first else "")}
+    meta.update(quantization_meta(cfg.target))  # a quantized target's states (none: the legacy meta)
     layers = feature_layers(cfg.head, model.config)  # None for eagle2 (final state only: the legacy meta)
     if layers is not None:
         meta["feature_layers"] = layers

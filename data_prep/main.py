@@ -39,7 +39,7 @@ from data_prep.feature_layers import feature_layers
 from data_prep.loss_mask import render_masked, tokenize_records
 from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,
                                   read_parts, regenerate_shard)
-from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer,
+from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer, quantization_meta,
                               resolve_target_path, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized
 from data_prep.tool_calls import tool_call_format
@@ -241,6 +241,7 @@ def stage_regenerate(run: Run, conversations: list[dict]) -> None:
                 **asdict(generation_settings(run))}
     if calls.name != "none":  # how replies were parsed; absent for templates without tool calls (as before it existed)
         settings["tool_call_format"] = calls.name
+    settings.update(quantization_meta(run.cfg.target))  # replies of a quantized target are another dataset
     check_settings(out, settings)
     with regeneration_server(run) as server:
         try:
@@ -324,6 +325,7 @@ def stage_cache(run: Run) -> None:
     meta = {"target": resolve_target_path(run.cfg.target), "config_hash": target_config_hash(config),
             "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
             "target_dtype": run.cfg.target.dtype, "tokenized_sha256": sha256_file(tok_path)}
+    meta.update(quantization_meta(run.cfg.target))  # a quantized target's states (none: the legacy meta)
     layers = feature_layers(run.cfg.head, config)  # None for eagle2: the legacy meta, byte for byte
     if layers is not None:
         meta["feature_layers"] = layers

@@ -14,6 +14,7 @@ from data_prep.chat_template import setup_chat_template
 from data_prep.default_target import ensure_default_target
 from eagle.cli_errors import UserError
 from eagle.hub_ids import check_local_exists
+from eagle.quantization import NONE, quantize_target
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config keys that do not change the features (versions, paths, compute dtype recorded separately)
@@ -74,7 +75,8 @@ def load_target_tokenizer(target_cfg, path: str | None = None, need_template: bo
 
 
 def load_target_model(target_cfg, device: torch.device, path: str | None = None):
-    """The frozen causal LM in eval mode on `device`, in `target.dtype`."""
+    """The frozen causal LM in eval mode on `device`, in `target.dtype`, quantized by `target.quantization` (the
+    served model: eagle/quantization.py)."""
     # lazy: transformers' model classes cost seconds at import; only loading the target needs them
     from transformers import AutoModelForCausalLM
 
@@ -87,7 +89,20 @@ def load_target_model(target_cfg, device: torch.device, path: str | None = None)
             revision=target_cfg.revision,
         )
     model.requires_grad_(False)
+    quantize_target(model, getattr(target_cfg, "quantization", NONE))  # an older recipe.yaml: none
     return model.eval().to(device)
+
+
+def quantization_meta(target_cfg) -> dict:
+    """The feature cache's record of the target's quantization: {"target_quantization": method} for a quantized
+    target, {} for a full-precision one (the meta of caches written before the key existed, byte for byte)."""
+    name = getattr(target_cfg, "quantization", NONE)
+    return {} if name == NONE else {"target_quantization": name}
+
+
+def cache_quantization(manifest: dict) -> str:
+    """The quantization of the target a feature cache was written from ("none" when its meta does not say)."""
+    return manifest.get("target_quantization", NONE)
 
 
 def base_decoder(model):

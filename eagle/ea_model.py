@@ -20,6 +20,7 @@ from eagle.head_config import check_head_fits_target
 from eagle.head_files import head_config_of, load_head
 from eagle.head_kinds import text_config
 from eagle.head_module import HeadModule
+from eagle.quantization import NONE, quantize_target
 from eagle.sampling import SamplingParams, greedy_ids, sample_token, target_probs
 from eagle.score_calibration import ScoreCalibration, pick_calibration
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
@@ -131,13 +132,16 @@ class EaModel(nn.Module):
     def from_pretrained(cls, base_model_path: str, ea_model_path: str, total_token: int | None = None,
                         depth: int | None = None, top_k: int | None = None, torch_dtype: torch.dtype | str = "auto",
                         device_map=None, tree_mode: str | None = None, static_tree: str | list | None = None,
-                        chain_length: int | None = None, attn_implementation: str = "sdpa", **model_kwargs) -> "EaModel":
+                        chain_length: int | None = None, attn_implementation: str = "sdpa", quantization: str = NONE,
+                        **model_kwargs) -> "EaModel":
         """Load a target (HF id or folder) and a head: EAGLE-1/2 or EAGLE-3, ours or released (`yuhuili/EAGLE-*`,
         `yuhuili/EAGLE3-*`, SpecForge exports); an EAGLE-3 head takes the target's embedding.
 
         Tree settings: explicit arguments > `tree_config.json` saved next to the head by the
         auto-tuner > DecodingConfig defaults (60 / 5 / 10). The calibrated tree scores in that file (one map per
         sampling setting) are used by dynamic trees decoded at a setting they were fitted for (`calibrate`).
+        quantization: the served target's weight quantization (eagle/quantization.py), applied before anything
+        decodes, so vanilla and speculative decoding both run the quantized target.
         """
         # lazy: transformers' model classes cost seconds at import; only loading from a folder or the Hub needs them
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -148,6 +152,7 @@ class EaModel(nn.Module):
         check_head_fits_target(head_config, AutoConfig.from_pretrained(base_model_path, **config_kw))
         base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch_dtype, device_map=device_map,
                                                     attn_implementation=attn_implementation, **model_kwargs)
+        quantize_target(base, quantization)
         head = load_head(ea_model_path, dtype=base.dtype, device=base.get_output_embeddings().weight.device)
         decoding = load_tree_config(ea_model_path)
         overrides = {"total_token": total_token, "depth": depth, "top_k": top_k, "mode": tree_mode,

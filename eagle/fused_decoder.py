@@ -62,6 +62,9 @@ def fused_unsupported_reason(model: nn.Module) -> str | None:
     rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope_type={rope_type!r} depends on the sequence length"
+    packed = sorted({type(p.data).__name__ for p in body.layers.parameters() if type(p.data) is not torch.Tensor})
+    if packed:  # packed quantized weights (torchao's tensor subclasses): the HF layers run their own kernels
+        return f"decoder weights are {packed} (packed quantized), which the fused copy cannot concatenate"
     size = sum(p.numel() * p.element_size() for p in body.layers.parameters())
     if size > FUSED_MAX_BYTES:
         return f"decoder has {size / 2**20:.0f} MiB of layer weights (> {FUSED_MAX_BYTES / 2**20:.0f} MiB)"

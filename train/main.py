@@ -206,7 +206,8 @@ class Trainer:
         if t.mode == "offline":
             cdir = layout.cache_dir(cfg)
             self.source = open_feature_cache(cfg, t.verify_cache)
-            check_cache_matches_target(self.source.manifest, cdir, self.target_path, self.target_config, self.part.layers)
+            check_cache_matches_target(self.source.manifest, cdir, self.target_path, self.target_config, self.part.layers,
+                                       cfg.target.quantization)
         else:
             self.source = TokenizedRecords(layout.tokenized_file(cfg), cfg.data.max_length)
         train_idx, eval_idx = split_train_eval(self.source.ids, t.eval_fraction, cfg.seed)
