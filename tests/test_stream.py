@@ -84,7 +84,7 @@ def test_streamed_run_equals_offline_bit_for_bit_within_a_bounded_window(toy, tm
     assert need <= stream["producer_records"] <= need + 8
     assert {"trainer_wait_s", "producer_wait_s", "bottleneck"} <= stream.keys()
     shards = tmp_path / "st" / "train" / "stream" / "shards"
-    assert not list(shards.glob("m*.safetensors")), "consumed shards are deleted"
+    assert not list(shards.glob("*.safetensors*")), "consumed shards are deleted, the held-out ones at the end"
 
 
 @pytest.mark.slow
@@ -170,3 +170,43 @@ def test_full_disk_is_one_line_and_leaves_no_partial_shard(toy, tmp_path, monkey
     assert err.startswith("error: disk full writing stream shard") and "\n" not in err.strip() and "rerun" in err
     assert not list((sdir / "shards").glob("*.tmp"))
     assert [p.name for p in (sdir / "shards").iterdir()] == ["eval.safetensors"]  # written before: valid, kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["after_first_checkpoint", "late"])
+def test_killed_trainer_reruns_to_the_offline_head(toy, tmp_path, when):
+    """kill -9 of the trainer (the producer then exits on its own): the same command resumes from the checkpoint, the
+    producer captures only the shards after it that are not on disk, and the head is the offline one, bit for bit."""
+    out = tmp_path / "st"
+    args = [sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny",
+            *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5", "train.mode=stream",
+                       "train.stream_window_mb=0.03", "train.checkpoint_every=2", steps=STEPS)]
+    proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    latest = out / "train" / "checkpoints" / "latest"
+    tag = "step-00000002" if when == "after_first_checkpoint" else "step-00000008"
+    deadline = time.time() + 200
+    while time.time() < deadline and not (latest.exists() and latest.read_text().strip() >= tag):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    beat = json.loads((out / "train" / "stream" / "producer.json").read_text())
+    proc.kill()
+    proc.wait()
+    from train.stream import alive
+
+    deadline = time.time() + 60
+    while alive(beat["pid"]) and time.time() < deadline:  # the orphaned producer sees its trainer gone
+        time.sleep(0.05)
+    assert not alive(beat["pid"]), "the producer outlived its trainer"
+    rerun = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed from" in rerun.stdout
+    summary = json.loads((out / "train" / "summary.json").read_text())
+    with gloo_world() as ctx:
+        from train.main import train
+
+        off = config(toy, tmp_path / "off")
+        offline_cache(off, toy["records"])
+        train(off, ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(out)
+    assert all((a[k] == b[k]).all() for k in a), "the resumed streamed head differs from offline"
+    assert summary["stream"]["producer_records"] < STEPS * 4 + summary["eval_records"]  # the consumed part is not redone

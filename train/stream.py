@@ -220,6 +220,7 @@ class StreamRecords:
                               "keep world_size x train.grad_accum, or finish the epoch in offline mode")
         start = pos["epoch"] * plan.global_per_epoch + pos["consumed"]
         if ctx.is_main:
+            self.wait_for_old_producer()
             for stale in ("producer.error", "done.json", "producer.json"):
                 (self.sdir / stale).unlink(missing_ok=True)
             (self.sdir / "consumed").mkdir(parents=True, exist_ok=True)
@@ -241,6 +242,19 @@ class StreamRecords:
             barrier()
         self.start(read_request(self.sdir))
 
+    def wait_for_old_producer(self) -> None:
+        """One producer per stream directory: the one an earlier (killed) trainer started exits once it sees its
+        trainer gone, at the latest after the shard it is capturing; wait for that before starting a new one."""
+        beat = read_json_state(self.sdir / "producer.json", HEARTBEAT)
+        if beat is None or beat["pid"] == os.getpid():
+            return
+        tic = time.perf_counter()
+        while alive(beat["pid"]):
+            if time.perf_counter() - tic > self.timeout_s:
+                raise StreamError(f"the stream producer of an earlier run (pid {beat['pid']}) still runs on "
+                                  f"{self.sdir} after train.stream_timeout_s={self.timeout_s:g} s: end it, then rerun")
+            time.sleep(POLL_S)
+
     def stop(self, finished: bool) -> None:
         """The end of this rank's run (or its failure): rank 0 says done and ends the producer it started."""
         if finished and self.request is not None:
@@ -260,6 +274,9 @@ class StreamRecords:
             self.producer.kill()
             self.producer.wait()
         self.producer = None
+        if finished:  # every rank has read everything: the held-out and kept shards go too
+            for p in (self.sdir / "shards").glob("*.safetensors"):
+                p.unlink(missing_ok=True)
 
     def summary(self, world_size: int) -> dict:
         """Who waited for whom: the trainer's wait (mean over ranks) and the producer's, with its throughput."""
@@ -363,6 +380,21 @@ class StreamRecords:
     def producer_stats(self) -> dict:
         beat = read_json_state(self.sdir / "producer.json", HEARTBEAT) or {}
         return {k: beat.get(k, 0) for k in ("wait_s", "capture_s", "records", "tokens", "peak_bytes")}
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (a zombie child counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def mark_done(sdir: Path, run: str) -> None:

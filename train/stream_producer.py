@@ -138,6 +138,8 @@ class Producer:
         tic = time.perf_counter()
         records = [self.record(i) for i in indices]
         self.stats["capture_s"] += time.perf_counter() - tic
+        if self.trainer_gone():  # killed meanwhile: a rerun's producer owns the directory now
+            return
         try:
             write_shard(path, records, self.dtype)
         except OSError as e:
@@ -204,9 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = command_config(args)
     sdir = layout.stream_dir(cfg)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    producer = Producer(cfg, sdir, args.parent_pid)
     try:
-        Producer(cfg, sdir, args.parent_pid).run_all()
+        producer.run_all()
     except BaseException as e:
+        try:
+            current = read_request(sdir)["run"] == producer.run
+        except Exception:  # noqa: BLE001 - unreadable: report anyway
+            current = True
+        if not current:  # a newer run took the directory over (this one's trainer was killed): nothing to say
+            return 0
         if not isinstance(e, (SystemExit, KeyboardInterrupt)):
             try:
                 write_text_state(sdir / "producer.error", "error: " + one_line(e), PRODUCER_ERROR)
