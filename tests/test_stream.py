@@ -210,3 +210,34 @@ def test_killed_trainer_reruns_to_the_offline_head(toy, tmp_path, when):
     a, b = head_weights(tmp_path / "off"), head_weights(out)
     assert all((a[k] == b[k]).all() for k in a), "the resumed streamed head differs from offline"
     assert summary["stream"]["producer_records"] < STEPS * 4 + summary["eval_records"]  # the consumed part is not redone
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_torchrun_ranks_consume_the_stream_as_they_read_the_cache(toy, tmp_path):
+    """2 ranks under torchrun: each reads its micro-batches of every shard, a shard goes once both markers are past
+    it, and the head equals the 2-rank offline run's, bit for bit."""
+    import socket
+
+    def torchrun(out, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               str(REPO / "train" / "main.py"), "--recipe", "tiny",
+               *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5", *extra,
+                          steps=6)]
+        proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "train" / "summary.json").read_text())
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    torchrun(tmp_path / "off")
+    summary = torchrun(tmp_path / "st", "train.mode=stream", "train.stream_window_mb=0.03")
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "2-rank streamed head differs from the 2-rank offline head"
+    sdir = tmp_path / "st" / "train" / "stream"
+    assert {p.name for p in (sdir / "consumed").iterdir()} == {"rank0.json", "rank1.json"}
+    assert not list((sdir / "shards").glob("*.safetensors"))
+    assert summary["world_size"] == 2 and 0 < summary["stream"]["window_peak_bytes"] <= 0.03 * 2**20
