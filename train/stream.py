@@ -345,6 +345,11 @@ class StreamRecords:
         next need."""
         order = self.order
         write_marker(self.sdir, self.rank, m, self.request["run"])
+        if m >= self.request["end"] and self.producer is not None:
+            # skipped (non-finite) micro-batches moved the data past the planned end: rank 0 asks for more (every
+            # rank skips together, so the others need the same shards)
+            self.request = {**self.request, "end": m + 16 * order.G}
+            write_request(self.sdir, self.request)
         sweep(self.sdir, self.request, order.per_epoch)
         if self.request["epochs"] == "keep" and m >= order.per_epoch:
             if self._kept is None:
