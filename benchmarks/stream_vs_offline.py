@@ -54,7 +54,7 @@ def run(cmd: list[str]) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stream_vs_offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True)
     p.add_argument("--text", required=True)
     p.add_argument("--first", type=int, default=3000)

@@ -234,10 +234,10 @@ def test_two_torchrun_ranks_consume_the_stream_as_they_read_the_cache(toy, tmp_p
     off = config(toy, tmp_path / "off")
     offline_cache(off, toy["records"])
     torchrun(tmp_path / "off")
-    summary = torchrun(tmp_path / "st", "train.mode=stream", "train.stream_window_mb=0.03")
+    summary = torchrun(tmp_path / "st", "train.mode=stream", "train.stream_window_mb=0.06")  # > eval + one 2-rank step
     a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
     assert all((a[k] == b[k]).all() for k in a), "2-rank streamed head differs from the 2-rank offline head"
     sdir = tmp_path / "st" / "train" / "stream"
     assert {p.name for p in (sdir / "consumed").iterdir()} == {"rank0.json", "rank1.json"}
     assert not list((sdir / "shards").glob("*.safetensors"))
-    assert summary["world_size"] == 2 and 0 < summary["stream"]["window_peak_bytes"] <= 0.03 * 2**20
+    assert summary["world_size"] == 2 and 0 < summary["stream"]["window_peak_bytes"] <= 0.06 * 2**20
