@@ -64,6 +64,8 @@ NOT_STATE = {
     "data_prep/feature_cache.py": (3, "a meta round trip and the ids in a safetensors header (checked against the "
                                       "part manifest)"),
     "data_prep/feature_shard.py": (2, "the record ids in a shard's safetensors header, written and read with it"),
+    "benchmarks/stream_vs_offline.py": (5, "the runs' summary.json (records for people) and its own result.json: "
+                                           "a measurement, never read back by the project"),
     "train/stream_producer.py": (1, "the hash of a stream's order (json.dumps): an identity, no file"),
     "train/main.py": (4, "deepspeed_config.json and summary.json: records for people, never read back; log lines"),
     "train/eval_head.py": (1, "prints to stdout"),
