@@ -37,7 +37,8 @@ from eagle.state_files import read_json_state, write_json_state, write_text_stat
 from recipes import add_print_config, command_config, layout
 from train.data import TokenizedRecords
 from train.stream import (EVAL_SHARD, HEARTBEAT, HEARTBEAT_S, POLL_S, PRODUCER_ERROR, REST_SHARD, STREAM_META,
-                          StreamError, StreamOrder, is_done, read_request, shard_bytes_on_disk, shard_name, sweep)
+                          StreamError, StreamOrder, is_done, min_marker, read_request, shard_bytes_on_disk,
+                          shard_name, sweep)
 
 
 def order_identity(request: dict, meta: dict, dtype: str) -> str:
@@ -115,9 +116,11 @@ class Producer:
         self.stats["tokens"] += int(ids.shape[0])
         return rec["id"], ids.to(torch.int32), stored.contiguous(), mask.to(torch.uint8), scales
 
-    def write(self, name: str, indices: list[int], window: bool = True) -> None:
+    def write(self, name: str, indices: list[int], window: bool = True, span: tuple[int, int] | None = None) -> None:
         """Capture records `indices` (into the tokenized records) and write them as shard `name`, after waiting for
-        room in the window (when `window`; a window holding no train shard always takes the next one)."""
+        room in the window (when `window`; a window holding no train shard always takes the next one, and so does the
+        shard `span` = [a, b) that the slowest rank waits for: after a resume, shards kept from the killed run may fill
+        the window ahead of the one the checkpoint needs first)."""
         path = self.shards / name
         if path.exists():
             return  # kept from an earlier run of the same order: not captured again
@@ -128,6 +131,9 @@ class Producer:
             used = shard_bytes_on_disk(self.shards)
             trains = any(p.name.startswith("m") for p in self.shards.glob("m*.safetensors"))
             if not trains or used + size <= self.request["window_bytes"]:
+                break
+            low = min_marker(self.sdir, self.request["world_size"], self.run)
+            if span is not None and span[0] <= low < span[1]:
                 break
             sweep(self.sdir, self.request, self.order.per_epoch)
             time.sleep(POLL_S)
@@ -171,7 +177,7 @@ class Producer:
                     continue
             a, b = order.shard_of(m)
             self.write(shard_name(a, b), [train[i] for i in order.records_of(a, b)],
-                       window=req["epochs"] != "keep")  # keep: epoch 0 stays whole on disk (a cache), never deleted
+                       window=req["epochs"] != "keep", span=(a, b))  # keep: epoch 0 stays whole on disk (a cache), never deleted
             m = b
         self.state = "idle (all captured)"
         while not self.trainer_gone():  # the last shards are read: the heartbeat keeps saying it is alive
