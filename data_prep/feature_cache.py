@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from data_prep.feature_shard import FORMAT_NAME, dequantize_int8, quantize_int8, write_shard
 from eagle.cli_errors import UserError
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
 
-FORMAT_NAME = "eagle2-feature-cache"
 FORMAT_VERSION = 1
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8}
 DEFAULT_SHARD_BYTES = 512 * 2**20
@@ -88,22 +86,6 @@ CACHE_MANIFEST = register(StateFile(
     rebuild="delete it and rerun data_prep (it is merged again from parts/*.json; nothing is recomputed)",
     when_missing="no cache closed yet", example={"num_records": 2, "num_tokens": 10, "num_loss_tokens": 6,
                                                  "dtype": "float16"}))
-
-
-def quantize_int8(hidden: torch.Tensor, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row and segment (layers differ in scale): hidden [T, S*H] float -> (q [T, S*H] int8,
-    scales [T] fp16 when S = 1 else [T, S])."""
-    T = hidden.shape[0]
-    x = hidden.float().reshape(T, segments, -1)  # [T, S, H]
-    scales = (x.abs().amax(dim=-1) / 127.0).clamp(min=1e-8).to(torch.float16)  # [T, S]
-    q = torch.round(x / scales.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(T, -1)  # [T, S*H]
-    return q, (scales[:, 0] if segments == 1 else scales)
-
-
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """q [T, S*H] int8, scales [T] or [T, S] -> [T, S*H] float32."""
-    s = scales.float().reshape(q.shape[0], -1)  # [T, S]
-    return (q.float().reshape(q.shape[0], s.shape[1], -1) * s[..., None]).reshape(q.shape)
 
 
 # --------------------------------------------------------------------------- manifests
@@ -294,38 +276,11 @@ class FeatureCacheWriter:
         """Write the buffered records as one shard and commit it to the part manifest."""
         if not self._buffer:
             return
-        ids = [b[0] for b in self._buffer]
-        lengths = [int(b[1].shape[0]) for b in self._buffer]
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-        tensors = {
-            "hidden": torch.cat([b[2] for b in self._buffer]),  # [N, W]
-            "input_ids": torch.cat([b[1] for b in self._buffer]),  # [N] int32
-            "loss_mask": torch.cat([b[3] for b in self._buffer]),  # [N] uint8
-            "offsets": offsets,  # [R+1]
-        }
-        if self.dtype == "int8":
-            tensors["scales"] = torch.cat([b[4] for b in self._buffer])  # [N] or [N, S] fp16
         index = len(self._state["shards"])
         name = f"{self.part}-{index:05d}.safetensors"
         path = self.out_dir / "shards" / name
-        tmp = path.with_name(name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT_NAME, "dtype": self.dtype, "ids": json.dumps(ids)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self._state["shards"].append(
-            {
-                "file": f"shards/{name}",
-                "sha256": sha256_file(path),
-                "bytes": path.stat().st_size,
-                "num_records": len(ids),
-                "num_tokens": int(offsets[-1]),
-                "num_loss_tokens": int(tensors["loss_mask"].sum()),
-                "ids": ids,
-                "lengths": lengths,
-            }
-        )
+        entry = write_shard(path, self._buffer, self.dtype)  # data_prep/feature_shard.py: the one shard format
+        self._state["shards"].append({"file": f"shards/{name}", "sha256": sha256_file(path), **entry})
         write_json_state(self.out_dir / "parts" / f"{self.part}.json", self._state, PART_MANIFEST)
         self._buffer, self._buffer_bytes = [], 0
 

@@ -53,6 +53,11 @@ def train_dir(cfg) -> Path:
     return Path(cfg.output_dir) / TRAIN_DIR
 
 
+def stream_dir(cfg) -> Path:
+    """The window of stream mode (train.mode=stream): train.stream_dir, or {output_dir}/train/stream."""
+    return Path(cfg.train.stream_dir or train_dir(cfg) / "stream")
+
+
 def checkpoint_dir(cfg) -> Path:
     """{output_dir}/train/checkpoints."""
     return train_dir(cfg) / CHECKPOINTS_DIR

@@ -14,7 +14,9 @@ from typing import Any
 
 from recipes.check import check
 
-MODES = ("offline", "online")
+MODES = ("offline", "online", "stream")
+STREAM_PRODUCERS = ("hf",)
+STREAM_EPOCHS = ("recapture", "keep")
 BATCHING = ("grouped", "padded")
 LONG_RECORDS = ("keep", "truncate", "drop", "error")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -27,7 +29,7 @@ EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 @dataclass
 class TrainSettings:
     # --- data
-    mode: str = "offline"  # offline = features from the data_prep cache; online = the frozen target computes them in the loop
+    mode: str = "offline"  # offline = features from the data_prep cache; online = the frozen target computes them in the loop; stream = a producer process captures them as training consumes them (train/stream.py), the disk holding at most train.stream_window_mb
     cache_dir: str = ""  # offline feature cache; "" = {output_dir}/data/features
     verify_cache: str = "sha256"  # sha256 = hash every cache shard at start | size = check sizes only (huge caches)
     tokenized: str = ""  # online mode: tokenised conversations (jsonl); "" = {output_dir}/data/tokenized.jsonl
@@ -37,6 +39,12 @@ class TrainSettings:
     batching: str = "grouped"  # grouped = length-bucketed micro-batches (little padding); padded = random order, pad to the longest
     group_size: int = 32  # micro-batches per length-sorted bucket (larger = less padding, coarser shuffling)
     num_workers: int = 2  # DataLoader processes reading + collating ahead of the GPU; 0 = in the training process
+    # --- stream mode (train/stream.py, train/stream_producer.py)
+    stream_window_mb: float = 1024.0  # the streamed features on disk at most (MiB); the producer waits when it is full
+    stream_producer: str = "hf"  # hf = the recipe's target under transformers, in a process rank 0 starts
+    stream_epochs: str = "recapture"  # recapture = every epoch is captured again (the window stays bounded) | keep = epoch 1 is kept and re-read (a whole cache on disk)
+    stream_timeout_s: float = 120.0  # a producer silent this long (no heartbeat) is dead: one error line
+    stream_dir: str = ""  # where the window lives; "" = {output_dir}/train/stream (a filesystem every rank sees)
     # --- schedule
     epochs: float = 20.0
     max_steps: int = 0  # optimizer steps; 0 = derived from epochs
@@ -109,6 +117,10 @@ def validate_train_sections(cfg) -> None:
     """Check the values of the train/logging/export sections (keys are checked by the schema)."""
     t, lg, ex = cfg.train, cfg.logging, cfg.export
     check(t.mode in MODES, "train.mode", t.mode, f"expected one of {MODES}")
+    check(t.stream_window_mb > 0, "train.stream_window_mb", t.stream_window_mb, "expected > 0 (MiB)")
+    check(t.stream_producer in STREAM_PRODUCERS, "train.stream_producer", t.stream_producer, f"expected one of {STREAM_PRODUCERS}")
+    check(t.stream_epochs in STREAM_EPOCHS, "train.stream_epochs", t.stream_epochs, f"expected one of {STREAM_EPOCHS}")
+    check(t.stream_timeout_s > 0, "train.stream_timeout_s", t.stream_timeout_s, "expected > 0 seconds")
     check(t.verify_cache in ("sha256", "size"), "train.verify_cache", t.verify_cache, "expected 'sha256' or 'size'")
     check(t.batching in BATCHING, "train.batching", t.batching, f"expected one of {BATCHING}")
     check(t.long_records in LONG_RECORDS, "train.long_records", t.long_records, f"expected one of {LONG_RECORDS}")

@@ -38,6 +38,8 @@ INVOCATIONS = {
     "python -m export.hub": ([sys.executable, "-m", "export.hub"], "python -m train.hub"),  # the trainer's Hub push
     "python -m train.corpus_cache": ([sys.executable, "-m", "train.corpus_cache"], "python -m train.corpus_cache"),
     "python -m train.eval_head": ([sys.executable, "-m", "train.eval_head"], "python -m train.eval_head"),
+    "python -m train.stream_producer": ([sys.executable, "-m", "train.stream_producer"],
+                                        "python -m train.stream_producer"),  # started by stream mode's rank 0
     "python -m quickstart": ([sys.executable, "-m", "quickstart"], "python -m quickstart"),
     "python -m eagle_train": ([sys.executable, "-m", "eagle_train"], "eagle-train"),
     **{f"python -m benchmarks.{name}": ([sys.executable, "-m", f"benchmarks.{name}"], f"python -m benchmarks.{name}")

@@ -61,8 +61,12 @@ NOT_STATE = {
     "data_prep/regenerate.py": (7, "HTTP bodies of the OpenAI-compatible server (each field checked: parse_reply), "
                                    "tool-call arguments sent to it as the API's JSON strings, and the regenerated "
                                    "JSONL records (checked per line: read_parts)"),
-    "data_prep/feature_cache.py": (4, "a meta round trip and the ids in a safetensors header (checked against the "
+    "data_prep/feature_cache.py": (3, "a meta round trip and the ids in a safetensors header (checked against the "
                                       "part manifest)"),
+    "data_prep/feature_shard.py": (2, "the record ids in a shard's safetensors header, written and read with it"),
+    "benchmarks/stream_vs_offline.py": (5, "the runs' summary.json (records for people) and its own result.json: "
+                                           "a measurement, never read back by the project"),
+    "train/stream_producer.py": (1, "the hash of a stream's order (json.dumps): an identity, no file"),
     "train/main.py": (4, "deepspeed_config.json and summary.json: records for people, never read back; log lines"),
     "train/eval_head.py": (1, "prints to stdout"),
     "train/plan.py": (2, "counts records of the user's data file; prints --json"),
@@ -243,6 +247,12 @@ READERS = {
     "DATA_DIR/vllm_capture-SHARD/result.json": _spec_loader("DATA_DIR/vllm_capture-SHARD/result.json"),
     "SERVE_SWEEP_DIR/speculative_config.json": _speculative_config,
     "QUICKSTART_OUT/quickstart_state.json": _quickstart,
+    "STREAM_DIR/request.json": lambda d: __import__("train.stream").stream.read_request(d),
+    "STREAM_DIR/stream.json": _spec_loader("STREAM_DIR/stream.json"),
+    "STREAM_DIR/producer.json": _spec_loader("STREAM_DIR/producer.json"),
+    "STREAM_DIR/producer.error": _spec_loader("STREAM_DIR/producer.error"),
+    "STREAM_DIR/consumed/RANK.json": _spec_loader("STREAM_DIR/consumed/RANK.json"),
+    "STREAM_DIR/done.json": _spec_loader("STREAM_DIR/done.json"),
 }
 
 

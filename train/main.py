@@ -38,7 +38,7 @@ from train.checkpoint import (CheckpointError, check_checkpoint_head, check_comp
                               commit_checkpoint, discard_uncommitted, latest_tag, load_checkpoint, make_universal,
                               needs_universal, ranks_text, save_checkpoint, saved_world_size, saved_zero_stage,
                               stage_change_error)
-from train.data import (Subset, TokenizedRecords, apply_long_records, head_positions, open_feature_cache,
+from train.data import (Subset, TokenizedRecords, apply_long_records, collate, head_positions, open_feature_cache,
                         micro_batch_loader, split_train_eval)
 from train.distributed import (all_reduce_sum, barrier, collective_failed, describe_ranks,
                                destroy_process_groups, exit_process, import_deepspeed, init_distributed,
@@ -51,6 +51,7 @@ from train.head_kinds import training_kind
 from train.live_tau import LiveTau
 from train.loss import LossOutput
 from train.plan import check_run_memory, print_run_plan
+from train.stream import StreamRecords
 from train.tracking import Tracker
 
 
@@ -137,6 +138,9 @@ def train(cfg, ctx=None) -> dict:
             where = f"the last committed checkpoint {trainer.ckpt_root / good}" if good else "the start (no checkpoint yet)"
             raise lost_rank_error(e, getattr(trainer, "step", 0),
                                   f"rerun the same command on every node to resume from {where}") from None
+        finally:
+            if isinstance(getattr(trainer, "source", None), StreamRecords):
+                trainer.source.stop(finished=False)  # stream mode: rank 0 ends the producer it started (if alive)
         trainer.cleanup()
         return summary
 
@@ -170,6 +174,8 @@ class Trainer:
                       f" under output_dir {self.cfg.output_dir} by default) and a writable output_dir")
         self.setup_model()
         self.setup_resume()
+        if self.t.mode == "stream":  # the producer starts at the resumed position (train/stream.py)
+            on_every_rank(self.setup_stream, self.ctx.world_size, "the stream directory and its producer")
         self.tracker = Tracker(self.cfg, self.train_dir, enabled=self.ctx.is_main, resumed_step=self.step)
         live = self.t.live_tau_prompts and self.ctx.is_main and len(self.eval_set)
         self.live = LiveTau(self.cfg, self.target_path, self.frozen, self.eval_set, self.ctx.device) if live else None
@@ -208,6 +214,9 @@ class Trainer:
             self.source = open_feature_cache(cfg, t.verify_cache)
             check_cache_matches_target(self.source.manifest, cdir, self.target_path, self.target_config, self.part.layers,
                                        cfg.target.quantization)
+        elif t.mode == "stream":  # ids and lengths from the tokenized records; features as the producer writes them
+            self.source = StreamRecords(TokenizedRecords(layout.tokenized_file(cfg), cfg.data.max_length),
+                                        layout.stream_dir(cfg), t.stream_timeout_s, ctx.rank)
         else:
             self.source = TokenizedRecords(layout.tokenized_file(cfg), cfg.data.max_length)
         train_idx, eval_idx = split_train_eval(self.source.ids, t.eval_fraction, cfg.seed)
@@ -229,13 +238,19 @@ class Trainer:
         check_run_memory(cfg, ctx, self.target_config, max(self.train_set.lengths, default=1), self.part.steps_key,
                          self.part.stride_key)
 
+    def setup_stream(self) -> None:
+        """Stream mode: the request, the producer, and its features checked against the target like a cache's."""
+        self.source.begin(self.cfg, self.ctx, self.train_set, self.eval_set, self.plan, self.pos, self.total_steps)
+        meta = {k: v for k, v in self.source.meta["meta"].items() if k != "order"}
+        check_cache_matches_target(meta, self.source.sdir, self.target_path, self.target_config, self.part.layers)
+
     def setup_model(self) -> None:
         """A fresh (or given) head with the target's frozen embedding, in a DeepSpeed engine; the target's frozen
         lm_head (and online, the target) beside it."""
         deepspeed = import_deepspeed()  # lazy (inside): a second at import; only training needs it
 
         cfg, t, ctx, part = self.cfg, self.t, self.ctx, self.part
-        self.frozen, embedding = load_frozen_target(t.mode, cfg.target, self.target_path, ctx.device, self.dtype,
+        self.frozen, embedding = load_frozen_target("online" if t.mode == "online" else "offline", cfg.target, self.target_path, ctx.device, self.dtype,
                                                     part.layers)
         head = part.new_head(self.target_config, self.source, self.train_set.indices, self.frozen.lm_head)
         if part.describe() is not None:
@@ -379,10 +394,14 @@ class Trainer:
                 self.pos = {"epoch": self.pos["epoch"] + 1, "consumed": 0, "order_step_size": self.plan.step_size}
             self.segment = self.plan.segment(self.pos["epoch"], self.pos["consumed"], self.pos["order_step_size"])
             self.done = 0
-            self.loader = micro_batch_loader(self.train_set, [b for _, b in self.segment], self.t.num_workers,
-                                             self.ctx.device.type == "cuda")
+            self.loader = iter(()) if self.t.mode == "stream" else micro_batch_loader(
+                self.train_set, [b for _, b in self.segment], self.t.num_workers, self.ctx.device.type == "cuda")
         where, self.batch_records = self.segment[self.done]
         self.done += 1
+        if self.t.mode == "stream":  # its shard, as it arrives (train/stream.py)
+            self.source.seek(self.pos["epoch"] * self.plan.global_per_epoch + where)
+            batch = collate([self.train_set[j] for j in self.batch_records])
+            return batch.to(self.ctx.device), self.pos["epoch"] * len(self.train_set) + where
         return next(self.loader).to(self.ctx.device), self.pos["epoch"] * len(self.train_set) + where
 
     def data_position(self) -> dict:
@@ -483,8 +502,11 @@ class Trainer:
         logs.update({f"train/step{j}_acc": w[f"step{j}_hits"] / max(w[f"step{j}_n"], 1)
                      for j in range(1, self.part.logged_steps + 1)})
         self.tracker.log(logs, self.step)
+        waits = {}
+        if self.t.mode == "stream":  # who waits for whom: this rank for the producer, the producer for the window
+            waits = {"wait_s": f"{self.source.wait_s:.0f}", "producer_wait_s": f"{self.source.producer_stats()['wait_s']:.0f}"}
         bar.set_postfix(loss=f"{logs['train/loss']:.3f}", top1=f"{logs['train/top1']:.3f}",
-                        tok_s=f"{logs['train/tokens_per_s']:.0f}")
+                        tok_s=f"{logs['train/tokens_per_s']:.0f}", **waits)
         self.window = dict.fromkeys(self.window, 0)
 
     # ================================================================== evaluate
@@ -548,6 +570,14 @@ class Trainer:
             **({"dpace_alpha": self.part.weighting.alpha} if self.part.weighting else {}),
             **self.part.summary(),
         }
+        if t.mode == "stream":
+            self.source.stop(finished=True)  # every rank is past its last shard; rank 0's producer has exited
+            summary["stream"] = self.source.summary(ctx.world_size)
+            s = summary["stream"]
+            self.say(f"stream: trainer waited {s['trainer_wait_s']:.1f} s, producer waited {s['producer_wait_s']:.1f} s "
+                     f"({s['producer_records_per_s']:.1f} records/s captured), window peak "
+                     f"{s['window_peak_bytes'] / 2**20:.1f} of {s['window_bytes'] / 2**20:.0f} MiB; bottleneck: "
+                     f"{s['bottleneck']}")
         if self.stopped_early:
             self.say(f"stopped after step {self.step} (train.stop_after={t.stop_after}); rerun the same command to resume")
         else:

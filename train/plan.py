@@ -194,6 +194,7 @@ class Plan:
     fits: bool = False
     knobs: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)  # what the plan took as given (printed, and in --json)
+    stream: list[str] = field(default_factory=list)  # train.mode=stream: the window, each side's throughput, which to scale
 
     @property
     def total(self) -> float:
@@ -368,7 +369,7 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
                         hw.host)
     VH = s.vocab * s.hidden
     tdt = DTYPE_BYTES[cfg.target.dtype]
-    if t.mode == "offline":
+    if t.mode in ("offline", "stream"):  # stream: the producer process holds the target, not the trainer
         mem.append(Item("frozen embedding (head copy)", VH * cb, f"[{s.vocab}, {s.hidden}] in compute dtype"))
         mem.append(Item("frozen lm_head", VH * cb, f"[{s.vocab}, {s.hidden}] in compute dtype"))
         if hw.host:
@@ -481,6 +482,8 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
                               f"2 x {_count(s.target_active_params)} x tokens"))
     plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (head 6P + "
                                                "lm_head)"))
+    if t.mode == "stream":
+        plan.stream = stream_lines(cfg, hw, s, n_tokens, head_flops)
     plan.traffic = traffic_items(cfg, hw, P)
     if plan.traffic:
         records = n_tokens / data.tokens_per_record
@@ -553,6 +556,38 @@ def data_size(cfg) -> DataSize:
     return DataSize(0, per, "data.source is empty and no feature cache exists at "
                     f"{layout.cache_dir(cfg)}: build it (data_prep with data.source=..., or train.corpus_cache for raw "
                     "text) or pass --tokens", caches=True)
+
+
+def stream_lines(cfg, hw: Hardware, s: Shape, n_tokens: int, head_flops: float) -> list[str]:
+    """train.mode=stream (train/stream.py): the window's disk against the cache it replaces, the producer's memory,
+    and per GPU the tokens/s the engine captures (a prefill, 2 x active params per token) and the trainer trains
+    (the head's FLOPs per token), so which side needs more GPUs."""
+    t = cfg.train
+    bpt = bytes_per_token(s.hidden * s.cache_row, cfg.data.cache_dtype)
+    cache = bpt * n_tokens
+    window = t.stream_window_mb * 2**20
+    held = cache if t.stream_epochs == "keep" else min(window, cache)
+    lines = [f"stream window (disk)                 {_gb(held)}  "
+             + (f"train.stream_window_mb={t.stream_window_mb:g} = {window / max(cache, 1):.1%} of the "
+                f"{cache / GB:.2f} GB {cfg.data.cache_dtype} cache (every epoch captured again)"
+                if t.stream_epochs != "keep" else "train.stream_epochs=keep: epoch 1 stays on disk, the whole cache"),
+             f"stream producer memory               {_gb(s.target_params * DTYPE_BYTES[cfg.target.dtype] + window / 4)}  "
+             f"the target in {cfg.target.dtype} + one shard being written (a quarter of the window), its own process"]
+    if hw.host:
+        lines.append("stream throughput: not planned in host mode; the run summary measures both sides (records/s, "
+                     "who waited)")
+        return lines
+    per_gpu = hw.tflops * 1e12 * hw.mfu
+    engine = per_gpu / (2 * s.target_active_params)  # tokens/s one engine GPU captures
+    trainer = per_gpu / head_flops  # tokens/s one trainer GPU trains
+    ratio = trainer / engine  # engine GPUs per trainer GPU to keep both busy
+    lines.append(f"stream throughput per GPU: engine {engine:,.0f} tokens/s, trainer {trainer:,.0f} tokens/s -> "
+                 f"{ratio:.2g} engine GPU(s) per trainer GPU keep both busy; with {hw.world} trainer GPU(s) and one "
+                 f"engine GPU the {'engine' if ratio > 1 else 'trainer'} is the bottleneck: scale "
+                 f"{'the engine (more vLLM/producer GPUs)' if ratio > 1 else 'the trainer ranks'}"
+                 + (f"; recapture prefills every epoch: {t.epochs:g}x the tokens of one offline capture"
+                    if t.stream_epochs != "keep" else ""))
+    return lines
 
 
 def count_records(path: Path) -> int | None:
@@ -646,6 +681,7 @@ def format_plan(cfg, plan: Plan) -> str:
         lines.append(f"  {'time (' + str(hw.world) + ' GPUs' + (f' on {hw.nodes} nodes' if hw.nodes > 1 else '') + ')':<36}")
         for i in plan.time:
             lines.append(f"  {i.name:<36} {_hms(i.bytes):>7}  {i.note}")
+    lines += [f"  {x}" for x in plan.stream]
     lines += [f"  assumed: {a}" for a in plan.assumptions]
     return "\n".join(lines)
 
@@ -659,7 +695,8 @@ def plan_as_dict(plan: Plan) -> dict:
     return {"fits": plan.fits, "verdict": plan.verdict, "total_bytes": plan.total,
             "memory": {i.name: i.bytes for i in plan.memory}, "disk": {i.name: i.bytes for i in plan.disk},
             "time_s": {i.name: i.bytes for i in plan.time}, "traffic_per_step": {i.name: i.bytes for i in plan.traffic},
-            "shape": plan.shape.__dict__, "knobs": plan.knobs, "assumptions": plan.assumptions}
+            "shape": plan.shape.__dict__, "knobs": plan.knobs, "assumptions": plan.assumptions,
+            **({"stream": plan.stream} if plan.stream else {})}
 
 
 def hardware_for_run(ctx) -> Hardware:

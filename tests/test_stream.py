@@ -1,0 +1,243 @@
+"""Stream mode (train.mode=stream, train/stream.py + train/stream_producer.py): a producer process captures the
+features into a bounded window while the trainer consumes them. A streamed run trains the same head, bit for bit,
+as an offline run of the same recipe on the cache the offline path writes for the same records; the window stays
+bounded and is emptied; both sides' waits are reported; a dead producer and a full disk are one line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from test_train_helpers import REPO, gloo_world, overrides, save_target, subprocess_env, toy_sequences
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+N_RECORDS, STEPS = 40, 12  # 36 train records / 4 per micro-batch = 9 steps per epoch: the run crosses into epoch 2
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A tiny target and tokenized records (ids + loss masks), the stream's input."""
+    from data_prep.tokenized import write_tokenized
+
+    root = tmp_path_factory.mktemp("stream")
+    target = save_target(root / "target")
+    recs = [{"id": f"t{i:03d}", "input_ids": s.tolist(), "loss_mask": [0, 0] + [1] * (len(s) - 2)}
+            for i, s in enumerate(toy_sequences(N_RECORDS, seed=3))]
+    write_tokenized(root / "tok.jsonl", recs)
+    return {"root": root, "target": target, "tok": root / "tok.jsonl", "records": recs}
+
+
+@pytest.fixture(scope="module")
+def dist_ctx():
+    with gloo_world() as ctx:
+        yield ctx
+
+
+def config(toy, out, *extra):
+    from recipes import load_config
+
+    return load_config("tiny", overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5",
+                                         *extra, steps=STEPS))
+
+
+def offline_cache(cfg, records) -> None:
+    """The feature cache data prep's cache stage writes for these records (its `cache_shard`, its meta)."""
+    from data_prep.cache_features import cache_shard
+    from data_prep.feature_cache import FeatureCacheWriter
+    from data_prep.target import load_target_model, resolve_target_path, target_config_hash
+    from eagle.device import pick_device
+    from recipes import layout
+
+    model = load_target_model(cfg.target, pick_device(cfg.data.device), resolve_target_path(cfg.target))
+    meta = {"target": resolve_target_path(cfg.target), "config_hash": target_config_hash(model.config),
+            "hidden_size": int(model.config.hidden_size), "vocab_size": int(model.config.vocab_size),
+            "target_dtype": cfg.target.dtype}
+    writer = FeatureCacheWriter(layout.cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
+    cache_shard(model, records, writer, 0, 1, progress=False)
+    writer.close()
+
+
+def head_weights(out):
+    return load_file(str(out / "head" / "model.safetensors"))
+
+
+def test_streamed_run_equals_offline_bit_for_bit_within_a_bounded_window(toy, tmp_path, dist_ctx):
+    from train.main import train
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    s_off = train(off, dist_ctx)
+    window_mb = 0.03  # ~31 KiB: half of the toy's ~60 KiB per epoch
+    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    assert s_st["eval"] == s_off["eval"] and s_st["train_tokens"] == s_off["train_tokens"]
+    stream = s_st["stream"]
+    assert 0 < stream["window_peak_bytes"] <= window_mb * 2**20
+    need = STEPS * 4 + s_st["eval_records"]  # epoch 2 captured again; beyond the last step at most the rest of a shard
+    assert need <= stream["producer_records"] <= need + 8
+    assert {"trainer_wait_s", "producer_wait_s", "bottleneck"} <= stream.keys()
+    shards = tmp_path / "st" / "train" / "stream" / "shards"
+    assert not list(shards.glob("*.safetensors*")), "consumed shards are deleted, the held-out ones at the end"
+
+
+@pytest.mark.slow
+def test_keep_mode_rereads_epoch_one(toy, tmp_path, dist_ctx):
+    from train.main import train
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    train(off, dist_ctx)
+    st = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_epochs=keep")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a)
+    assert s_st["stream"]["producer_records"] == N_RECORDS  # each record captured once
+
+
+@pytest.mark.slow
+def test_dead_producer_is_one_line_and_a_rerun_resumes(toy, tmp_path):
+    """kill -9 of the producer mid-run: the trainer stops with one line within train.stream_timeout_s; the same
+    command then resumes from the checkpoint and trains the offline head, bit for bit."""
+    out = tmp_path / "st"
+    args = [sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny",
+            *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5", "train.mode=stream",
+                       "train.stream_window_mb=0.01", "train.checkpoint_every=2", "train.stream_timeout_s=20",
+                       steps=STEPS)]
+    proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    beat = out / "train" / "stream" / "producer.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # the producer has written some shards: kill it
+        if beat.exists() and json.loads(beat.read_text() or "{}").get("records", 0) >= 12:
+            break
+        time.sleep(0.05)
+    pid = json.loads(beat.read_text())["pid"]
+    subprocess.run(["kill", "-9", str(pid)], check=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: stream producer") and "rerun the same command" in lines[-1], err
+    assert sum(ln.startswith("error:") for ln in lines) == 1
+    rerun = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed from" in rerun.stdout or json.loads((out / "train" / "summary.json").read_text())["steps"] == STEPS
+    with gloo_world() as ctx:
+        from train.main import train
+
+        off = config(toy, tmp_path / "off")
+        offline_cache(off, toy["records"])
+        train(off, ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(out)
+    assert all((a[k] == b[k]).all() for k in a), "the resumed streamed head differs from offline"
+
+
+def test_full_disk_is_one_line_and_leaves_no_partial_shard(toy, tmp_path, monkeypatch):
+    """The producer's shard write hits ENOSPC: one line in producer.error naming the shard, no .tmp left behind."""
+    import errno
+
+    import train.stream_producer as sp
+
+    calls = {"n": 0}
+    real = sp.write_shard
+
+    def full_after_one(path, records, dtype):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, records, dtype)
+
+    monkeypatch.setattr(sp, "write_shard", full_after_one)
+    cfg = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_window_mb=1")  # no wait: no trainer here
+    from recipes import layout
+    from train.stream import write_request
+
+    sdir = layout.stream_dir(cfg)
+    (sdir / "consumed").mkdir(parents=True)
+    write_request(sdir, {"run": "r1", "step_size": 1, "micro_batch_size": 4, "seed": int(cfg.seed),
+                         "batching": "grouped", "group_size": 32, "window_bytes": 2**14, "epochs": "recapture",
+                         "train": list(range(36)), "eval": [36, 37], "limit": 512, "start": 0, "end": 9,
+                         "world_size": 1, "tokenized": str(toy["tok"])})
+    (sdir / "recipe.yaml").write_text(__import__("recipes").config_yaml(cfg))
+    code = sp.main(["--recipe", str(sdir / "recipe.yaml")])
+    assert code == 2
+    err = (sdir / "producer.error").read_text()
+    assert err.startswith("error: disk full writing stream shard") and "\n" not in err.strip() and "rerun" in err
+    assert not list((sdir / "shards").glob("*.tmp"))
+    assert [p.name for p in (sdir / "shards").iterdir()] == ["eval.safetensors"]  # written before: valid, kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["after_first_checkpoint", "late"])
+def test_killed_trainer_reruns_to_the_offline_head(toy, tmp_path, when):
+    """kill -9 of the trainer (the producer then exits on its own): the same command resumes from the checkpoint, the
+    producer captures only the shards after it that are not on disk, and the head is the offline one, bit for bit."""
+    out = tmp_path / "st"
+    args = [sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny",
+            *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5", "train.mode=stream",
+                       "train.stream_window_mb=0.03", "train.checkpoint_every=2", steps=STEPS)]
+    proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    latest = out / "train" / "checkpoints" / "latest"
+    tag = "step-00000002" if when == "after_first_checkpoint" else "step-00000008"
+    deadline = time.time() + 200
+    while time.time() < deadline and not (latest.exists() and latest.read_text().strip() >= tag):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    beat = json.loads((out / "train" / "stream" / "producer.json").read_text())
+    proc.kill()
+    proc.wait()
+    from train.stream import alive
+
+    deadline = time.time() + 60
+    while alive(beat["pid"]) and time.time() < deadline:  # the orphaned producer sees its trainer gone
+        time.sleep(0.05)
+    assert not alive(beat["pid"]), "the producer outlived its trainer"
+    rerun = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed from" in rerun.stdout
+    summary = json.loads((out / "train" / "summary.json").read_text())
+    with gloo_world() as ctx:
+        from train.main import train
+
+        off = config(toy, tmp_path / "off")
+        offline_cache(off, toy["records"])
+        train(off, ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(out)
+    assert all((a[k] == b[k]).all() for k in a), "the resumed streamed head differs from offline"
+    assert summary["stream"]["producer_records"] < STEPS * 4 + summary["eval_records"]  # the consumed part is not redone
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_torchrun_ranks_consume_the_stream_as_they_read_the_cache(toy, tmp_path):
+    """2 ranks under torchrun: each reads its micro-batches of every shard, a shard goes once both markers are past
+    it, and the head equals the 2-rank offline run's, bit for bit."""
+    import socket
+
+    def torchrun(out, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               str(REPO / "train" / "main.py"), "--recipe", "tiny",
+               *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5", *extra,
+                          steps=6)]
+        proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "train" / "summary.json").read_text())
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    torchrun(tmp_path / "off")
+    summary = torchrun(tmp_path / "st", "train.mode=stream", "train.stream_window_mb=0.06")  # > eval + one 2-rank step
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "2-rank streamed head differs from the 2-rank offline head"
+    sdir = tmp_path / "st" / "train" / "stream"
+    assert {p.name for p in (sdir / "consumed").iterdir()} == {"rank0.json", "rank1.json"}
+    assert not list((sdir / "shards").glob("*.safetensors"))
+    assert summary["world_size"] == 2 and 0 < summary["stream"]["window_peak_bytes"] <= 0.06 * 2**20
