@@ -721,7 +721,7 @@ class DFlashKind(HeadKind):
                                after_act={"attention_bias": c.qkv_bias, "tie_word_embeddings": False})
         del d["num_hidden_layers"]  # the draft's layer count is dflash.draft_layers (a head config has 1 otherwise)
         d["dflash"] = {k: (list(getattr(o, k)) if isinstance(getattr(o, k), list) else getattr(o, k))
-                       for k in o.head_keys()}
+                       for k in o.head_keys() if k != "sliding_window"}  # refused for this kind (window_problems)
         return {**c.extra, **d}
 
     def from_target(self, shape: dict, num_layers: int, options: KindOptions) -> dict:

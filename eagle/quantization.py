@@ -17,7 +17,7 @@ computes (dequantize, multiply), up to the order of the float accumulation. That
 trained on the quantized target's hidden states and decoded against its logits, and losslessness is defined against
 that same quantized model's vanilla decoding. It costs no memory or speed (a CPU box measures tau, not int4
 throughput), runs in every code path (the fused decoder copies plain weights) and needs no dependency.
-torchao 0.18 (the `quant` extra) is the packed-kernel route; docs/quantization.md says what it runs on this CPU.
+torchao 0.18 is the packed-kernel route (no dependency of this project); docs/quantization.md says what it runs here.
 
 GPU-served methods (fp8 W8A8, AWQ, GPTQ, bitsandbytes nf4, EXL2/EXL3, Marlin kernels) are not values of this key:
 they need CUDA kernels. The nearest method here (docs/quantization.md's table) trains a head for them.

@@ -208,7 +208,8 @@ def test_every_shipped_recipe_has_questions_out_of_the_box(monkeypatch):
             questions = load_all_questions(cfg)
             assert len(questions) == 80 and len({q.category for q in questions}) == 8, name
             assert all(len(q.turns) == 2 for q in questions)
-    assert {n for n, s in sources.items() if s != "mt-bench"} <= {"stories260k", "stories260k-eagle3", "stories260k-peagle"}
+    assert {n for n, s in sources.items() if s != "mt-bench"} <= {"stories260k", "stories260k-eagle3", "stories260k-peagle",
+                                                              "stories260k-dflash"}
     assert sum(s == "mt-bench" for s in sources.values()) >= 10  # the 7B/8B recipes, EAGLE-2 and EAGLE-3
     assert [q.question_id for q in load_questions("mt-bench", num_questions=2)] == ["81", "82"]
 

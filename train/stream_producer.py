@@ -20,9 +20,6 @@ import threading
 import time
 from pathlib import Path
 
-if not __package__:  # started by path
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import torch
 
 from data_prep.cache_features import final_hidden_states
