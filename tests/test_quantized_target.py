@@ -185,3 +185,56 @@ def test_vllm_decodes_the_copy_as_the_quantized_target_does(tmp_path, vllm_pytho
                                            "runs": [{"name": "plain", "speculative_config": None}]}, tmp_path)
     refs = [hf_greedy(ours, torch.tensor([p]), 24)[0, len(p):].tolist() for p in prompts]
     assert res["runs"]["plain"]["outputs"] == refs
+
+
+def test_the_vllm_capture_of_a_quantized_target_is_its_transformers_cache(tmp_path, monkeypatch, capsys):
+    """data prep end to end with data.feature_source=vllm and target.quantization=int4: the engine is handed the
+    padded dequantized copy (the fake engine computes its states from that folder, as vLLM would), the cache meta
+    records `served_target`, and the states equal the transformers cache of the in-memory quantized target up to
+    the padded copy's summation order."""
+    import data_prep.vllm_features as vf
+    from data_prep.feature_cache import FeatureCacheReader
+    from data_prep.main import main
+    from float_tolerance import LAYER_REDUCTIONS, assert_same_function
+    from test_data_prep_helpers import write_sharegpt
+    from test_data_prep_vllm_features import LAYERS, engine_states
+
+    monkeypatch.setenv("EAGLE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(vf, "resolve_engine_python", lambda value: "python")
+    target = save_target(tmp_path / "target")
+    source = write_sharegpt(tmp_path / "convs.json", 4)
+    served = []
+
+    def fake_capture(python, model, dtype, named, layer_ids, work, seed, max_len, log):
+        served.append(model)
+        engine = load(model)
+        files = {}
+        (work / "files").mkdir(parents=True, exist_ok=True)
+        for r in named:
+            from safetensors.torch import save_file
+
+            p = work / "files" / f"{r['name']}.safetensors"
+            save_file({"hidden_states": engine_states(engine, r["input_ids"], layer_ids).contiguous(),
+                       "token_ids": torch.tensor(r["input_ids"])}, str(p))
+            files[r["name"]] = str(p)
+        return {"vllm_version": "fake", "files": files, "errors": {}}
+
+    monkeypatch.setattr(vf, "engine_capture", fake_capture)
+    base = ["--recipe", "tiny", f"target.path={target}", "target.dtype=float32", "target.chat_template=chatml",
+            "target.quantization=int4", f"data.source={source}", "data.regenerate=false", "data.cache_dtype=float32",
+            "data.disk_headroom_gb=0"]
+    assert main([*base, f"output_dir={tmp_path / 'vllm'}", "data.feature_source=vllm", "--no-progress"]) in (0, None)
+    assert main([*base, f"output_dir={tmp_path / 'hf'}", "--no-progress"]) in (0, None)
+    capsys.readouterr()
+    assert len(served) == 1 and Path(served[0]).name.startswith("target-int4-float32-")
+    [vllm_dir] = (tmp_path / "vllm").rglob("features")
+    [hf_dir] = (tmp_path / "hf").rglob("features")
+    meta = json.loads((vllm_dir / "manifest.json").read_text())
+    assert meta["served_target"] == "quantization=int4 (dequantized float copy)" and meta["target_quantization"] == "int4"
+    assert "served_target" not in json.loads((hf_dir / "manifest.json").read_text())
+    rows = {r["id"]: r for r in FeatureCacheReader(vllm_dir)}
+    hf_rows = list(FeatureCacheReader(hf_dir))
+    assert sorted(rows) == sorted(r["id"] for r in hf_rows) and hf_rows
+    for r in hf_rows:
+        assert_same_function(rows[r["id"]]["hidden_states"], r["hidden_states"], terms=64,
+                             chained=LAYER_REDUCTIONS * LAYERS + 1)
