@@ -34,6 +34,7 @@ from data_prep.assistant_spans import count_labels, label_tokens, renders_reason
 from data_prep.cache_features import cache_shard, check_disk
 from data_prep.chat_template import stop_token_ids
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl
+from data_prep.default_target import default_cache_dir
 from data_prep.feature_cache import CACHE_MANIFEST, FeatureCacheWriter, merge_manifests, sha256_file
 from data_prep.feature_layers import feature_layers
 from data_prep.loss_mask import render_masked, tokenize_records
@@ -52,7 +53,7 @@ from eagle.hub_ids import check_local_exists
 from eagle.run_lock import run_lock
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
 from engine.engine_process import resolve_engine_python
-from engine.head_dim_pad import servable_target
+from engine.quantized_target import engine_target, served_label
 from engine.vllm_server import VLLMServer, capture_args, serve_args
 from recipes import add_print_config, command_config, layout
 
@@ -185,7 +186,8 @@ def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log
     d = cfg.data
     engine_python = resolve_engine_python(d.engine_python)
     config = load_target_config(target_path)
-    model, _ = servable_target(target_path, config, work)
+    t = cfg.target  # a quantized target: its dequantized float copy (engine/quantized_target.py)
+    model, _ = engine_target(target_path, config, work, t.quantization, t.dtype, default_cache_dir(), t.revision)
     limit = int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
     context = d.max_length + d.max_new_tokens
     args = serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, cfg.target.chat_template,
@@ -242,6 +244,8 @@ def stage_regenerate(run: Run, conversations: list[dict]) -> None:
     if calls.name != "none":  # how replies were parsed; absent for templates without tool calls (as before it existed)
         settings["tool_call_format"] = calls.name
     settings.update(quantization_meta(run.cfg.target))  # replies of a quantized target are another dataset
+    if d.serve and served_label(run.cfg.target.quantization):  # vLLM regenerates from the dequantized float copy
+        settings["served_target"] = served_label(run.cfg.target.quantization)
     check_settings(out, settings)
     with regeneration_server(run) as server:
         try:
@@ -326,6 +330,8 @@ def stage_cache(run: Run) -> None:
             "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
             "target_dtype": run.cfg.target.dtype, "tokenized_sha256": sha256_file(tok_path)}
     meta.update(quantization_meta(run.cfg.target))  # a quantized target's states (none: the legacy meta)
+    if engine and served_label(run.cfg.target.quantization):  # vLLM captures them from the dequantized float copy
+        meta["served_target"] = served_label(run.cfg.target.quantization)
     layers = feature_layers(run.cfg.head, config)  # None for eagle2: the legacy meta, byte for byte
     if layers is not None:
         meta["feature_layers"] = layers

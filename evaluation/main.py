@@ -52,7 +52,6 @@ from eagle.head_config import check_head_fits_target
 from eagle.head_files import check_head_files, head_config_of, load_head
 from eagle.head_kinds import text_config
 from eagle.hub_ids import looks_local
-from eagle.quantization import check_engine_runs_quantization
 from eagle.sampling import SamplingParams
 from eagle.score_calibration import ScoreCalibration
 from evaluation.autotune import autotune_tree, fit_tree_calibration, grid
@@ -505,8 +504,6 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve-check" and args.speculative_config:  # a bad schedule fails before anything loads
         schedule = read_speculative_config(args.speculative_config)
     cfg = config_from_args(args)
-    if command in ("serve-check", "serve-sweep"):  # before anything loads
-        check_engine_runs_quantization(cfg.target.quantization, f"{command} --engine {args.engine}")
     if schedule is not None:  # ... and so does one the engine cannot run as the head is served (its kind + the file)
         kind = EXPORT[head_config_of(layout.eval_head(cfg)).head_kind]
         schedule = check_speculative_config(schedule, args.speculative_config,

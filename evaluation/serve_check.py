@@ -11,6 +11,8 @@
 2. When the engine's CPU attention does not support the model's head_dim (vLLM: 32, 64, 80, ...), target and
    head are replaced by exactly equivalent zero-padded copies (engine/head_dim_pad.py); the copies are
    first shown to decode token-identically to the originals in this project's decoder (vanilla and chain).
+   A quantized target (`target.quantization`) is served as its dequantized float copy
+   (engine/quantized_target.py), the function this project's decoder runs in memory; the report says so.
 3. The engine (engine/vllm_side/generate.py, in a subprocess under `--engine-python`, so this venv never needs
    vllm) decodes the evaluation prompts greedily without and with speculation (a chain of k drafted tokens).
 4. This project's decoder runs the same prompts with the same chain of k (`DecodingConfig(mode="chain")`).
@@ -47,7 +49,10 @@ from eagle.ea_model import EaModel
 from eagle.head_config import read_head_json
 from eagle.head_files import load_head
 from engine.engine_process import check_engine
-from engine.head_dim_pad import pad_head, servable_target
+from data_prep.default_target import default_cache_dir
+from eagle.quantization import NONE
+from engine.head_dim_pad import pad_head
+from engine.quantized_target import engine_target, served_label
 from evaluation import serve_check_sampling
 from evaluation.engine_runs import ENGINES, ServeCheckError, engine_runs
 from evaluation.head_health import acceptance_warning, warn
@@ -103,12 +108,14 @@ def project_run(model, prompts: list[list[int]], k: int, max_new_tokens: int, ma
 
 
 def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_format: str, work: Path,
-                          k: int = 4) -> tuple[str, str, int | None]:
-    """(target folder, draft folder, padded head_dim or None) that the engine will load. EAGLE-3 heads go to vLLM as
-    its speculators config naming the (padded) target as verifier, or as the released folder (`engine_format`
+                          k: int = 4, quantization: str = NONE, dtype: str = "float32",
+                          revision: str | None = None) -> tuple[str, str, int | None]:
+    """(target folder, draft folder, padded head_dim or None) that the engine will load: a quantized target's
+    dequantized float copy (engine/quantized_target.py), padded when the engine needs it. EAGLE-3 heads go to vLLM
+    as its speculators config naming the (padded) target as verifier, or as the released folder (`engine_format`
     eagle)."""
     tcfg = load_target_config(target_path)
-    target_path, padded = servable_target(target_path, tcfg, work)
+    target_path, padded = engine_target(target_path, tcfg, work, quantization, dtype, default_cache_dir(), revision)
     if padded:  # the head gets the same head_dim as the padded target
         head = pad_head(load_head(head_path, dtype=torch.float32), padded)
         head_path = str(head.save_pretrained(work / "head_padded", dtype=torch.float32))
@@ -178,7 +185,9 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serve_check_") as tmp:
         work = Path(tmp)
-        target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k)
+        t = s.cfg.target
+        target, draft, padded = prepare_engine_models(s.target_path, s.head_path, engine, engine_format, work, k,
+                                                      t.quantization, t.dtype, t.revision)
         draft_config = read_head_json(draft)
         spec = served_spec(export_kind(served_kind(draft_config)), engine_method, parallel_drafting, schedule_config)
         method, parallel = spec["method"], bool(spec.get("parallel_drafting"))
@@ -206,13 +215,26 @@ def serve_check(setup, questions: list, engine: str = "vllm", engine_python: str
               "draft_config": draft_config, "target": s.target_path, "head": s.head_path, "padded_head_dim": padded,
               "prompts": len(prompts), "max_new_tokens": s.gen.max_new_tokens, "num_speculative_tokens": k,
               **report}
+    if served_label(s.cfg.target.quantization):
+        report["served_target"] = served_label(s.cfg.target.quantization)
     report["seconds"]["total"] = time.perf_counter() - t0
     md = (serve_check_sampling.markdown(report) if temperature > 0 else
           schedule_markdown(report) if schedule_config is not None else markdown(report))
+    md = with_served_target(md, report)
     write_check_report(out_dir, report, md, engine_log)
     print(md)
     print(f"report: {out_dir / 'report.md'}")
     return 0 if report["passed"] else 1
+
+
+def with_served_target(md: str, report: dict) -> str:
+    """The report's markdown with the served target's line after its first paragraph (a quantized target only)."""
+    if not report.get("served_target"):
+        return md
+    title, _, rest = md.partition("\n\n")
+    line = (f"Target served by the engine: `{report['served_target']}` (engine/quantized_target.py), the weights "
+            "this project's decoder quantizes in memory.")
+    return f"{title}\n\n{line}\n\n{rest}"
 
 
 def write_check_report(out_dir: Path, report: dict, md: str, engine_log: str) -> Path:

