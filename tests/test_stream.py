@@ -5,6 +5,7 @@ bounded and is emptied; both sides' waits are reported; a dead producer and a fu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -85,6 +86,24 @@ def test_streamed_run_equals_offline_bit_for_bit_within_a_bounded_window(toy, tm
     assert {"trainer_wait_s", "producer_wait_s", "bottleneck"} <= stream.keys()
     shards = tmp_path / "st" / "train" / "stream" / "shards"
     assert not list(shards.glob("*.safetensors*")), "consumed shards are deleted, the held-out ones at the end"
+
+
+def test_the_held_out_shard_counts_against_the_window(toy, tmp_path, dist_ctx):
+    """A window too small for all held-out records beside one optimizer step: the held-out shard keeps the first
+    ones that fit (a line says how many), the train shards share the rest, and the peak on disk stays <= the window;
+    training itself is untouched (the offline head, bit for bit)."""
+    from train.main import train
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    s_off = train(off, dist_ctx)
+    window_mb = 0.027  # ~28 KiB: the longest step (4 records, ~22 KiB) + not all 4 held-out records (~9 KiB)
+    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    assert 0 < s_st["eval_records"] < s_off["eval_records"]
+    assert 0 < s_st["stream"]["window_peak_bytes"] <= window_mb * 2**20
 
 
 @pytest.mark.slow
@@ -296,3 +315,12 @@ def test_vllm_producer_streams_the_offline_vllm_cache_s_head(toy, tmp_path, dist
     from fake_vllm_capture import fake_engine_python
 
     vllm_stream_equals_offline(toy, tmp_path, dist_ctx, fake_engine_python(tmp_path / "engine"), exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("EAGLE_VLLM_PYTHON"), reason="needs $EAGLE_VLLM_PYTHON (a vLLM interpreter)")
+def test_real_vllm_producer_streams_the_offline_vllm_cache_s_head(toy, tmp_path, dist_ctx):
+    """The same through real vLLM (the toy target served as its padded head_dim copy): the stream's shards are
+    captured by a server of its own, per shard, the offline cache's by another, all records at once; the heads are
+    compared bit for bit (vLLM's CPU forward of a record does not depend on what it is batched with)."""
+    vllm_stream_equals_offline(toy, tmp_path, dist_ctx, os.environ["EAGLE_VLLM_PYTHON"], exact=True)

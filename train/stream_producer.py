@@ -89,7 +89,8 @@ class Producer:
             tmp.unlink(missing_ok=True)  # a write a kill interrupted
         write_json_state(self.sdir / "stream.json", {"meta": {**meta, "order": ident}, "dtype": self.dtype,
                                                      "run": self.run}, STREAM_META)
-        self.order = StreamOrder(self.request, [self.tok.lengths[i] for i in self.request["train"]], self.per_token)
+        self.order = StreamOrder(self.request, [self.tok.lengths[i] for i in self.request["train"]], self.per_token,
+                                 [self.tok.lengths[i] for i in self.request["eval"]])
         self.limit = self.request["limit"]
 
     # ------------------------------------------------------------------ capture
@@ -121,10 +122,11 @@ class Producer:
         path = self.shards / name
         if path.exists():
             return  # kept from an earlier run of the same order: not captured again
-        size = sum(min(self.tok.lengths[i], self.limit) for i in indices) * self.per_token
+        size = sum(self.order.record_bytes(self.tok.lengths[i]) for i in indices)
         tic = time.perf_counter()
         self.state = "waiting (window full)"
         while window and not self.trainer_gone():
+            sweep(self.sdir, self.request, self.order.per_epoch)  # what every rank is past goes before measuring
             used = shard_bytes_on_disk(self.shards)
             trains = any(p.name.startswith("m") for p in self.shards.glob("m*.safetensors"))
             if not trains or used + size <= self.request["window_bytes"]:
@@ -132,7 +134,6 @@ class Producer:
             low = min_marker(self.sdir, self.request["world_size"], self.run)
             if span is not None and span[0] <= low < span[1]:
                 break
-            sweep(self.sdir, self.request, self.order.per_epoch)
             time.sleep(POLL_S)
         self.stats["wait_s"] += time.perf_counter() - tic
         if self.trainer_gone():
@@ -157,8 +158,8 @@ class Producer:
     def produce(self) -> None:
         req, order = self.request, self.order
         train = req["train"]
-        if req["eval"]:
-            self.write(EVAL_SHARD, req["eval"], window=False)  # held out: read at every evaluation, kept
+        if order.eval_kept:  # held out: read at every evaluation, kept; at most half the window (StreamOrder)
+            self.write(EVAL_SHARD, [req["eval"][k] for k in order.eval_kept], window=False)
         a, _ = order.shard_of(req["start"])
         m = a
         while not self.trainer_gone():
