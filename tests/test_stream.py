@@ -278,24 +278,24 @@ def offline_vllm_cache(cfg, records, engine_python: str, work) -> None:
     meta, layers = features_meta(cfg, path, config)
     model, _ = servable_target(path, config, work / "models")
     args = serve_args(cfg.target.dtype, cfg.seed, cfg.data.max_length + 1, None, work) + capture_args(
-        capture_layer_ids(layers, config.num_hidden_layers), work / "unrequested")
+        capture_layer_ids(layers, config.num_hidden_layers), work / "unrequested") + list(cfg.data.serve_args)
     writer = FeatureCacheWriter(layout.cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
     with VLLMServer(engine_python, model, work / "server.log", served_model_name="target", args=args) as server:
         cache_shard_vllm(cfg, path, config, records, writer, 0, 1, layers, work, server=lambda: server)
     writer.close()
 
 
-def vllm_stream_equals_offline(toy, tmp_path, dist_ctx, engine_python: str, exact: bool) -> dict:
+def vllm_stream_equals_offline(toy, tmp_path, dist_ctx, engine_python: str, exact: bool, *extra: str) -> dict:
     """train.stream_producer=vllm against the offline run on the offline-from-vLLM cache of the same records."""
     from train.main import train
 
     eng = f"data.engine_python={engine_python}"
-    off = config(toy, tmp_path / "off", eng)
+    off = config(toy, tmp_path / "off", eng, *extra)
     offline_vllm_cache(off, toy["records"], engine_python, tmp_path / "offline-engine")
     s_off = train(off, dist_ctx)
     window_mb = 0.03
     st = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_producer=vllm", eng,
-                f"train.stream_window_mb={window_mb}")
+                f"train.stream_window_mb={window_mb}", *extra)
     s_st = train(st, dist_ctx)
     a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
     assert a.keys() == b.keys()
@@ -323,4 +323,13 @@ def test_real_vllm_producer_streams_the_offline_vllm_cache_s_head(toy, tmp_path,
     """The same through real vLLM (the toy target served as its padded head_dim copy): the stream's shards are
     captured by a server of its own, per shard, the offline cache's by another, all records at once; the heads are
     compared bit for bit (vLLM's CPU forward of a record does not depend on what it is batched with)."""
-    vllm_stream_equals_offline(toy, tmp_path, dist_ctx, os.environ["EAGLE_VLLM_PYTHON"], exact=True)
+    # the toy target has no tokenizer: the capture server needs none (its prompts are token ids)
+    vllm_stream_equals_offline(toy, tmp_path, dist_ctx, os.environ["EAGLE_VLLM_PYTHON"], True,
+                               'data.serve_args=["--skip-tokenizer-init"]')
+
+
+def test_every_stream_producer_name_has_its_capture():
+    from recipes.train import STREAM_PRODUCERS
+    from train.stream_capture import CAPTURES
+
+    assert set(CAPTURES) == set(STREAM_PRODUCERS)
