@@ -15,7 +15,9 @@ Each has `what` (for the heartbeat), `open()` -> the features' meta (as the offl
 """
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -27,9 +29,15 @@ from data_prep.target import (load_target_config, load_target_model, quantizatio
 from data_prep.vllm_features import EngineCaptureError, FinalNorm, capture_layer_ids, features_of, server_capture
 from eagle.device import pick_device
 from eagle.head_kinds import text_config
+from eagle.state_files import StateFile, read_json_state, register, write_json_state
 from engine.engine_process import resolve_engine_python
 from engine.head_dim_pad import servable_target
 from engine.vllm_server import VLLMServer, capture_args, serve_args
+
+SERVER_STATE = register(StateFile(
+    "server.json", "STREAM_DIR/vllm", writer="train/stream_capture.py", schema={"pid": int},
+    rebuild="delete it (a vLLM server of a killed producer may then outlive it: end that pid's process group)",
+    when_missing="no vLLM producer has started a server here", example={"pid": 1}))
 
 
 def features_meta(cfg, target_path: str, config) -> tuple[dict, list[int] | None]:
@@ -87,9 +95,28 @@ class VLLMCapture:
         context = cfg.data.max_length + 1  # the prompt and the one token generated
         args = (serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, None, self.work)
                 + capture_args(self.layer_ids, self.work / "unrequested") + [str(a) for a in cfg.data.serve_args])
+        self.stop_orphan()
         self.server = VLLMServer(engine_python, model, self.work / "server.log", served_model_name="target",
-                                 args=args).__enter__()  # started and ready; a failed start is one EngineError line
+                                 args=args).start()
+        write_json_state(self.work / "server.json", {"pid": self.server.proc.pid}, SERVER_STATE)
+        try:
+            self.server.wait_ready()  # a failed start is one EngineError line (and the server stopped)
+        except BaseException:
+            self.server.stop()
+            raise
         return meta
+
+    def stop_orphan(self) -> None:
+        """The server of a producer killed with -9 (its own process group, so it outlived it): ended before a new
+        one starts."""
+        old = read_json_state(self.work / "server.json", SERVER_STATE)
+        if old is None:
+            return
+        try:
+            os.killpg(old["pid"], signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        (self.work / "server.json").unlink(missing_ok=True)
 
     def states(self, ids: list[str], token_ids: list[list[int]]) -> list:
         named = [{"name": f"r{k:08d}", "input_ids": t} for k, t in enumerate(token_ids)]
@@ -114,6 +141,7 @@ class VLLMCapture:
         if self.server is not None:
             self.server.stop()
             self.server = None
+            (self.work / "server.json").unlink(missing_ok=True)
 
 
 CAPTURES = {"hf": HFCapture, "vllm": VLLMCapture}  # train.stream_producer -> its capture (recipes/train.py names them)
@@ -123,4 +151,4 @@ def capture_for(cfg, sdir: Path):
     return CAPTURES[cfg.train.stream_producer](cfg, sdir)
 
 
-__all__ = ["CAPTURES", "HFCapture", "VLLMCapture", "capture_for", "features_meta"]
+__all__ = ["SERVER_STATE", "CAPTURES", "HFCapture", "VLLMCapture", "capture_for", "features_meta"]
