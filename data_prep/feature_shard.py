@@ -17,6 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT_NAME = "eagle2-feature-cache"
+RECORD_HEADER_BYTES = 256  # a shard's safetensors header per record, an allowance beside its tensors' bytes: 3-4
+#   tensor entries of ~30 bytes plus the record id each (ids up to ~40 characters); stream mode's window sizes shards with it
 
 
 def quantize_int8(hidden: torch.Tensor, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

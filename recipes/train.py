@@ -15,7 +15,7 @@ from typing import Any
 from recipes.check import check
 
 MODES = ("offline", "online", "stream")
-STREAM_PRODUCERS = ("hf",)
+STREAM_PRODUCERS = ("hf", "vllm")
 STREAM_EPOCHS = ("recapture", "keep")
 BATCHING = ("grouped", "padded")
 LONG_RECORDS = ("keep", "truncate", "drop", "error")
@@ -41,7 +41,7 @@ class TrainSettings:
     num_workers: int = 2  # DataLoader processes reading + collating ahead of the GPU; 0 = in the training process
     # --- stream mode (train/stream.py, train/stream_producer.py)
     stream_window_mb: float = 1024.0  # the streamed features on disk at most (MiB); the producer waits when it is full
-    stream_producer: str = "hf"  # hf = the recipe's target under transformers, in a process rank 0 starts
+    stream_producer: str = "hf"  # hf = the recipe's target under transformers, in a process rank 0 starts; vllm = that process starts a vLLM capture server (data.engine_python) and captures as data.feature_source=vllm (train/stream_capture.py)
     stream_epochs: str = "recapture"  # recapture = every epoch is captured again (the window stays bounded) | keep = epoch 1 is kept and re-read (a whole cache on disk)
     stream_timeout_s: float = 120.0  # a producer silent this long (no heartbeat) is dead: one error line
     stream_dir: str = ""  # where the window lives; "" = {output_dir}/train/stream (a filesystem every rank sees)

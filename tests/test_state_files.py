@@ -257,6 +257,7 @@ READERS = {
     "STREAM_DIR/producer.json": _spec_loader("STREAM_DIR/producer.json"),
     "STREAM_DIR/producer.error": _spec_loader("STREAM_DIR/producer.error"),
     "STREAM_DIR/consumed/RANK.json": _spec_loader("STREAM_DIR/consumed/RANK.json"),
+    "STREAM_DIR/vllm/server.json": _spec_loader("STREAM_DIR/vllm/server.json"),
     "STREAM_DIR/done.json": _spec_loader("STREAM_DIR/done.json"),
 }
 

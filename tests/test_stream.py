@@ -5,6 +5,7 @@ bounded and is emptied; both sides' waits are reported; a dead producer and a fu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -85,6 +86,24 @@ def test_streamed_run_equals_offline_bit_for_bit_within_a_bounded_window(toy, tm
     assert {"trainer_wait_s", "producer_wait_s", "bottleneck"} <= stream.keys()
     shards = tmp_path / "st" / "train" / "stream" / "shards"
     assert not list(shards.glob("*.safetensors*")), "consumed shards are deleted, the held-out ones at the end"
+
+
+def test_the_held_out_shard_counts_against_the_window(toy, tmp_path, dist_ctx):
+    """A window too small for all held-out records beside one optimizer step: the held-out shard keeps the first
+    ones that fit (a line says how many), the train shards share the rest, and the peak on disk stays <= the window;
+    training itself is untouched (the offline head, bit for bit)."""
+    from train.main import train
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    s_off = train(off, dist_ctx)
+    window_mb = 0.027  # ~28 KiB: the longest step (4 records, ~22 KiB) + not all 4 held-out records (~9 KiB)
+    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    assert 0 < s_st["eval_records"] < s_off["eval_records"]
+    assert 0 < s_st["stream"]["window_peak_bytes"] <= window_mb * 2**20
 
 
 @pytest.mark.slow
@@ -241,3 +260,76 @@ def test_two_torchrun_ranks_consume_the_stream_as_they_read_the_cache(toy, tmp_p
     assert {p.name for p in (sdir / "consumed").iterdir()} == {"rank0.json", "rank1.json"}
     assert not list((sdir / "shards").glob("*.safetensors"))
     assert summary["world_size"] == 2 and 0 < summary["stream"]["window_peak_bytes"] <= 0.06 * 2**20
+
+
+def offline_vllm_cache(cfg, records, engine_python: str, work) -> None:
+    """The cache data prep writes with data.feature_source=vllm from a capture server (data_prep/vllm_features.py
+    `cache_shard_vllm` with a server started as `vllm serve` + `capture_args`)."""
+    from data_prep.feature_cache import FeatureCacheWriter
+    from data_prep.target import load_target_config, resolve_target_path
+    from data_prep.vllm_features import cache_shard_vllm, capture_layer_ids
+    from engine.head_dim_pad import servable_target
+    from engine.vllm_server import VLLMServer, capture_args, serve_args
+    from recipes import layout
+    from train.stream_capture import features_meta
+
+    path = resolve_target_path(cfg.target)
+    config = load_target_config(path)
+    meta, layers = features_meta(cfg, path, config)
+    model, _ = servable_target(path, config, work / "models")
+    args = serve_args(cfg.target.dtype, cfg.seed, cfg.data.max_length + 1, None, work) + capture_args(
+        capture_layer_ids(layers, config.num_hidden_layers), work / "unrequested") + list(cfg.data.serve_args)
+    writer = FeatureCacheWriter(layout.cache_dir(cfg), meta, dtype=cfg.data.cache_dtype)
+    with VLLMServer(engine_python, model, work / "server.log", served_model_name="target", args=args) as server:
+        cache_shard_vllm(cfg, path, config, records, writer, 0, 1, layers, work, server=lambda: server)
+    writer.close()
+
+
+def vllm_stream_equals_offline(toy, tmp_path, dist_ctx, engine_python: str, exact: bool, *extra: str) -> dict:
+    """train.stream_producer=vllm against the offline run on the offline-from-vLLM cache of the same records."""
+    from train.main import train
+
+    eng = f"data.engine_python={engine_python}"
+    off = config(toy, tmp_path / "off", eng, *extra)
+    offline_vllm_cache(off, toy["records"], engine_python, tmp_path / "offline-engine")
+    s_off = train(off, dist_ctx)
+    window_mb = 0.03
+    st = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_producer=vllm", eng,
+                f"train.stream_window_mb={window_mb}", *extra)
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert a.keys() == b.keys()
+    if exact:
+        assert all((a[k] == b[k]).all() for k in a), "streamed-from-vLLM head differs from offline-from-vLLM"
+        assert s_st["eval"] == s_off["eval"]
+    assert s_st["train_tokens"] == s_off["train_tokens"]
+    assert 0 < s_st["stream"]["window_peak_bytes"] <= window_mb * 2**20
+    assert not list((tmp_path / "st" / "train" / "stream" / "shards").glob("*.safetensors*"))
+    assert not list((tmp_path / "st" / "train" / "stream" / "vllm" / "files").glob("*"))  # capture files read, gone
+    return {"heads": (a, b), "eval": (s_off["eval"], s_st["eval"])}
+
+
+def test_vllm_producer_streams_the_offline_vllm_cache_s_head(toy, tmp_path, dist_ctx):
+    """train.stream_producer=vllm through a fake capture server (tests/fake_vllm_capture.py, what the connector
+    writes): the producer starts it, captures shard by shard, stops it; the head equals the offline one bit for bit."""
+    from fake_vllm_capture import fake_engine_python
+
+    vllm_stream_equals_offline(toy, tmp_path, dist_ctx, fake_engine_python(tmp_path / "engine"), exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("EAGLE_VLLM_PYTHON"), reason="needs $EAGLE_VLLM_PYTHON (a vLLM interpreter)")
+def test_real_vllm_producer_streams_the_offline_vllm_cache_s_head(toy, tmp_path, dist_ctx):
+    """The same through real vLLM (the toy target served as its padded head_dim copy): the stream's shards are
+    captured by a server of its own, per shard, the offline cache's by another, all records at once; the heads are
+    compared bit for bit (vLLM's CPU forward of a record does not depend on what it is batched with)."""
+    # the toy target has no tokenizer: the capture server needs none (its prompts are token ids)
+    vllm_stream_equals_offline(toy, tmp_path, dist_ctx, os.environ["EAGLE_VLLM_PYTHON"], True,
+                               'data.serve_args=["--skip-tokenizer-init"]')
+
+
+def test_every_stream_producer_name_has_its_capture():
+    from recipes.train import STREAM_PRODUCERS
+    from train.stream_capture import CAPTURES
+
+    assert set(CAPTURES) == set(STREAM_PRODUCERS)

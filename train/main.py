@@ -242,7 +242,12 @@ class Trainer:
         """Stream mode: the request, the producer, and its features checked against the target like a cache's."""
         self.source.begin(self.cfg, self.ctx, self.train_set, self.eval_set, self.plan, self.pos, self.total_steps)
         meta = {k: v for k, v in self.source.meta["meta"].items() if k != "order"}
-        check_cache_matches_target(meta, self.source.sdir, self.target_path, self.target_config, self.part.layers)
+        check_cache_matches_target(meta, self.source.sdir, self.target_path, self.target_config, self.part.layers,
+                                   self.cfg.target.quantization)
+        if len(self.source.eval_indices) < len(self.eval_set):  # the held-out shard is bounded by the window
+            self.say(f"stream: {len(self.source.eval_indices)} of {len(self.eval_set)} held-out records evaluated "
+                     f"(their shard stays on disk: at most half of train.stream_window_mb={self.t.stream_window_mb:g})")
+            self.eval_set = Subset(self.source, self.source.eval_indices, self.eval_set.max_length)
 
     def setup_model(self) -> None:
         """A fresh (or given) head with the target's frozen embedding, in a DeepSpeed engine; the target's frozen

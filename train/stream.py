@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from data_prep.feature_cache import bytes_per_token, segments_of
-from data_prep.feature_shard import ShardRecords
+from data_prep.feature_shard import RECORD_HEADER_BYTES, ShardRecords
 from eagle.cli_errors import UserError
 from eagle.state_files import StateFile, read_json_state, read_text_state, register, write_json_state
 from recipes import config_yaml
@@ -109,15 +109,33 @@ class StreamOrder:
     """The global micro-batches of every epoch (train/batching.py's order for global batch G) and their cut into
     shards; a pure function of the request and the records' lengths, so the producer and every rank agree."""
 
-    def __init__(self, request: dict, lengths: list[int], per_token: int):
+    def __init__(self, request: dict, lengths: list[int], per_token: int, eval_lengths: list[int] = ()):
         self.request, self.per_token = request, per_token
         self.lengths = [min(n, request["limit"]) for n in lengths]  # of the train records, in request["train"] order
+        # the held-out shard stays on disk for every evaluation and counts against the window: at most half of it
+        # and never so much that one optimizer step (the smallest train shard; bounded by its G x micro_batch_size
+        # longest records) no longer fits beside it. The held-out records are kept in their order while they fit
+        # (the rest are not evaluated in stream mode); the train shards share the rest of the window, so the
+        # held-out shard + the train shards on disk <= the window (a window below one step is exceeded by that step).
+        window, mbs = request["window_bytes"], request["micro_batch_size"]
+        step = sum(self.record_bytes(n) for n in sorted(self.lengths, reverse=True)[:request["step_size"] * mbs])
+        budget = min(window // 2, window - step) if window > step else window // 2
+        self.eval_bytes, self.eval_kept = 0, []
+        for k, n in enumerate(eval_lengths):
+            if self.eval_bytes + self.record_bytes(n) > budget:
+                break
+            self.eval_bytes += self.record_bytes(n)
+            self.eval_kept.append(k)
         G = request["step_size"]
         self.plan = MicroBatchPlan(self.lengths, request["micro_batch_size"], request["seed"], request["batching"],
                                    request["group_size"], world_size=1, rank=0, grad_accum=G)
         self.G, self.per_epoch = G, self.plan.global_per_epoch
-        self.shard_target = max(1, request["window_bytes"] // 4)  # ~4 shards in a window: one read, others ahead
+        self.shard_target = max(1, (request["window_bytes"] - self.eval_bytes) // 4)  # ~4 shards: one read, others ahead
         self._epoch: tuple[int, list, list] | None = None
+
+    def record_bytes(self, n: int) -> int:
+        """A record of n tokens in a shard: its tensors and its share of the header (RECORD_HEADER_BYTES)."""
+        return min(n, self.request["limit"]) * self.per_token + RECORD_HEADER_BYTES
 
     def epoch(self, e: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """(micro-batches of epoch e in global order, its shards as global micro-batch ranges [a, b))."""
@@ -125,7 +143,7 @@ class StreamOrder:
             batches = self.plan.global_epoch(e)
             shards, start, size = [], 0, 0
             for s in range(0, len(batches), self.G):
-                size += sum(self.lengths[i] for b in batches[s:s + self.G] for i in b) * self.per_token
+                size += sum(self.record_bytes(self.lengths[i]) for b in batches[s:s + self.G] for i in b)
                 if size >= self.shard_target or s + self.G == len(batches):
                     shards.append((e * self.per_epoch + start, e * self.per_epoch + s + self.G))
                     start, size = s + self.G, 0
@@ -202,6 +220,7 @@ class StreamRecords:
         self._eval: ShardRecords | None = None
         self._kept: dict[str, ShardRecords] | None = None
         self._eval_ids: set[str] = set()
+        self.eval_indices: list[int] = []  # the held-out records the window holds (StreamOrder.eval_kept)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -290,11 +309,13 @@ class StreamRecords:
     def start(self, request: dict) -> None:
         """Use the request rank 0 wrote (the same on every rank); this rank needs nothing before request["start"]."""
         self.request = request
-        self._eval_ids = {self.ids[i] for i in request["eval"]}
         self.meta = self.wait_for(self._stream_meta, "the producer's stream.json")
         per_token = bytes_per_token(int(self.meta["meta"]["hidden_size"]), self.meta["dtype"],
                                     segments_of(self.meta["meta"]))
-        self.order = StreamOrder(request, [self.lengths[i] for i in request["train"]], per_token)
+        self.order = StreamOrder(request, [self.lengths[i] for i in request["train"]], per_token,
+                                 [self.lengths[i] for i in request["eval"]])
+        self.eval_indices = [request["eval"][k] for k in self.order.eval_kept]  # what the window holds of them
+        self._eval_ids = {self.ids[i] for i in self.eval_indices}
         write_marker(self.sdir, self.rank, request["start"], request["run"])
 
     def _stream_meta(self) -> dict | None:

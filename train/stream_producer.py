@@ -1,11 +1,12 @@
-"""The producer of stream mode (train/stream.py): the recipe's target under transformers captures the features of
-the records in the order the trainer consumes them and writes them as shards into the window, waiting while the
-window is full. Rank 0 of the trainer starts it (`python -m train.stream_producer --recipe STREAM_DIR/recipe.yaml`,
+"""The producer of stream mode (train/stream.py): the recipe's target captures the features of the records in the
+order the trainer consumes them and writes them as shards into the window, waiting while the window is full. Rank 0 of the trainer starts it (`python -m train.stream_producer --recipe STREAM_DIR/recipe.yaml`,
 the run's resolved recipe); it exits when the trainer is done or gone.
 
-Features are those of the offline cache for the same record, bit for bit: one forward per record
-(data_prep/cache_features.py's `final_hidden_states`), stored in data.cache_dtype in the one shard format
-(data_prep/feature_shard.py). A failure (a full disk above all) is one line in producer.error, which the trainer
+What computes the states is train.stream_producer, one capture object per kind (train/stream_capture.py: `hf` =
+transformers, one forward per record as data prep's cache stage, bit for bit the offline cache's; `vllm` = a vLLM
+server this process starts and stops, capturing as data.feature_source=vllm does, the offline-from-vLLM cache's
+features); the loop here (window, waits, heartbeat, resume) is the same for both. Features are stored in
+data.cache_dtype in the one shard format (data_prep/feature_shard.py). A failure (a full disk above all) is one line in producer.error, which the trainer
 prints; the shard being written is not left behind, nothing consumed is lost, and a rerun resumes.
 """
 from __future__ import annotations
@@ -22,17 +23,13 @@ from pathlib import Path
 
 import torch
 
-from data_prep.cache_features import final_hidden_states
 from data_prep.feature_cache import CACHE_DTYPES, bytes_per_token, quantize_int8, segments_of
-from data_prep.feature_layers import feature_layers
 from data_prep.feature_shard import write_shard
-from data_prep.target import load_target_model, resolve_target_path, target_config_hash
 from eagle.cli_errors import ArgumentParser, one_line, one_line_errors
-from eagle.device import pick_device
-from eagle.head_kinds import text_config
 from eagle.state_files import read_json_state, write_json_state, write_text_state
 from recipes import add_print_config, command_config, layout
 from train.data import TokenizedRecords
+from train.stream_capture import capture_for
 from train.stream import (EVAL_SHARD, HEARTBEAT, HEARTBEAT_S, POLL_S, PRODUCER_ERROR, REST_SHARD, STREAM_META,
                           StreamError, StreamOrder, is_done, min_marker, read_request, shard_bytes_on_disk,
                           shard_name, sweep)
@@ -74,15 +71,9 @@ class Producer:
     def setup(self) -> None:
         cfg = self.cfg
         self.tok = TokenizedRecords(self.request["tokenized"], cfg.data.max_length)
-        target_path = resolve_target_path(cfg.target)
-        self.model = load_target_model(cfg.target, pick_device(cfg.data.device), target_path)
-        config = self.model.config
-        text = text_config(config)
-        meta = {"target": target_path, "config_hash": target_config_hash(config), "hidden_size": int(text.hidden_size),
-                "vocab_size": int(text.vocab_size), "target_dtype": cfg.target.dtype}
-        self.layers = feature_layers(cfg.head, config)
-        if self.layers is not None:
-            meta["feature_layers"] = self.layers
+        self.capture = capture_for(cfg, self.sdir)
+        self.state = "loading (" + self.capture.what + ")"
+        meta = self.capture.open()
         self.dtype = cfg.data.cache_dtype
         self.segments = segments_of(meta)
         self.per_token = bytes_per_token(meta["hidden_size"], self.dtype, self.segments)
@@ -95,15 +86,22 @@ class Producer:
             tmp.unlink(missing_ok=True)  # a write a kill interrupted
         write_json_state(self.sdir / "stream.json", {"meta": {**meta, "order": ident}, "dtype": self.dtype,
                                                      "run": self.run}, STREAM_META)
-        self.order = StreamOrder(self.request, [self.tok.lengths[i] for i in self.request["train"]], self.per_token)
+        self.order = StreamOrder(self.request, [self.tok.lengths[i] for i in self.request["train"]], self.per_token,
+                                 [self.tok.lengths[i] for i in self.request["eval"]])
         self.limit = self.request["limit"]
 
     # ------------------------------------------------------------------ capture
-    def record(self, i: int) -> tuple:
-        """(id, input_ids, stored hidden, loss_mask, scales) of tokenized record i, as the offline cache stores it."""
-        rec = self.tok[i]
-        ids, mask = rec["input_ids"][: self.limit], rec["loss_mask"][: self.limit]
-        hidden = final_hidden_states(self.model, ids.tolist(), self.layers).detach().cpu()  # [T, W]
+    def records(self, indices: list[int]) -> list[tuple]:
+        """(id, input_ids, stored hidden, loss_mask, scales) of tokenized records `indices`, as the offline cache
+        stores them; the capture object computes their states together (a server batches them)."""
+        recs = [self.tok[i] for i in indices]
+        ids = [r["input_ids"][: self.limit] for r in recs]
+        states = self.capture.states([r["id"] for r in recs], [x.tolist() for x in ids])
+        return [self.stored(r, x, h) for r, x, h in zip(recs, ids, states)]
+
+    def stored(self, rec: dict, ids: torch.Tensor, hidden: torch.Tensor) -> tuple:
+        mask = rec["loss_mask"][: self.limit]
+        hidden = hidden.detach().cpu()  # [T, W]
         scales = None
         if self.dtype == "int8":
             stored, scales = quantize_int8(hidden, self.segments)
@@ -121,10 +119,11 @@ class Producer:
         path = self.shards / name
         if path.exists():
             return  # kept from an earlier run of the same order: not captured again
-        size = sum(min(self.tok.lengths[i], self.limit) for i in indices) * self.per_token
+        size = sum(self.order.record_bytes(self.tok.lengths[i]) for i in indices)
         tic = time.perf_counter()
         self.state = "waiting (window full)"
         while window and not self.trainer_gone():
+            sweep(self.sdir, self.request, self.order.per_epoch)  # what every rank is past goes before measuring
             used = shard_bytes_on_disk(self.shards)
             trains = any(p.name.startswith("m") for p in self.shards.glob("m*.safetensors"))
             if not trains or used + size <= self.request["window_bytes"]:
@@ -132,14 +131,13 @@ class Producer:
             low = min_marker(self.sdir, self.request["world_size"], self.run)
             if span is not None and span[0] <= low < span[1]:
                 break
-            sweep(self.sdir, self.request, self.order.per_epoch)
             time.sleep(POLL_S)
         self.stats["wait_s"] += time.perf_counter() - tic
         if self.trainer_gone():
             return
         self.state = "capturing"
         tic = time.perf_counter()
-        records = [self.record(i) for i in indices]
+        records = self.records(indices)
         self.stats["capture_s"] += time.perf_counter() - tic
         if self.trainer_gone():  # killed meanwhile: a rerun's producer owns the directory now
             return
@@ -157,8 +155,8 @@ class Producer:
     def produce(self) -> None:
         req, order = self.request, self.order
         train = req["train"]
-        if req["eval"]:
-            self.write(EVAL_SHARD, req["eval"], window=False)  # held out: read at every evaluation, kept
+        if order.eval_kept:  # held out: read at every evaluation, kept; at most half the window (StreamOrder)
+            self.write(EVAL_SHARD, [req["eval"][k] for k in order.eval_kept], window=False)
         a, _ = order.shard_of(req["start"])
         m = a
         while not self.trainer_gone():
@@ -190,6 +188,8 @@ class Producer:
             self.produce()
             sweep(self.sdir, self.request, self.order.per_epoch)
         finally:
+            if getattr(self, "capture", None) is not None:
+                self.capture.close()  # a server this process started is stopped on every exit
             self._stop.set()
             self.state = "stopped"
             try:
