@@ -150,6 +150,21 @@ def test_every_vllm_start_serves_the_dequantized_copy(tmp_path, monkeypatch):
     assert padded == 32 and json.loads((Path(draft) / "config.json").read_text())
     assert len(list(copies.iterdir())) == 1  # the one copy, reused by every start
 
+    import train.stream_capture as sc  # train.stream_producer=vllm: its capture server serves the copy too
+
+    class Started(Exception):
+        pass
+
+    def fake_server(python, model, log, **kwargs):
+        seen["stream"] = model
+        raise Started
+
+    monkeypatch.setattr(sc, "resolve_engine_python", lambda value: "engine-python")
+    monkeypatch.setattr(sc, "VLLMServer", fake_server)
+    with pytest.raises(Started):
+        sc.VLLMCapture(cfg, tmp_path / "stream").open()
+    check_served(seen["stream"])
+
     plain = dp.recipe_server(recipe(target, "none", "data.backend=openai", "data.serve=true"), str(target), "t",
                              tmp_path / "work", tmp_path / "server.log")
     assert plain.model == str(tmp_path / "work" / "target-head_dim32")
