@@ -34,6 +34,7 @@ COMMANDS = {
     "train.main": ([[]], "refused"),
     "train.plan": ([[]], "refused"),
     "train.eval_head": ([[]], "refused"),
+    "train.stream_producer": ([[]], "refused"),
     "data_prep.corpus_cache": ([[]], "refused"),
     "export.cli": ([[]], "refused"),
     "export.hub": ([[]], "refused"),

@@ -95,6 +95,8 @@ NOT_STATE = {
     "benchmarks/window_memory.py": (2, "one measurement per child process, printed as a JSON line for its parent"),
     "benchmarks/long_context_questions.py": (1, "writes the shipped question set (package data, never read back here)"),
     "engine/vllm_side/dflash_k_norm.py": (1, "the engine-side self-test's answer, printed for the caller"),
+    "engine/quantized_target.py": (2, "a digest's input (the copy's key) and the copy's record for people: only its "
+                                      "existence is read back (a complete copy)"),
     "benchmarks/train_batching.py": (1, "results for people"),
     "benchmarks/step_costs.py": (2, "reads the default target's conversations/questions (inputs)"),
     "benchmarks/rss_phases.py": (1, "a log for the benchmark"),
