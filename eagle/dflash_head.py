@@ -19,8 +19,6 @@ per layer (they never depend on a block) and runs one block per round over them.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +26,6 @@ from torch import nn
 from eagle.block_draft import BlockDrafter
 from eagle.head_checks import layout_problems
 from eagle.head_config import HeadConfig
-from eagle.head_files import load_weights, read_head_config, resolve_head_files
 from eagle.head_kinds import DFLASH, HeadConfigError
 from eagle.head_module import HeadModule
 from eagle.layers import MLP, RMSNorm, Rotary, init_head_weights, rotate_half
@@ -120,15 +117,6 @@ class DFlashHead(HeadModule, kind=DFLASH):
         return int(self.config.options.mask_token_id)
 
     # -- construction -----------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
-                        device: str | torch.device | None = None) -> "DFlashHead":
-        """Load this project's DFlash folder; `embed_tokens` stays empty until `bind_target`."""
-        config_file, weights_file = resolve_head_files(str(path_or_hub_id), revision)
-        config = read_head_config(config_file)
-        cls.check_kind(config, config_file)
-        return cls.from_state_dict(config, load_weights(weights_file), str(weights_file), dtype=dtype, device=device)
-
     @classmethod
     def from_state_dict(cls, config: HeadConfig, sd: dict[str, torch.Tensor], source: str = "state dict",
                         dtype: torch.dtype | None = None, device=None) -> "DFlashHead":

@@ -13,15 +13,12 @@ and vLLM: id j = HF `output_hidden_states[j]` = the residual stream ENTERING dec
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from eagle.head_checks import layout_problems
 from eagle.head_config import HeadConfig, head_config_from_target
 from eagle.head_decoder import Eagle3HeadDecoder
-from eagle.head_files import load_weights, resolve_head_files, read_head_config
 from eagle.head_kinds import EAGLE3, N_AUX_LAYERS, HeadConfigError, draft_vocab_problems
 from eagle.head_module import HeadModule
 from eagle.layers import MLP, Attention, RMSNorm, Rotary, init_head_weights
@@ -175,20 +172,12 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
 
     # -- checkpoint I/O ---------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
-                        device: str | torch.device | None = None) -> "Eagle3Head":
-        """Load an EAGLE-3 head folder (ours, or the released / SpecForge layout). `embed_tokens` is loaded when the
-        checkpoint has it, else stays empty until `bind_target`; `t2d` is derived from `d2t` when absent, and both may
-        be absent only for a full draft vocabulary."""
-        config_file, weights_file = resolve_head_files(str(path_or_hub_id), revision)
-        config = read_head_config(config_file)
-        cls.check_kind(config, config_file)
-        return cls.from_state_dict(config, load_weights(weights_file), str(weights_file), dtype=dtype, device=device)
-
-    @classmethod
     def from_state_dict(cls, config: HeadConfig, sd: dict[str, torch.Tensor], source: str = "state dict",
                         dtype: torch.dtype | None = None, device=None) -> "Eagle3Head":
-        """Build a head from released-layout tensors, checking every key and shape (one-line errors)."""
+        """Build a head from released-layout tensors (ours, or the released / SpecForge layout), checking every key and
+        shape (one-line errors). `embed_tokens` is loaded when the checkpoint has it, else stays empty until
+        `bind_target`; `t2d` is derived from `d2t` when absent, and both may be absent only for a full draft vocabulary;
+        `from_pretrained` (HeadModule's) reads a folder into it."""
         head = cls(config)
         sd = dict(sd)
         d2t, t2d = sd.pop("d2t", None), sd.pop("t2d", None)

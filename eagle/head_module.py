@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from eagle.head_files import CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAME
+from eagle.head_files import (CONFIG_NAME, LEGACY_WEIGHTS_NAME, SAFE_WEIGHTS_NAME, load_weights, read_head_config,
+                              resolve_head_files)
 from eagle.head_kinds import HeadConfigError, HeadKind, text_config
 
 
@@ -33,6 +34,16 @@ class HeadModule(nn.Module):
             raise HeadConfigError(f"{where} describes an {config.head_kind.title} head (kind={config.kind!r}), not an "
                                   f"{cls.kind.title} one (kind={cls.kind.name!r}): load it with "
                                   f"{config.head_kind.module.__name__} / load_head")
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str | Path, dtype: torch.dtype | None = None, revision: str | None = None,
+                        device: str | torch.device | None = None) -> "HeadModule":
+        """Load a head folder of this module's kind from a local dir or the Hub; the kind's `from_state_dict` checks
+        every key and shape (one-line errors). `embed_tokens` stays empty until `bind_target` when the folder lacks it."""
+        config_file, weights_file = resolve_head_files(str(path_or_hub_id), revision)
+        config = read_head_config(config_file)
+        cls.check_kind(config, config_file)
+        return cls.from_state_dict(config, load_weights(weights_file), str(weights_file), dtype=dtype, device=device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -120,6 +120,18 @@ def test_keep_mode_rereads_epoch_one(toy, tmp_path, dist_ctx):
     assert s_st["stream"]["producer_records"] == N_RECORDS  # each record captured once
 
 
+def assert_offline_head(toy, tmp_path, out) -> None:
+    """The head a rerun after a kill streamed into `out` is bit for bit the head of an offline run."""
+    with gloo_world() as ctx:
+        from train.main import train
+
+        off = config(toy, tmp_path / "off")
+        offline_cache(off, toy["records"])
+        train(off, ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(out)
+    assert all((a[k] == b[k]).all() for k in a), "the resumed streamed head differs from offline"
+
+
 @pytest.mark.slow
 def test_dead_producer_is_one_line_and_a_rerun_resumes(toy, tmp_path):
     """kill -9 of the producer mid-run: the trainer stops with one line within train.stream_timeout_s; the same
@@ -146,14 +158,7 @@ def test_dead_producer_is_one_line_and_a_rerun_resumes(toy, tmp_path):
     rerun = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed from" in rerun.stdout or json.loads((out / "train" / "summary.json").read_text())["steps"] == STEPS
-    with gloo_world() as ctx:
-        from train.main import train
-
-        off = config(toy, tmp_path / "off")
-        offline_cache(off, toy["records"])
-        train(off, ctx)
-    a, b = head_weights(tmp_path / "off"), head_weights(out)
-    assert all((a[k] == b[k]).all() for k in a), "the resumed streamed head differs from offline"
+    assert_offline_head(toy, tmp_path, out)
 
 
 def test_full_disk_is_one_line_and_leaves_no_partial_shard(toy, tmp_path, monkeypatch):
@@ -220,14 +225,7 @@ def test_killed_trainer_reruns_to_the_offline_head(toy, tmp_path, when):
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed from" in rerun.stdout
     summary = json.loads((out / "train" / "summary.json").read_text())
-    with gloo_world() as ctx:
-        from train.main import train
-
-        off = config(toy, tmp_path / "off")
-        offline_cache(off, toy["records"])
-        train(off, ctx)
-    a, b = head_weights(tmp_path / "off"), head_weights(out)
-    assert all((a[k] == b[k]).all() for k in a), "the resumed streamed head differs from offline"
+    assert_offline_head(toy, tmp_path, out)
     assert summary["stream"]["producer_records"] < STEPS * 4 + summary["eval_records"]  # the consumed part is not redone
 
 
