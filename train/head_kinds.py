@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from data_prep.feature_layers import feature_layers
 from eagle.head_config import head_config_from_target
@@ -304,30 +305,69 @@ class DraftVocabTargets:
     """EAGLE-3's steps: the target's next-token distribution over the draft vocabulary (renormalised there) probs
     [B, T, Vd] and its argmax over the FULL vocabulary top [B, T], at every position (padded for `steps` unrolled
     steps); the head scores its step outputs with its own lm_head over the draft vocabulary with `token_loss` (the
-    recipe's, train/losses.py; default the soft CE)."""
+    recipe's, train/losses.py; default the soft CE). With `chunk` > 0 (train.loss_chunk; `chunked`) no [T, V] or
+    [rows, Vd] tensor is built: the targets keep the target's final states and each step's rows are scored `chunk`
+    at a time, each chunk under torch.utils.checkpoint (its target logits, distribution and draft logits recomputed
+    in the backward, so the backward holds one chunk's logits, not every chunk's)."""
 
-    def __init__(self, head, probs: torch.Tensor, top: torch.Tensor, steps: int, token_loss: TokenLoss | None = None):
+    def __init__(self, head, probs: torch.Tensor | None, top: torch.Tensor, steps: int,
+                 token_loss: TokenLoss | None = None, chunk: int = 0, final: torch.Tensor | None = None,
+                 lm_head: torch.Tensor | None = None):
         self.head, self.probs, self.top, self.token_loss = head, probs, top, token_loss or TokenLoss()
+        self.chunk, self.lm_head = chunk, lm_head
         self.draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd] target id per draft id
-        self.probs_ext = F.pad(probs, (0, 0, 0, steps - 1))  # [B, T + k - 1, Vd]
+        self.probs_ext = None if probs is None else F.pad(probs, (0, 0, 0, steps - 1))  # [B, T + k - 1, Vd]
+        self.final_ext = None if final is None else F.pad(final, (0, 0, 0, steps - 1))  # [B, T + k - 1, H]
         self.top_ext = F.pad(top, (0, steps - 1), value=-1)  # [B, T + k - 1]
 
     @classmethod
     @torch.no_grad()
     def of(cls, head, final: torch.Tensor, lm_head: torch.Tensor, steps: int,
-           token_loss: TokenLoss | None = None) -> "DraftVocabTargets":
-        """From the target's final states final [B, T, H] through its lm_head [V, H]."""
+           token_loss: TokenLoss | None = None, chunk: int = 0) -> "DraftVocabTargets":
+        """From the target's final states final [B, T, H] through its lm_head [V, H] (`chunk` > 0: `chunked`)."""
+        if chunk > 0:
+            return cls.chunked(head, final, lm_head, steps, token_loss, chunk)
         draft_ids = torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t  # [Vd]
         logits = F.linear(final.to(lm_head.dtype), lm_head).float()  # [B, T, V]
         return cls(head, logits[..., draft_ids].softmax(-1), greedy_ids(logits), steps, token_loss)
 
+    @classmethod
+    @torch.no_grad()
+    def chunked(cls, head, final, lm_head, steps, token_loss, chunk: int) -> "DraftVocabTargets":
+        """The targets without their [B, T, Vd] distribution: the full-vocabulary argmax top [B, T] from `chunk`
+        positions' logits at a time; the distributions come per chunk of scored rows (`score`)."""
+        B, T, H = final.shape
+        flat = final.reshape(B * T, H)
+        top = torch.cat([greedy_ids(F.linear(flat[s:s + chunk].to(lm_head.dtype), lm_head).float())
+                         for s in range(0, B * T, chunk)]).reshape(B, T) if B * T else final.new_zeros((B, T), dtype=torch.long)
+        return cls(head, None, top, steps, token_loss, chunk, final, lm_head)
+
+    def chunk_rows(self, h: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One chunk: h [c, H] step outputs, f [c, H] the target's final states they are scored against ->
+        (token loss [c], confidence [c], the head's top-3 draft ids [c, <=3]). Its [c, V] / [c, Vd] tensors are
+        transient (the caller checkpoints it)."""
+        with torch.no_grad():
+            p = F.linear(f.to(self.lm_head.dtype), self.lm_head).float()[:, self.draft_ids].softmax(-1)  # [c, Vd]
+        logits = self.head.draft_logits(h).float()  # [c, Vd]
+        logq = logits.log_softmax(-1)
+        with torch.no_grad():
+            top3 = logits.topk(min(3, logits.shape[-1]), dim=-1).indices
+        return self.token_loss.rows(logq, p), confidence(logq, p), top3
+
     def score(self, h: torch.Tensor, j: int, rows: torch.Tensor, sel: torch.Tensor) -> StepScore:
+        want = self.top_ext[:, rows + j - 1][sel]  # [N] target argmax (full vocabulary)
+        if self.probs is None:  # chunked: train.loss_chunk rows at a time, each chunk recomputed in the backward
+            f = self.final_ext[:, rows + j - 1][sel]  # [N, H]
+            parts = [checkpoint(self.chunk_rows, h[s:s + self.chunk], f[s:s + self.chunk], use_reentrant=False)
+                     for s in range(0, h.shape[0], self.chunk)]
+            token, conf, top3 = (torch.cat(x) for x in zip(*parts))
+            hit = self.draft_ids[top3] == want[:, None]  # [N, 3]
+            return StepScore(token, [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)], confidence=conf)
         logits = self.head.draft_logits(h).float()  # [N, Vd]
         p = self.probs_ext[:, rows + j - 1][sel]  # [N, Vd]
         logq = logits.log_softmax(-1)
         token = self.token_loss.rows(logq, p)  # [N]
         with torch.no_grad():
-            want = self.top_ext[:, rows + j - 1][sel]  # [N] target argmax (full vocabulary)
             ranked = self.draft_ids[logits.topk(min(3, logits.shape[-1]), dim=-1).indices]  # [N, 3] target ids
             hit = ranked == want[:, None]  # [N, 3]
         return StepScore(token, [int(hit[:, :m].any(-1).sum()) for m in (1, 2, 3)], confidence=confidence(logq, p))
@@ -397,7 +437,7 @@ class Eagle3Training(TrainingKind):
         return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
 
     def targets(self, head, final, lm_head, steps):
-        return DraftVocabTargets.of(head, final, lm_head, steps, self.token_loss)
+        return DraftVocabTargets.of(head, final, lm_head, steps, self.token_loss, self.t.loss_chunk)
 
     def eval_batch(self, head, features, batch, lm_head, k: int) -> EvalBatch:
         """The unroll IS the self-fed chain: step j at index s sees the true prefix 0..s (step 1) and its own chain's
