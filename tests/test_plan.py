@@ -105,11 +105,17 @@ def test_eagle3_is_planned_from_its_keys(llama_shape):
     assert s.head_trainable - llama_shape.head_trainable == H * H + (32 + 16) * 128 * H + 32000 * H + 3 * H
     plan = build_plan(cfg, Hardware(), s, tokens=1000)
     assert plan.disk[0].bytes == (4 * H * 2 + 5) * 1000
-    # the EAGLE-3 loss is not chunked: full-vocabulary target logits + the draft logits of every unrolled step
+    # train.loss_chunk=0: full-vocabulary target logits + the draft logits of every unrolled step
     n = cfg.train.micro_batch_size * cfg.data.max_length
     rows = n + 6 * (n // 4)  # steps >= 2 at every 4th position
-    loss = {i.name: i.bytes for i in memory_items(cfg, Hardware(), s)}["token-loss logits"]
+    unchunked = load_config("llama3-8b", ["head.kind=eagle3", "head.draft_vocab_size=32000", "head.ttt_steps=7",
+                                          "head.ttt_row_stride=4", "train.loss_chunk=0"])
+    loss = {i.name: i.bytes for i in memory_items(unchunked, Hardware(), s)}["token-loss logits"]
     assert loss == n * 128256 * 4 + n * 32000 * 4 + rows * 32000 * (2 + 8)
+    # chunked (the default train.loss_chunk=256, DraftVocabTargets.chunked): one chunk's logits, not n's
+    items = {i.name: i.bytes for i in memory_items(cfg, Hardware(), s)}
+    assert items["token-loss logits"] == 256 * (128256 * (2 + 4) + 32000 * (2 + 20))
+    assert items["token-loss checkpoints"] == rows * (H * (2 + 4) + 8) + n * 8
 
 
 def test_nodes_add_inter_node_traffic_per_zero_stage(llama_shape):

@@ -472,14 +472,26 @@ class Eagle3Training(TrainingKind):
 
     @staticmethod
     def loss_memory(t, s, n_tok: int, cb: int) -> list[tuple]:
-        """Not chunked: the target's full-vocabulary logits [n_tok, V] fp32 (transient, no grad) and its
-        draft-vocabulary distribution [n_tok, Vd] fp32, plus per unrolled step the draft logits kept for the backward
-        ([R, Vd] in cb and fp32, and their log-softmax)."""
+        """Not chunked (train.loss_chunk=0): the target's full-vocabulary logits [n_tok, V] fp32 (transient, no grad)
+        and its draft-vocabulary distribution [n_tok, Vd] fp32, plus per unrolled step the draft logits kept for the
+        backward ([R, Vd] in cb and fp32, and their log-softmax). Chunked (DraftVocabTargets.chunked): one chunk's
+        tensors at a time, in the forward and again in the backward's recompute (target logits in cb and fp32, the
+        gathered draft-vocabulary logits and their softmax, draft logits in cb and fp32, log-softmax and its
+        gradient), plus what each step's checkpoints keep: its rows' outputs (cb) and target states (fp32)."""
         rows = Eagle3Training.unrolled_rows(s, n_tok)
-        total = n_tok * s.vocab * 4 + n_tok * s.draft_vocab * 4 + sum(r * s.draft_vocab * (cb + 8) for r in rows)
-        return [("token-loss logits", total,
-                 f"{n_tok} x {s.vocab} target logits + {s.ttt_steps} steps x {s.draft_vocab} draft vocab",
-                 "train.micro_batch_size / data.max_length / head.ttt_row_stride", ("forward", "backward"))]
+        if t.loss_chunk == 0:
+            total = n_tok * s.vocab * 4 + n_tok * s.draft_vocab * 4 + sum(r * s.draft_vocab * (cb + 8) for r in rows)
+            return [("token-loss logits", total,
+                     f"{n_tok} x {s.vocab} target logits + {s.ttt_steps} steps x {s.draft_vocab} draft vocab",
+                     "train.loss_chunk / train.micro_batch_size / data.max_length / head.ttt_row_stride",
+                     ("forward", "backward"))]
+        chunk = min(t.loss_chunk, rows[0])
+        per_row = s.vocab * (cb + 4) + s.draft_vocab * (cb + 5 * 4)
+        kept = sum(rows) * (s.hidden * (cb + 4) + 8) + n_tok * 8
+        return [("token-loss logits", chunk * per_row, f"{chunk} rows x {s.vocab} target + {s.draft_vocab} draft "
+                 "vocab (train.loss_chunk, recomputed in backward)", "train.loss_chunk", ("forward", "backward")),
+                ("token-loss checkpoints", kept, f"{sum(rows)} rows' outputs and target states over "
+                 f"{s.ttt_steps} steps", "", ("forward", "backward"))]
 
 
 class PeagleTraining(Eagle3Training):
