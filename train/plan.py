@@ -14,7 +14,8 @@ position):
   * activations of the head layer kept for backward (per token: ~9 H + 2 kv D + 4 I values in the compute dtype
     + ~4 H float32 values of the loss and norm; attention by SDPA's flash / memory-efficient kernels, O(T));
   * the token loss: [rows, V] float32 logits, softmax and log-softmax of head and target, rows = all N loss
-    positions, or train.loss_chunk of them (train/loss.py: ChunkedTokenLoss) plus its [N, H] gradient;
+    positions, or train.loss_chunk of them (train/loss.py: ChunkedTokenLoss) plus its [N, H] gradient; EAGLE-3 /
+    P-EAGLE: one chunk's target and draft logits (DraftVocabTargets.chunked, recomputed in the backward);
   * DeepSpeed buffers from the generated config: the contiguous-gradient (reduce) bucket, the all-gather
     bucket, ZeRO-3 prefetch; plus the CUDA context and a fragmentation reserve.
 Inter-node traffic per optimizer step (`traffic_items`), the volumes of ring collectives over N = nodes x gpus ranks
