@@ -21,7 +21,9 @@ Files of the stream directory (train.stream_dir, default {output_dir}/train/stre
 A shard is deleted (by the rank that moves every marker past it, or by the producer) once every rank's marker is
 past its end, except epoch 0's shards with train.stream_epochs=keep, which later epochs re-read. A rerun of the same
 command resumes from the trainer's checkpoint: rank 0 resets the markers to the checkpoint's position, and the
-producer keeps the shards still on disk and captures only the ones after it that are missing.
+producer keeps the shards still on disk and captures only the ones after it that are missing. A rerun on another
+global batch (world_size x grad_accum) finishes the checkpoint's epoch in that epoch's order, as offline does
+(request `order`, `StreamOrder.stride`); the producer then captures the new cut's shards from the checkpoint on.
 """
 from __future__ import annotations
 
