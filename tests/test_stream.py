@@ -402,3 +402,18 @@ def test_a_stream_run_resumes_on_another_number_of_ranks_as_offline_does(toy, tm
     assert not list((sdir / "shards").glob("*.safetensors"))
     summary = json.loads((tmp_path / "st" / "train" / "summary.json").read_text())
     assert summary["world_size"] == ranks[1] and 0 < summary["stream"]["window_peak_bytes"] <= 0.06 * 2**20
+
+
+def test_keep_mode_refuses_another_global_batch_in_one_line(tmp_path):
+    """train.stream_epochs=keep re-reads epoch 0's shards, cut for the checkpoint's global batch: a resume on another
+    one is one line naming the setting, before anything is written."""
+    from types import SimpleNamespace
+
+    from train.stream import StreamError, StreamRecords
+
+    records = StreamRecords(SimpleNamespace(ids=["a"], lengths=[4]), tmp_path / "s", 1.0, 0)
+    cfg = SimpleNamespace(train=SimpleNamespace(stream_epochs="keep"))
+    with pytest.raises(StreamError, match="train.stream_epochs=keep resumes on the same global batch only"):
+        records.begin(cfg, None, None, None, SimpleNamespace(step_size=1),
+                      {"epoch": 0, "consumed": 2, "order_step_size": 2}, 4)
+    assert not (tmp_path / "s").exists()
