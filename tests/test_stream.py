@@ -331,3 +331,89 @@ def test_every_stream_producer_name_has_its_capture():
     from train.stream_capture import CAPTURES
 
     assert set(CAPTURES) == set(STREAM_PRODUCERS)
+
+
+@pytest.mark.parametrize("old_g,new_g", [(2, 1), (1, 2), (2, 3)])
+def test_a_resume_on_another_global_batch_finds_every_micro_batch_in_its_shard(toy, old_g, new_g):
+    """The stream's cut after a resume with another world_size x grad_accum (train/stream.py `order`): every
+    micro-batch the trainer's plan (train/batching.py `segment`, the offline resume) trains from the checkpoint's
+    position on -- the rest of that epoch in its old order, then epochs in the new one -- lies whole in the shard the
+    trainer seeks and the producer writes (next_shard walks the producer's way; nothing skipped, nothing twice)."""
+    from train.batching import MicroBatchPlan
+    from train.stream import StreamOrder, stream_stride
+
+    lengths = [len(r["input_ids"]) for r in toy["records"]][:36]
+    plan = MicroBatchPlan(lengths, 4, 0, "grouped", 2, world_size=1, rank=0, grad_accum=new_g)
+    for consumed in range(0, len(plan.global_epoch(0, old_g)), old_g):
+        order = [0, old_g]
+        stride = stream_stride(plan, order)
+        request = {"step_size": new_g, "micro_batch_size": 4, "seed": 0, "batching": "grouped", "group_size": 2,
+                   "window_bytes": 40_000, "limit": 64, "order": order, "start": consumed}
+        so = StreamOrder(request, lengths, per_token=32)
+        wanted = [(e * stride + p, b) for e, start in ((0, consumed), (1, 0), (2, 0))
+                  for p, b in plan.segment(e, start, old_g if e == 0 else None)]
+        written, m = [], so.next_shard(consumed)[0]
+        while m < 3 * stride:
+            a, b = so.next_shard(m)
+            written.append((a, b))
+            m = b
+        assert len(set(written)) == len(written) and all(b1 <= a2 for (_, b1), (a2, _) in zip(written, written[1:]))
+        for m, batch in wanted:
+            a, b = so.shard_of(m)
+            assert (a, b) in written and set(batch) <= set(so.records_of(a, b)), (consumed, m)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)])
+def test_a_stream_run_resumes_on_another_number_of_ranks_as_offline_does(toy, tmp_path, ranks):
+    """Stopped after 2 steps (train.stop_after) on one number of ranks and resumed on another (grad_accum 1: the
+    global batch changes as well), a streamed run trains what the offline run resumed the same way trains (up to the
+    rounding tests/test_train_helpers.py's assert_same_training allows for rank-count changes); the stopped run's
+    shards of the old cut are not read, and a marker of a rank that no longer exists does not keep shards on disk."""
+    import socket
+
+    from test_train_helpers import assert_same_training
+
+    def launch(n, out, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launcher = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                    str(n), "--master_port", str(port)]
+        cmd = [*launcher, str(REPO / "train" / "main.py"), "--recipe", "tiny",
+               *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5",
+                          "train.checkpoint_every=2", *extra, steps=8)]
+        proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    stream = ("train.mode=stream", "train.stream_window_mb=0.06")
+    for out, extra in ((tmp_path / "off", ()), (tmp_path / "st", stream)):
+        launch(ranks[0], out, "train.stop_after=2", *extra)
+        log = launch(ranks[1], out, *extra)
+        assert "resumed from" in log and "global batch changed" in log, log[-3000:]
+    a, b = head_weights(tmp_path / "st"), head_weights(tmp_path / "off")
+    assert_same_training(a, b, 8, what=f"stream vs offline, {ranks[0]} -> {ranks[1]} ranks")
+    sdir = tmp_path / "st" / "train" / "stream"
+    assert (sdir / "consumed" / "rank1.json").exists()
+    assert not list((sdir / "shards").glob("*.safetensors"))
+    summary = json.loads((tmp_path / "st" / "train" / "summary.json").read_text())
+    assert summary["world_size"] == ranks[1] and 0 < summary["stream"]["window_peak_bytes"] <= 0.06 * 2**20
+
+
+def test_keep_mode_refuses_another_global_batch_in_one_line(tmp_path):
+    """train.stream_epochs=keep re-reads epoch 0's shards, cut for the checkpoint's global batch: a resume on another
+    one is one line naming the setting, before anything is written."""
+    from types import SimpleNamespace
+
+    from train.stream import StreamError, StreamRecords
+
+    records = StreamRecords(SimpleNamespace(ids=["a"], lengths=[4]), tmp_path / "s", 1.0, 0)
+    cfg = SimpleNamespace(train=SimpleNamespace(stream_epochs="keep"))
+    with pytest.raises(StreamError, match="train.stream_epochs=keep resumes on the same global batch only"):
+        records.begin(cfg, None, None, None, SimpleNamespace(step_size=1),
+                      {"epoch": 0, "consumed": 2, "order_step_size": 2}, 4)
+    assert not (tmp_path / "s").exists()

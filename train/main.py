@@ -404,7 +404,7 @@ class Trainer:
         where, self.batch_records = self.segment[self.done]
         self.done += 1
         if self.t.mode == "stream":  # its shard, as it arrives (train/stream.py)
-            self.source.seek(self.pos["epoch"] * self.plan.global_per_epoch + where)
+            self.source.seek(self.pos["epoch"] * self.source.order.stride + where)
             batch = collate([self.train_set[j] for j in self.batch_records])
             return batch.to(self.ctx.device), self.pos["epoch"] * len(self.train_set) + where
         return next(self.loader).to(self.ctx.device), self.pos["epoch"] * len(self.train_set) + where

@@ -21,10 +21,13 @@ Files of the stream directory (train.stream_dir, default {output_dir}/train/stre
 A shard is deleted (by the rank that moves every marker past it, or by the producer) once every rank's marker is
 past its end, except epoch 0's shards with train.stream_epochs=keep, which later epochs re-read. A rerun of the same
 command resumes from the trainer's checkpoint: rank 0 resets the markers to the checkpoint's position, and the
-producer keeps the shards still on disk and captures only the ones after it that are missing.
+producer keeps the shards still on disk and captures only the ones after it that are missing. A rerun on another
+global batch (world_size x grad_accum) finishes the checkpoint's epoch in that epoch's order, as offline does
+(request `order`, `StreamOrder.stride`); the producer then captures the new cut's shards from the checkpoint on.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -49,7 +52,7 @@ REQUEST = register(StateFile(
     "request.json", "STREAM_DIR", writer="train/stream.py",
     schema={"run": str, "step_size": int, "micro_batch_size": int, "seed": int, "batching": str, "group_size": int,
             "window_bytes": int, "epochs": str, "train": [int], "eval": [int], "limit": int, "start": int,
-            "end": int, "world_size": int, "tokenized": str},
+            "end": int, "world_size": int, "tokenized": str, "order?": [int]},
     rebuild="delete the stream directory and rerun the training command (it writes the request again)",
     example={"run": "x", "step_size": 1, "micro_batch_size": 1, "seed": 0, "batching": "grouped", "group_size": 1,
              "window_bytes": 1, "epochs": "recapture", "train": [0], "eval": [], "limit": 8, "start": 0, "end": 1,
@@ -130,6 +133,11 @@ class StreamOrder:
         self.plan = MicroBatchPlan(self.lengths, request["micro_batch_size"], request["seed"], request["batching"],
                                    request["group_size"], world_size=1, rank=0, grad_accum=G)
         self.G, self.per_epoch = G, self.plan.global_per_epoch
+        # a resume on another global batch (another world_size x grad_accum) finishes the epoch it stopped in in
+        # that epoch's order (train/batching.py `segment`): request["order"] = [epoch, its G]; every epoch then
+        # takes `stride` global positions (m = epoch x stride + position), the longer of the two epochs' lengths
+        self.reordered = tuple(request.get("order") or ())
+        self.stride = stream_stride(self.plan, request.get("order"))
         self.shard_target = max(1, (request["window_bytes"] - self.eval_bytes) // 4)  # ~4 shards: one read, others ahead
         self._epoch: tuple[int, list, list] | None = None
 
@@ -140,20 +148,25 @@ class StreamOrder:
     def epoch(self, e: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """(micro-batches of epoch e in global order, its shards as global micro-batch ranges [a, b))."""
         if self._epoch is None or self._epoch[0] != e:
-            batches = self.plan.global_epoch(e)
-            shards, start, size = [], 0, 0
+            batches = self.plan.global_epoch(e, self.reordered[1] if self.reordered[:1] == (e,) else None)
+            shards, start, size, off = [], 0, 0, e * self.stride
             for s in range(0, len(batches), self.G):
                 size += sum(self.record_bytes(self.lengths[i]) for b in batches[s:s + self.G] for i in b)
-                if size >= self.shard_target or s + self.G == len(batches):
-                    shards.append((e * self.per_epoch + start, e * self.per_epoch + s + self.G))
+                if size >= self.shard_target or s + self.G >= len(batches):
+                    shards.append((off + start, off + min(s + self.G, len(batches))))
                     start, size = s + self.G, 0
             self._epoch = (e, batches, shards)
         return self._epoch[1], self._epoch[2]
 
     def shard_of(self, m: int) -> tuple[int, int]:
         """The shard [a, b) holding global micro-batch m."""
-        _, shards = self.epoch(m // self.per_epoch)
+        _, shards = self.epoch(m // self.stride)
         return next((a, b) for a, b in shards if a <= m < b)
+
+    def next_shard(self, m: int) -> tuple[int, int]:
+        """The shard holding global position m or, past its epoch's last one, the next epoch's first shard."""
+        _, shards = self.epoch(m // self.stride)
+        return next(((a, b) for a, b in shards if b > m), None) or self.epoch(m // self.stride + 1)[1][0]
 
     def rest(self) -> list[int]:
         """Train-record positions epoch 0 leaves out (the micro-batches short of a last optimizer step): with
@@ -163,9 +176,17 @@ class StreamOrder:
 
     def records_of(self, a: int, b: int) -> list[int]:
         """Train-record positions (into request["train"]) of shard [a, b), in order."""
-        batches, _ = self.epoch(a // self.per_epoch)
-        off = (a // self.per_epoch) * self.per_epoch
+        batches, _ = self.epoch(a // self.stride)
+        off = (a // self.stride) * self.stride
         return [i for bt in batches[a - off:b - off] for i in bt]
+
+
+def stream_stride(plan: MicroBatchPlan, order: list | None) -> int:
+    """Global positions per epoch in the stream's numbering: the plan's epoch, or after a resume on another global
+    batch (order = [epoch, the G it was ordered for]) the longer of that epoch's and the plan's."""
+    if not order:
+        return plan.global_per_epoch
+    return max(plan.global_per_epoch, len(plan.global_epoch(order[0], order[1])))
 
 
 def write_request(sdir: Path, request: dict) -> None:
@@ -233,11 +254,17 @@ class StreamRecords:
         """Rank 0 writes the request (the order, the window, where this run starts) and the resolved recipe, and
         starts the producer; every rank then reads the request and waits for the producer's meta."""
         t = cfg.train
-        if pos["order_step_size"] != plan.step_size:
-            raise StreamError(f"stream mode resumes on the same global batch only: the checkpoint's epoch was ordered "
-                              f"for {pos['order_step_size']} micro-batches per step, this run has {plan.step_size}; "
-                              "keep world_size x train.grad_accum, or finish the epoch in offline mode")
-        start = pos["epoch"] * plan.global_per_epoch + pos["consumed"]
+        order = None
+        if pos["order_step_size"] != plan.step_size:  # resumed on another global batch: its epoch in its order
+            if t.stream_epochs == "keep":
+                raise StreamError(f"train.stream_epochs=keep resumes on the same global batch only: the checkpoint's "
+                                  f"epoch was ordered for {pos['order_step_size']} micro-batches per step, this run "
+                                  f"has {plan.step_size}; keep world_size x train.grad_accum, or use "
+                                  "train.stream_epochs=recapture")
+            order = [int(pos["epoch"]), int(pos["order_step_size"])]
+        stride = stream_stride(plan, order)
+        start = pos["epoch"] * stride + pos["consumed"]
+        end = total_steps * plan.step_size if order is None else stride * math.ceil(t.epochs)  # an upper bound
         if ctx.is_main:
             self.wait_for_old_producer()
             for stale in ("producer.error", "done.json", "producer.json"):
@@ -248,8 +275,10 @@ class StreamRecords:
                        "window_bytes": int(t.stream_window_mb * 2**20), "epochs": t.stream_epochs,
                        "train": [int(i) for i in train_set.indices], "eval": [int(i) for i in eval_set.indices],
                        "limit": int(train_set.max_length or max(self.lengths)), "start": start,
-                       "end": total_steps * plan.step_size, "world_size": ctx.world_size,
+                       "end": end, "world_size": ctx.world_size,
                        "tokenized": str(Path(self.tok.path).resolve())}
+            if order is not None:  # absent otherwise: a same-batch resume keeps the shards of the same order
+                request["order"] = order
             write_request(self.sdir, request)
             (self.sdir / "recipe.yaml").write_text(config_yaml(cfg))
             log = open(self.sdir / "producer.log", "ab")

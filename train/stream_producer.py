@@ -157,7 +157,7 @@ class Producer:
         train = req["train"]
         if order.eval_kept:  # held out: read at every evaluation, kept; at most half the window (StreamOrder)
             self.write(EVAL_SHARD, [req["eval"][k] for k in order.eval_kept], window=False)
-        a, _ = order.shard_of(req["start"])
+        a, _ = order.next_shard(req["start"])
         m = a
         while not self.trainer_gone():
             if req["epochs"] == "keep" and m >= order.per_epoch:
@@ -170,7 +170,10 @@ class Producer:
                     self.state = "idle (all captured)"
                     time.sleep(POLL_S * 4)
                     continue
-            a, b = order.shard_of(m)
+            a, b = order.next_shard(m)
+            if a >= req["end"]:
+                m = a
+                continue
             self.write(shard_name(a, b), [train[i] for i in order.records_of(a, b)],
                        window=req["epochs"] != "keep", span=(a, b))  # keep: epoch 0 stays whole on disk (a cache), never deleted
             m = b
