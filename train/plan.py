@@ -468,7 +468,7 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     per_replica = max(1, math.ceil(weight_bytes / (hw.gpu_mem_gb * GB * 0.8)))  # GPUs holding one target copy
     replicas = max(1, world // per_replica)
     gen = gen_tokens / (cfg.data.gen_batch_size * hw.mem_bw_gbs * 1e9 * hw.decode_eff / weight_bytes * replicas)
-    head_flops = 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
+    head_flops = training_class(s.kind).train_flops_per_token(s, P)
     steps = t.epochs * n_tokens * (1 - t.eval_fraction)
     train_s = head_flops * steps / peak
     if data.regenerates:
