@@ -480,8 +480,8 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     if data.caches:
         plan.time.append(Item("data prep: cache features (prefill)", prefill,
                               f"2 x {_count(s.target_active_params)} x tokens"))
-    plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (head 6P + "
-                                               "lm_head)"))
+    plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (the head "
+                                               "kind's train_flops_per_token)"))
     if t.mode == "stream":
         plan.stream = stream_lines(cfg, hw, s, n_tokens, head_flops)
     plan.traffic = traffic_items(cfg, hw, P)
