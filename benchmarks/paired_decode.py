@@ -3,7 +3,8 @@ project's decoder, greedy, 1 thread, interleaved per prompt, every output checke
 run tau, tokens/s, speed-up over vanilla with a bootstrap 95% CI (2000 resamples of the prompts), P(accept >= d) per
 position, draft ms per round (docs/results/dflash.md).
 
-    python -m benchmarks.paired_decode OPENINGS.txt FIRST N RUNS.json    # RUNS: [[label, head_dir, DecodingConfig kwargs]]
+    python -m benchmarks.paired_decode OPENINGS.txt FIRST N RUNS.json [RAW.json] [--vs LABEL]
+    # RUNS: [[label, head_dir, DecodingConfig kwargs]]; --vs: each run's paired ratio vs that run too
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ ap.add_argument("first", type=int)
 ap.add_argument("n", type=int)
 ap.add_argument("runs", help="JSON file: [[label, head_dir, DecodingConfig kwargs], ...]")
 ap.add_argument("raw", nargs="?", default="", help="write the per-prompt records here (JSON)")
+ap.add_argument("--vs", default="", help="also give every run's paired tokens/s ratio vs this run's label, with its CI")
 args = ap.parse_args()
 torch.set_num_threads(1)
 T = os.environ.get("TARGET", "../shared/models/stories260K")
@@ -59,11 +61,18 @@ for label in models:
         i = torch.randint(0, len(r), (len(r),), generator=g)
         ratio.append(float(tps[i].sum() / van[i].sum()))
     ratio.sort()
+    vs = {}
+    if args.vs and args.vs != label:
+        ref = torch.tensor([x["new"] / x["s"] for x in res[args.vs]])
+        rv = sorted(float(tps[i].sum() / ref[i].sum())
+                    for i in (torch.randint(0, len(r), (len(r),), generator=g) for _ in range(2000)))
+        vs = {f"vs_{args.vs}": round(float(tps.sum() / ref.sum()), 3), f"vs_{args.vs}_ci95": [round(rv[50], 3),
+                                                                                             round(rv[1949], 3)]}
     print(json.dumps({"label": label, "tau": round(new / rounds, 3), "tok_s": round(float(tps.mean()), 1),
                       "speedup_vs_vanilla": round(float(tps.sum() / van.sum()), 3),
                       "ci95": [round(ratio[50], 3), round(ratio[1949], 3)],
                       "P(accept >= d)": [round(x, 3) for x in per_pos],
                       "draft_ms_per_round": round(1000 * sum(x["draft_s"] for x in r) / rounds, 3),
-                      "mismatches": 0}))
+                      "mismatches": 0, **vs}))
 if args.raw:
     json.dump(res, open(args.raw, "w"))

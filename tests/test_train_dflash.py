@@ -102,3 +102,27 @@ def test_plan_counts_block_rows_and_context_kv(toy):
     more = plan_shape(load_config("tiny", overrides(toy["target"], "/tmp/x", *DFLASH, "head.anchors=8")),
                       AutoConfig.from_pretrained(toy["target"]))
     assert more.block_rows == 32 and more.head_trainable == shape.head_trainable
+
+
+def test_plan_training_time_counts_block_rows_not_ttt_steps(toy):
+    """The plan's training time for dflash: fc + context K/V over every token, the draft layers over the block rows
+    (head.anchors x head.block_size per record) only; the EAGLE-3 formula (ttt_steps full head passes per token,
+    ignoring the anchors) was used before."""
+    from transformers import AutoConfig
+
+    from recipes import load_config
+    from train.head_kinds import DFlashTraining, Eagle3Training
+    from train.plan import Hardware, build_plan, plan_shape
+
+    def training_s(*extra):
+        cfg = load_config("tiny", overrides(toy["target"], "/tmp/x", *DFLASH, *extra))
+        shape = plan_shape(cfg, AutoConfig.from_pretrained(toy["target"]))
+        plan = build_plan(cfg, Hardware(), shape, tokens=1_000_000)
+        return shape, next(i.bytes for i in plan.time if i.name == "training")
+
+    shape, four = training_s("head.anchors=4")
+    _, eight = training_s("head.anchors=8")
+    _, one = training_s("head.anchors=1")
+    assert eight > four > one > 0  # more block rows per record cost more; the context path is paid at any anchors
+    P = shape.head_trainable
+    assert DFlashTraining.train_flops_per_token(shape, P) < Eagle3Training.train_flops_per_token(shape, P)

@@ -173,6 +173,12 @@ class TrainingKind:
         """(name, bytes, note, knob, phases) of the token loss's memory (t: the recipe's train section)."""
         raise NotImplementedError
 
+    @staticmethod
+    def train_flops_per_token(s, P: int) -> float:
+        """Training FLOPs per record token (the plan's time): fwd + bwd (6P) of every unrolled step, and the lm_head's
+        logits of every step (fwd + bwd) plus the target's (one forward)."""
+        return 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
+
 
 # ----------------------------------------------------------------------------- EAGLE-2
 class NextFeatureTargets:
@@ -617,6 +623,17 @@ class DFlashTraining(TrainingKind):
     def unrolled_rows(s, n_tok: int) -> list[int]:
         """One forward of the block query rows: anchors x block_size per record of `record_tokens`."""
         return [math.ceil(n_tok * s.block_rows / max(s.record_tokens, 1))]
+
+    @staticmethod
+    def train_flops_per_token(s, P: int) -> float:
+        """Per record token: fc + every layer's context K/V projections over EVERY token (fwd + bwd), the draft layers
+        over the block rows only (block_rows / record_tokens per token), and the lm_head logits (fwd + bwd) plus the
+        target's of the block_size - 1 scored rows of each block, not ttt_steps full head passes."""
+        H, kv = s.hidden, s.kv_heads * s.head_dim
+        context = (s.cache_row - 1) * H * H + s.draft_layers * 2 * H * kv
+        rows = s.block_rows / max(s.record_tokens, 1)
+        scored = rows * (s.block_size - 1) / max(s.block_size, 1)
+        return 6 * context + 6 * max(P - context, 0) * rows + 2 * H * s.vocab * 4 * scored
 
     @staticmethod
     def activation_bytes(s, cb: int, step: int = 1, keys: float = 0.0) -> float:

@@ -469,7 +469,7 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     per_replica = max(1, math.ceil(weight_bytes / (hw.gpu_mem_gb * GB * 0.8)))  # GPUs holding one target copy
     replicas = max(1, world // per_replica)
     gen = gen_tokens / (cfg.data.gen_batch_size * hw.mem_bw_gbs * 1e9 * hw.decode_eff / weight_bytes * replicas)
-    head_flops = 6 * P * s.ttt_steps + 2 * s.hidden * (s.draft_vocab or s.vocab) * (3 * s.ttt_steps + 1)
+    head_flops = training_class(s.kind).train_flops_per_token(s, P)
     steps = t.epochs * n_tokens * (1 - t.eval_fraction)
     train_s = head_flops * steps / peak
     if data.regenerates:
@@ -481,8 +481,8 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     if data.caches:
         plan.time.append(Item("data prep: cache features (prefill)", prefill,
                               f"2 x {_count(s.target_active_params)} x tokens"))
-    plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (head 6P + "
-                                               "lm_head)"))
+    plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (the head "
+                                               "kind's train_flops_per_token)"))
     if t.mode == "stream":
         plan.stream = stream_lines(cfg, hw, s, n_tokens, head_flops)
     plan.traffic = traffic_items(cfg, hw, P)
