@@ -34,14 +34,13 @@ from data_prep.assistant_spans import count_labels, label_tokens, renders_reason
 from data_prep.cache_features import cache_shard, check_disk
 from data_prep.chat_template import stop_token_ids
 from data_prep.conversations import load_conversations, read_jsonl, write_jsonl
-from data_prep.default_target import default_cache_dir
 from data_prep.feature_cache import CACHE_MANIFEST, FeatureCacheWriter, merge_manifests, sha256_file
 from data_prep.feature_layers import feature_layers
 from data_prep.loss_mask import render_masked, tokenize_records
 from data_prep.regenerate import (GenerationSettings, HFBackend, OpenAIBackend, ServerError, check_settings,
                                   read_parts, regenerate_shard)
 from data_prep.target import (load_target_config, load_target_model, load_target_tokenizer, quantization_meta,
-                              resolve_target_path, target_config_hash)
+                              resolve_target_path, served_target_folder, target_config_hash)
 from data_prep.tokenized import load_tokenized, write_tokenized
 from data_prep.tool_calls import tool_call_format
 from data_prep.vllm_features import (UNREQUESTED, cache_shard_vllm, capture_layer_ids,
@@ -53,7 +52,7 @@ from eagle.hub_ids import check_local_exists
 from eagle.run_lock import run_lock
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
 from engine.engine_process import resolve_engine_python
-from engine.quantized_target import engine_target, served_label
+from engine.quantized_target import served_label
 from engine.vllm_server import VLLMServer, capture_args, serve_args
 from recipes import add_print_config, command_config, layout
 
@@ -186,8 +185,7 @@ def recipe_server(cfg, target_path: str, served_model_name: str, work: Path, log
     d = cfg.data
     engine_python = resolve_engine_python(d.engine_python)
     config = load_target_config(target_path)
-    t = cfg.target  # a quantized target: its dequantized float copy (engine/quantized_target.py)
-    model, _ = engine_target(target_path, config, work, t.quantization, t.dtype, default_cache_dir(), t.revision)
+    model = served_target_folder(cfg.target, target_path, config, work)
     limit = int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
     context = d.max_length + d.max_new_tokens
     args = serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, cfg.target.chat_template,

@@ -11,10 +11,11 @@ import json
 import torch
 
 from data_prep.chat_template import setup_chat_template
-from data_prep.default_target import ensure_default_target
+from data_prep.default_target import default_cache_dir, ensure_default_target
 from eagle.cli_errors import UserError
 from eagle.hub_ids import check_local_exists
 from eagle.quantization import NONE, quantize_target
+from engine.quantized_target import engine_target
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config keys that do not change the features (versions, paths, compute dtype recorded separately)
@@ -98,6 +99,16 @@ def quantization_meta(target_cfg) -> dict:
     target, {} for a full-precision one (the meta of caches written before the key existed, byte for byte)."""
     name = getattr(target_cfg, "quantization", NONE)
     return {} if name == NONE else {"target_quantization": name}
+
+
+def served_target_folder(target_cfg, target_path: str, config, work) -> str:
+    """The folder vLLM serves for a recipe's target (data.serve, the vLLM capture, the stream producer): its
+    dequantized float copy under $EAGLE_HOME when `target.quantization` is set, head_dim-padded under `work` when
+    vLLM's CPU attention needs it (engine/quantized_target.py `engine_target`)."""
+    t = target_cfg
+    model, _ = engine_target(target_path, config, work, getattr(t, "quantization", NONE), t.dtype, default_cache_dir(),
+                             t.revision)
+    return model
 
 
 def cache_quantization(manifest: dict) -> str:

@@ -42,12 +42,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from data_prep.cache_features import CacheStats
-from data_prep.default_target import default_cache_dir
 from data_prep.feature_cache import FeatureCacheWriter
+from data_prep.target import served_target_folder
 from eagle.head_kinds import text_config
 from eagle.state_files import StateFile, register
 from engine.engine_process import EngineError, resolve_engine_python, run_engine_script
-from engine.quantized_target import engine_target
 from engine.vllm_server import VLLMServer
 
 ENGINE_CAPTURE = "capture"  # the engine-side script (engine/vllm_side/capture.py)
@@ -211,9 +210,7 @@ def cache_shard_vllm(cfg, target_path: str, config, records: list[dict], writer:
             result = server_capture(server(), named, work / "files", int(cfg.data.gen_batch_size),
                                     float(cfg.data.api_timeout_s))
         else:
-            t = cfg.target  # a quantized target: its dequantized float copy (engine/quantized_target.py)
-            model, _ = engine_target(target_path, config, work / "models", t.quantization, t.dtype,
-                                     default_cache_dir(), t.revision)
+            model = served_target_folder(cfg.target, target_path, config, work / "models")
             result = engine_capture(resolve_engine_python(cfg.data.engine_python), model, str(cfg.target.dtype),
                                     named, layer_ids, work, int(cfg.seed), min(longest, limit) if limit else longest,
                                     work / "engine.log")

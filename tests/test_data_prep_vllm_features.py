@@ -109,7 +109,7 @@ def test_the_engine_cache_equals_the_transformers_cache(target, tmp_path, monkey
     layers = None if kind == "eagle2" else [1, 0, 1, LAYERS]
     cfg = load_config("tiny", [f"target.path={path}", "data.cache_dtype=float32", "data.engine_python=python"])
     monkeypatch.setattr(vf, "resolve_engine_python", lambda value: "python")
-    monkeypatch.setattr(vf, "engine_target", lambda p, config, work, *quantized: (p, None))
+    monkeypatch.setattr(vf, "served_target_folder", lambda target_cfg, p, config, work: p)
     meta = {"target": str(path), "config_hash": "h", "hidden_size": 32}
     if layers:
         meta["feature_layers"] = layers

@@ -23,16 +23,14 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from data_prep.cache_features import final_hidden_states
-from data_prep.default_target import default_cache_dir
 from data_prep.feature_layers import feature_layers
 from data_prep.target import (load_target_config, load_target_model, quantization_meta, resolve_target_path,
-                              target_config_hash)
+                              served_target_folder, target_config_hash)
 from data_prep.vllm_features import EngineCaptureError, FinalNorm, capture_layer_ids, features_of, server_capture
 from eagle.device import pick_device
 from eagle.head_kinds import text_config
 from eagle.state_files import StateFile, read_json_state, register, write_json_state
 from engine.engine_process import resolve_engine_python
-from engine.quantized_target import engine_target
 from engine.vllm_server import VLLMServer, capture_args, serve_args
 
 SERVER_STATE = register(StateFile(
@@ -91,9 +89,7 @@ class VLLMCapture:
         engine_python = resolve_engine_python(cfg.data.engine_python)
         shutil.rmtree(self.work / "files", ignore_errors=True)  # a killed run's capture files
         self.work.mkdir(parents=True, exist_ok=True)
-        t = cfg.target  # a quantized target: its dequantized float copy, as data prep's vLLM capture serves it
-        model, _ = engine_target(target_path, config, self.work / "models", t.quantization, t.dtype,
-                                 default_cache_dir(), t.revision)
+        model = served_target_folder(cfg.target, target_path, config, self.work / "models")
         limit = int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
         context = cfg.data.max_length + 1  # the prompt and the one token generated
         args = (serve_args(cfg.target.dtype, cfg.seed, min(context, limit) if limit else context, None, self.work)
