@@ -129,7 +129,7 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         return draft_ids + self.d2t[draft_ids]
 
     def unroll(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+               steps: int = 1, rows: torch.Tensor | None = None, shards=None) -> list[torch.Tensor]:
         """Training forward with the training-time test: the head unrolled `steps` times over every position.
 
         aux [B, T, 3H]: the target's aux-layer states at position t; next_ids [B, T]: the token after position t;
@@ -141,6 +141,10 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         t + j - 1 runs off the sequence read a pad token and must be masked by the caller.
         rows [R] (sorted indices, None = all T): steps >= 2 are computed only at these indices (a cost knob: each
         such step costs one [R, T] score matrix against the cached step-1 keys plus j - 1 diagonal products).
+        shards (None = the whole record): sequence parallelism (train/sequence_parallel.py): aux, next_ids, rows are
+        this rank's span of ONE unpadded record (B = 1, attention_mask None), at the span's positions; every attention
+        runs over the whole record for this rank's share of the heads (DeepSpeed Ulysses' all-to-all), so the span's
+        hiddens equal the 1-rank unroll's at those indices.
         """
         if steps < 1:
             raise ValueError(f"steps={steps}: must be >= 1")
@@ -149,26 +153,35 @@ class Eagle3Head(HeadModule, kind=EAGLE3):
         dev, dt = aux.device, aux.dtype
         feat = self.fuse(aux)  # [B, T, H]
         emb = self.embed_tokens(next_ids).to(dt)  # [B, T, H]
-        real, pos, mask = padded_positions(attention_mask, T, dev)  # [B, T] | None, [B|1, T], [B, 1, T, T] | None
+        window = window_size(self.config.options)
+        if shards is None:
+            real, pos, mask = padded_positions(attention_mask, T, dev)  # [B, T] | None, [B|1, T], [B, 1, T, T] | None
+        else:
+            real, pos, mask = None, shards.positions(T, dev), None  # [1, T]: the span's positions in the record
         cos, sin = self.rotary(pos, dt)
         q, k1, v1 = attn.qkv(layer.attn_input(emb, feat), cos, sin)  # [B, h, T, D], [B, kv, T, D] x 2
-        out = causal_attention(q, k1, v1, mask, pos, real, window_size(self.config.options))  # [B, h, T, D]
-        hidden = layer.finish(feat, attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))  # [B, T, H]
+        if shards is None:
+            out = causal_attention(q, k1, v1, mask, pos, real, window).transpose(1, 2).reshape(B, T, -1)  # [B, T, hD]
+        else:
+            out = shards.attend(attn, q, k1, v1, lambda q_, k_, v_, pos_: causal_attention(q_, k_, v_, None, pos_, None,
+                                                                                          window), keep=True)
+        hidden = layer.finish(feat, attn.o_proj(out))  # [B, T, H]
         if steps == 1:
             return [hidden]
-        return [hidden] + self.later_steps(hidden, k1, v1, next_ids, pos, real, steps, rows)
+        return [hidden] + self.later_steps(hidden, k1, v1, next_ids, pos, real, steps, rows, shards)
 
-    def later_steps(self, hidden, k1, v1, next_ids, pos, real, steps: int, rows) -> list[torch.Tensor]:
+    def later_steps(self, hidden, k1, v1, next_ids, pos, real, steps: int, rows, shards=None) -> list[torch.Tensor]:
         """Steps 2..`steps` of `unroll` from step 1's outputs and keys (eagle/unroll.py): the training-time test, each
         step reading its own step j-1 hidden and the data's token. A kind drafting otherwise overrides this."""
         layer = self.midlayer
         return unroll_self_fed(layer.self_attn, self.rotary, self.embed_tokens, self._self_fed_input, layer.finish,
-                               hidden, k1, v1, next_ids, pos, real, steps, rows, window_size(self.config.options))
+                               hidden, k1, v1, next_ids, pos, real, steps, rows, window_size(self.config.options),
+                               shards)
 
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                steps: int = 1, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+                steps: int = 1, rows: torch.Tensor | None = None, shards=None) -> list[torch.Tensor]:
         """= `unroll` (so a DeepSpeed engine wrapping the head runs it through its forward hooks)."""
-        return self.unroll(aux, next_ids, attention_mask, steps=steps, rows=rows)
+        return self.unroll(aux, next_ids, attention_mask, steps=steps, rows=rows, shards=shards)
 
     # -- checkpoint I/O ---------------------------------------------------------------
     @classmethod

@@ -46,7 +46,7 @@ class PeagleHead(Eagle3Head, kind=PEAGLE):
         """fc(mask_hidden) [1, H]: the feature every mask position reads (vLLM: combine_hidden_states(mask_hidden))."""
         return self.fc(self.mask_hidden.to(self.fc.weight.dtype))
 
-    def later_steps(self, hidden, k1, v1, next_ids, pos, real, steps: int, rows) -> list[torch.Tensor]:
+    def later_steps(self, hidden, k1, v1, next_ids, pos, real, steps: int, rows, shards=None) -> list[torch.Tensor]:
         """Steps 2..k: the mask rows (module docstring), each from the mask inputs, not from the previous step."""
         layer, H, dt = self.midlayer, self.config.hidden_size, hidden.dtype
         feat = self.mask_feature().to(dt).view(1, 1, H)  # [1, 1, H]
@@ -60,4 +60,4 @@ class PeagleHead(Eagle3Head, kind=PEAGLE):
             return layer.attn_input(token_emb, residual), residual
 
         return unroll_self_fed(layer.self_attn, self.rotary, mask_embedding, prepare, layer.finish, hidden, k1, v1,
-                               next_ids, pos, real, steps, rows, window_size(self.config.options))
+                               next_ids, pos, real, steps, rows, window_size(self.config.options), shards)

@@ -63,10 +63,70 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
+class SelfFedAttention:
+    """The attention of unrolled steps >= 2 (`unroll_self_fed`): step j's queries at the indices `idx` [R] against the
+    step-1 keys k1 / v1 [B, kv, T, D] they may see (positions pos [B|1, T], padding real [B, T] | None, window W | None)
+    and the step's own keys of steps 2..j (the diagonal, kept here step by step). Full attention runs causal row
+    chunks (chunk c reads step-1 keys [0, end_c) only, ~(1 + 1/n) / 2 of the full score matrix); a window runs blocks
+    of rows, each against the step-1 keys its window can reach (no [R, T] tensor)."""
+
+    def __init__(self, k1: torch.Tensor, v1: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor,
+                 real: torch.Tensor | None, window: int | None):
+        dev, dt, T = k1.device, k1.dtype, k1.shape[2]
+        R = idx.numel()
+        self.idx, self.pos, self.real, self.window, self.dt = idx, pos, real, window, dt
+        if window is None:
+            bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
+        else:
+            bounds = [(lo, min(lo + WINDOW_QUERY_BLOCK, R)) for lo in range(0, R, WINDOW_QUERY_BLOCK)]
+        self.bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
+        self.ends = (idx[torch.tensor([hi - 1 for _, hi in self.bounds], device=dev)] + 1).tolist()  # one host sync
+        if window is None:
+            self.starts = [0] * len(self.bounds)
+            visible_keys = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
+            visible_keys = visible_keys[None] if real is None else visible_keys[None] & real[:, None, :]  # [B|1, R, T]
+            self.bias = torch.zeros(visible_keys.shape, dtype=dt, device=dev).masked_fill_(~visible_keys,
+                                                                                         torch.finfo(dt).min)
+        else:
+            self.starts = [max(0, s - window + 1)
+                           for s in idx[torch.tensor([lo for lo, _ in self.bounds], device=dev)].tolist()]
+        self.key_idx = torch.arange(T, device=dev)
+        self.pos_r = pos[:, idx]  # [B|1, R]
+        # k1/v1 are transposed views of the projections ([B, T, kv, D] underneath): with B > 1 every prefix slice
+        # would be copied by matmul (per chunk and per step, and kept for backward); one copy serves them all
+        self.k1, self.v1 = k1.contiguous(), v1.contiguous()  # [B, kv, T, D]
+        self.diag_k, self.diag_v = [], []  # per step >= 2: [B, kv, R, D]
+
+    def chunk_bias(self, lo: int, hi: int, start: int, end: int, j: int) -> torch.Tensor:
+        """[B|1, hi - lo, end - start] additive: step j's rows lo..hi against step-1 keys start..end."""
+        if self.window is None:
+            return self.bias[:, lo:hi, start:end]
+        seen = (self.key_idx[None, start:end] <= self.idx[lo:hi, None])[None] & visible(
+            self.pos_r[:, lo:hi, None] + j - 1, self.pos[:, None, start:end], self.window)  # [B|1, rows, keys]
+        if self.real is not None:
+            seen = seen & self.real[:, None, start:end]
+        return torch.zeros(seen.shape, dtype=self.dt, device=seen.device).masked_fill_(~seen, torch.finfo(self.dt).min)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, j: int) -> torch.Tensor:
+        """Step j: q [B, h, R, D], its keys / values k, v [B, kv, R, D] -> [B, h, R, D]."""
+        self.diag_k.append(k)
+        self.diag_v.append(v)
+        dk, dv = torch.stack(self.diag_k, dim=-2), torch.stack(self.diag_v, dim=-2)  # [B, kv, R, j - 1, D]
+        diag_bias = None  # own step i (2..j) at position t + i - 1: in the window iff j - i < W
+        if self.window is not None and j - self.window >= 2:
+            own = torch.arange(2, j + 1, device=q.device)
+            diag_bias = torch.zeros(j - 1, dtype=self.dt, device=q.device).masked_fill_(j - own >= self.window,
+                                                                                       torch.finfo(self.dt).min)
+        return torch.cat([prefix_diag_attention(q[:, :, lo:hi], self.k1[:, :, start:end], self.v1[:, :, start:end],
+                                                self.chunk_bias(lo, hi, start, end, j), dk[:, :, lo:hi],
+                                                dv[:, :, lo:hi], diag_bias)
+                          for (lo, hi), start, end in zip(self.bounds, self.starts, self.ends)], dim=2)  # [B, h, R, D]
+
+
 def unroll_self_fed(attn: Attention, rotary: Rotary, embed: Callable[[torch.Tensor], torch.Tensor],
                     prepare: Callable, finish: Callable, hidden: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
                     next_ids: torch.Tensor, pos: torch.Tensor, real: torch.Tensor | None, steps: int,
-                    rows: torch.Tensor | None, window: int | None = None) -> list[torch.Tensor]:
+                    rows: torch.Tensor | None, window: int | None = None, shards=None) -> list[torch.Tensor]:
     """Steps 2..`steps` after step 1 (module docstring).
 
     hidden [B, T, H]: step 1's outputs; k1, v1 [B, kv, T, D]: step 1's rotated keys and values; next_ids [B, T];
@@ -76,60 +136,37 @@ def unroll_self_fed(attn: Attention, rotary: Rotary, embed: Callable[[torch.Tens
     in row blocks against their W + block keys only (no [R, T] tensor). prepare(token_emb [B, R, H], prev [B, R, H]) -> (attention input,
     residual); finish(residual, attention output [B, R, H]) -> the step's hidden [B, R, H]. Returns steps - 1
     hiddens [B, R, H]; indices where t + j - 1 runs off the sequence read a pad token and must be masked by the caller.
+    shards (None = the whole record here): sequence parallelism (train/sequence_parallel.py): hidden, next_ids, pos,
+    rows are this rank's span of the record; each step's attention runs on the whole record's rows for this rank's
+    heads (`shards.attend`, DeepSpeed Ulysses' all-to-all), against the step-1 keys step 1 gathered (`shards.keys`).
     """
     B, T, _ = hidden.shape
-    dev, dt = hidden.device, hidden.dtype
+    dt = hidden.dtype
     h_, D = attn.n_heads, attn.head_dim
-    idx = torch.arange(T, device=dev) if rows is None else rows.to(dev)  # [R]
+    idx = torch.arange(T, device=hidden.device) if rows is None else rows.to(hidden.device)  # [R]
     R = idx.numel()
-    if window is None:
-        # row chunks: chunk c reads step-1 keys [0, end_c) only (causality), ~(1 + 1/n) / 2 of the full score matrix
-        bounds = [(c * R // UNROLL_ROW_CHUNKS, (c + 1) * R // UNROLL_ROW_CHUNKS) for c in range(UNROLL_ROW_CHUNKS)]
-    else:  # blocks of rows, each against the step-1 keys [start_c, end_c) its window can reach
-        bounds = [(lo, min(lo + WINDOW_QUERY_BLOCK, R)) for lo in range(0, R, WINDOW_QUERY_BLOCK)]
-    bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
-    ends = (idx[torch.tensor([hi - 1 for _, hi in bounds], device=dev)] + 1).tolist()  # one host sync per unroll
-    if window is None:
-        starts = [0] * len(bounds)
-        visible_keys = torch.arange(T, device=dev)[None, :] <= idx[:, None]  # [R, T] step-1 keys at indices <= t
-        visible_keys = visible_keys[None] if real is None else visible_keys[None] & real[:, None, :]  # [B|1, R, T]
-        bias = torch.zeros(visible_keys.shape, dtype=dt, device=dev).masked_fill_(~visible_keys, torch.finfo(dt).min)
+    if shards is None:
+        att = SelfFedAttention(k1, v1, idx, pos, real, window)
+        ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
+
+        def attend(q, k, v, j):
+            return att(q, k, v, j).transpose(1, 2).reshape(B, R, h_ * D)
     else:
-        starts = [max(0, s - window + 1) for s in idx[torch.tensor([lo for lo, _ in bounds], device=dev)].tolist()]
-    key_idx = torch.arange(T, device=dev)
+        k1_all, v1_all = shards.keys  # [B, kv', T * size, D]: the whole record's step-1 keys, this rank's heads
+        att = SelfFedAttention(k1_all, v1_all, shards.all_rows(idx, T), shards.all_positions(T, hidden.device), None,
+                               window)
+        ids_ext = shards.lookahead(next_ids, steps - 1)  # [B, T + steps - 1]: the next span's first tokens
 
-    def chunk_bias(lo: int, hi: int, start: int, end: int, j: int) -> torch.Tensor:
-        """[B|1, hi - lo, end - start] additive: step j's rows lo..hi against step-1 keys start..end."""
-        if window is None:
-            return bias[:, lo:hi, start:end]
-        seen = (key_idx[None, start:end] <= idx[lo:hi, None])[None] & visible(
-            pos_r[:, lo:hi, None] + j - 1, pos[:, None, start:end], window)  # [B|1, rows, keys]
-        if real is not None:
-            seen = seen & real[:, None, start:end]
-        return torch.zeros(seen.shape, dtype=dt, device=dev).masked_fill_(~seen, torch.finfo(dt).min)
+        def attend(q, k, v, j):
+            return shards.attend(attn, q, k, v, lambda q_, k_, v_, pos_: att(q_, k_, v_, j))
 
-    ids_ext = torch.cat([next_ids, next_ids.new_zeros(B, steps - 1)], dim=1)  # [B, T + steps - 1]
     pos_r = pos[:, idx]  # [B|1, R]
     prev = hidden if rows is None else hidden[:, idx]  # [B, R, H]
-    # k1/v1 are transposed views of the projections ([B, T, kv, D] underneath): with B > 1 every prefix slice
-    # below would be copied by matmul (per chunk and per step, and kept for backward); one copy serves them all
-    k1, v1 = k1.contiguous(), v1.contiguous()  # [B, kv, T, D]
-    diag_k, diag_v, hiddens = [], [], []  # per step >= 2: [B, kv, R, D]
+    hiddens = []
     for j in range(2, steps + 1):
         x, residual = prepare(embed(ids_ext[:, idx + j - 1]).to(dt), prev)  # [B, R, in], [B, R, H]
         cos, sin = rotary(pos_r + j - 1, dt)
         q, k, v = attn.qkv(x, cos, sin)  # [B, h, R, D], [B, kv, R, D] x 2
-        diag_k.append(k)
-        diag_v.append(v)
-        dk, dv = torch.stack(diag_k, dim=-2), torch.stack(diag_v, dim=-2)  # [B, kv, R, j - 1, D]
-        diag_bias = None  # own step i (2..j) at position t + i - 1: in the window iff j - i < W
-        if window is not None and j - window >= 2:
-            own = torch.arange(2, j + 1, device=dev)
-            diag_bias = torch.zeros(j - 1, dtype=dt, device=dev).masked_fill_(j - own >= window, torch.finfo(dt).min)
-        o = torch.cat([prefix_diag_attention(q[:, :, lo:hi], k1[:, :, start:end], v1[:, :, start:end],
-                                             chunk_bias(lo, hi, start, end, j), dk[:, :, lo:hi], dv[:, :, lo:hi],
-                                             diag_bias)
-                       for (lo, hi), start, end in zip(bounds, starts, ends)], dim=2)  # [B, h, R, D]
-        prev = finish(residual, attn.o_proj(o.transpose(1, 2).reshape(B, R, h_ * D)))  # [B, R, H]
+        prev = finish(residual, attn.o_proj(attend(q, k, v, j)))  # [B, R, H]
         hiddens.append(prev)
     return hiddens

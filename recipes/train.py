@@ -50,6 +50,7 @@ class TrainSettings:
     max_steps: int = 0  # optimizer steps; 0 = derived from epochs
     micro_batch_size: int = 2  # sequences per rank per forward
     grad_accum: int = 2
+    sequence_parallel_size: int = 1  # n > 1: each record split over n ranks (DeepSpeed Ulysses, train/sequence_parallel.py): micro_batch_size 1, EAGLE-3 / P-EAGLE, heads and world size divisible by n; 1 = off
     # --- optimiser (AdamW) and LR schedule: warmup, then decay to 0 at the last step
     lr: float = 5e-5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -130,12 +131,14 @@ def validate_train_sections(cfg) -> None:
     check(0 <= t.zero_stage <= 3, "train.zero_stage", t.zero_stage, "expected 0, 1, 2 or 3")
     check(0.0 <= t.eval_fraction < 1.0, "train.eval_fraction", t.eval_fraction, "expected 0 <= fraction < 1")
     check(t.epochs > 0 or t.max_steps > 0, "train.epochs", t.epochs, "need epochs > 0 or max_steps > 0")
-    for key in ("micro_batch_size", "grad_accum", "group_size", "checkpoint_every", "keep_last", "rollout_steps",
-                "max_bad_steps"):
+    for key in ("micro_batch_size", "grad_accum", "sequence_parallel_size", "group_size", "checkpoint_every",
+                "keep_last", "rollout_steps", "max_bad_steps"):
         check(t[key] >= 1, f"train.{key}", t[key], "expected >= 1")
     for key in ("max_steps", "warmup_steps", "eval_every", "rollout_starts", "eval_max_records", "stop_after", "num_workers",
                 "live_tau_prompts", "loss_chunk"):
         check(t[key] >= 0, f"train.{key}", t[key], "expected >= 0")
+    check(t.sequence_parallel_size == 1 or t.micro_batch_size == 1, "train.micro_batch_size", t.micro_batch_size,
+          f"expected 1 with train.sequence_parallel_size={t.sequence_parallel_size} (one record split over the ranks)")
     check(t.live_tau_max_new_tokens >= 1, "train.live_tau_max_new_tokens", t.live_tau_max_new_tokens, "expected >= 1")
     check(math.isfinite(t.lr) and t.lr > 0, "train.lr", t.lr, "expected a finite number > 0")
     check(math.isfinite(t.eps) and t.eps > 0, "train.eps", t.eps, "expected a finite number > 0")

@@ -55,6 +55,7 @@ class TrainingKind:
     extra_eval = ""  # eval/{extra_eval}_step{j}_acc (j = 1..extra_steps): the kind's extra per-step accuracy
     extra_steps = 0
     logged_steps = 0  # unrolled steps whose accuracy is logged as train/step{j}_acc
+    sequence_parallel = False  # train.sequence_parallel_size > 1 splits its records over ranks (`sharded_loss`)
 
     def __init__(self, cfg, target_config):
         self.cfg, self.t = cfg, cfg.train
@@ -118,17 +119,47 @@ class TrainingKind:
             return None
         return torch.arange(micro % self.stride, T, self.stride, device=device)
 
-    def loss(self, engine, features: torch.Tensor, batch, lm_head: torch.Tensor, micro: int, seed: int = 0) -> LossOutput:
+    def loss(self, engine, features: torch.Tensor, batch, lm_head: torch.Tensor, micro: int, seed: int = 0,
+             shards=None) -> LossOutput:
         """One micro-batch's training loss: the head (through the DeepSpeed engine) on noised inputs. `micro` is the
         micro-batch's key (the trainer's global position of it): its noise comes from a generator seeded by
-        (seed, micro), so the same micro-batch gets the same noise on whichever rank of however many trains it."""
+        (seed, micro), so the same micro-batch gets the same noise on whichever rank of however many trains it.
+        shards (train/sequence_parallel.py; None = the whole record here): `sharded_loss`."""
         t, s = self.t, self.shifted(features, batch)
+        noise = torch.Generator(s.inputs.device).manual_seed((seed * 1_000_003 + micro) % 2**63)
+        inputs = add_input_noise(s.inputs, t.noise, t.noise_std, noise)
+        if shards is not None:
+            return self.sharded_loss(engine, s, inputs, lm_head, micro, shards)
         rows = self.rows(s.inputs.shape[1], micro, s.inputs.device)
         targets = self.targets(engine.module, s.final, lm_head, self.steps)
-        noise = torch.Generator(s.inputs.device).manual_seed((seed * 1_000_003 + micro) % 2**63)
-        hiddens = self.unroll(engine, add_input_noise(s.inputs, t.noise, t.noise_std, noise), s.next_ids,
-                              s.attention_mask, self.steps, rows)
+        hiddens = self.unroll(engine, inputs, s.next_ids, s.attention_mask, self.steps, rows)
         return draft_loss(hiddens, s.weights, targets, self.step_weights, self.feature_weight, rows, self.weighting)
+
+    def sharded_loss(self, engine, s: Shifted, inputs: torch.Tensor, lm_head: torch.Tensor, micro: int,
+                     shards) -> LossOutput:
+        """The loss of one record (B = 1) of which this rank holds the span `shards.span`: the record padded at its
+        end to a multiple of the group size x the row stride (positions without loss, after every real one), this
+        rank's span of its inputs and ids, and of its targets and loss weights plus the k - 1 positions after the span
+        that steps 2..k score against; the head's attention spans the ranks (train/sequence_parallel.py)."""
+        B, T = s.next_ids.shape
+        if B != 1 or not bool(s.attention_mask.all()):
+            raise ValueError(f"sequence parallelism trains one unpadded record per micro-batch, got {B} records of "
+                             f"{T} positions (train.micro_batch_size must be 1)")
+        multiple = shards.size * self.stride
+        pad = -T % multiple
+        lo, hi = shards.span(T + pad)
+        k = self.steps
+        halo = slice(lo, min(hi + k - 1, T + pad))
+
+        def span(x: torch.Tensor, where: slice) -> torch.Tensor:
+            return F.pad(x, (0, 0, 0, pad) if x.dim() == 3 else (0, pad))[:, where].contiguous()
+
+        rows = self.rows(hi - lo, micro, s.inputs.device)  # lo is a multiple of the stride: the 1-rank rows' offset
+        targets = self.targets(engine.module, span(s.final, halo), lm_head, k)
+        hiddens = self.unroll(engine, span(inputs, slice(lo, hi)), span(s.next_ids, slice(lo, hi)), None, k, rows,
+                              shards=shards)
+        return draft_loss(hiddens, span(s.weights, halo), targets, self.step_weights, self.feature_weight, rows,
+                          self.weighting, shards)
 
     def eval_loss(self, metrics: dict, loss_mean: float) -> float:
         """eval/loss: the mean training loss over the held-out positions."""
@@ -382,6 +413,7 @@ class DraftVocabTargets:
 class Eagle3Training(TrainingKind):
     kind = EAGLE3
     extra_eval = "ttt"
+    sequence_parallel = True
 
     def __init__(self, cfg, target_config):
         super().__init__(cfg, target_config)
@@ -439,8 +471,8 @@ class Eagle3Training(TrainingKind):
                 "ttt_step_weights": self.step_weights, "ttt_row_stride": self.stride, **self.vocab_info,
                 **{k: bool(getattr(self.options, k)) for k in EAGLE31_NORMS}}
 
-    def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows) -> list[torch.Tensor]:
-        return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows)  # steps x [B, T-1 | R, H]
+    def unroll(self, forward, inputs, next_ids, attention_mask, steps: int, rows, shards=None) -> list[torch.Tensor]:
+        return forward(inputs, next_ids, attention_mask, steps=steps, rows=rows, shards=shards)  # steps x [B, T-1 | R, H]
 
     def targets(self, head, final, lm_head, steps):
         return DraftVocabTargets.of(head, final, lm_head, steps, self.token_loss, self.t.loss_chunk)

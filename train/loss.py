@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from eagle.sampling import greedy_ids
@@ -104,16 +105,20 @@ class StepTargets(Protocol):
 
 def draft_loss(hiddens: list[torch.Tensor], weights: torch.Tensor, targets: StepTargets, step_weights: list[float],
                feature_weight: float | list[float] = 0.0, rows: torch.Tensor | None = None,
-               weighting: DPace | None = None) -> LossOutput:
+               weighting: DPace | None = None, shards=None) -> LossOutput:
     """THE training loss (module docstring). hiddens: the head's unrolled outputs, step 1 [B, T, H], steps j >= 2
-    [B, R, H] at the indices `rows` [R] (None = all T); weights [B, T] (0/1) from `shift`. Step j at index t is
+    [B, R, H] at the indices `rows` [R] (None = all T); weights [B, T] (0/1) from `shift`, or [B, T + k - 1] with the
+    k - 1 positions after the record's span (sequence parallelism: the next rank's). Step j at index t is
     scored at t + j - 1 (masked when that runs off the sequence or is no loss position). feature_weight: one weight,
     or one per step (EAGLE-2 with multi-step alignment); the reported feature loss is step 1's. weighting: None =
     fixed (step_weights alone), or D-PACE's per-chain weights on top of them (`dpace_row_weights`). The reported
-    token / step losses are the unweighted means."""
-    B, T = weights.shape
+    token / step losses are the unweighted means. shards (train/sequence_parallel.py; None = the whole record here):
+    this rank holds a span of the record; each step's mean runs over the record's loss positions (the group's count),
+    the returned loss is the group's sum of shares (every rank the record's loss) and the counts, hits and reported
+    means are the group's."""
+    T = hiddens[0].shape[1]
     k = len(hiddens)
-    w_ext = F.pad(weights, (0, k - 1))  # [B, T + k - 1]
+    w_ext = F.pad(weights, (0, T + k - 1 - weights.shape[1]))  # [B, T + k - 1]
     idx_all = torch.arange(T, device=weights.device)  # [T]
     sels, scores = [], []
     for j, h in enumerate(hiddens, start=1):
@@ -124,30 +129,37 @@ def draft_loss(hiddens: list[torch.Tensor], weights: torch.Tensor, targets: Step
     row_w = [None] * k
     if weighting is not None and k > 1:
         row_w = dpace_row_weights(weighting, sels, scores, None if rows is None else rows.to(weights.device))
+    counts = [int(sel.sum()) for sel in sels]
+    hits = [0 if sc is None else sc.topk_correct[0] for sc in scores]
+    topk = [0, 0, 0] if scores[0] is None else list(scores[0].topk_correct)
+    if shards is not None:  # the record's counts and hits: every span's
+        summed = shards.counts(counts + hits + topk)
+        counts, hits, topk = summed[:k], summed[k:2 * k], summed[2 * k:]
+
+    def mean(rows_: torch.Tensor, w: torch.Tensor | None, j: int) -> torch.Tensor:
+        """Step j's mean of rows_ [N] (times the D-PACE row weights w) over the record's loss positions."""
+        x = rows_ if w is None else w * rows_
+        return x.mean() if shards is None else x.sum() / counts[j - 1]
+
     loss = hiddens[0].new_zeros((), dtype=torch.float32)
-    feature = torch.zeros(())
-    step_loss, hits, counts, topk, token = [], [], [], [0, 0, 0], torch.zeros(())
-    for j, (h, sel, score, rw) in enumerate(zip(hiddens, sels, scores, row_w), start=1):
+    reported = torch.zeros(k + 2, device=weights.device)  # step token means, then step 1's feature and token mean (detached)
+    for j, (h, score, rw) in enumerate(zip(hiddens, scores, row_w), start=1):
         if score is None:
             loss = loss + h.sum() * 0.0  # keep the graph: every rank runs its backward
-            step_loss.append(0.0)
-            hits.append(0)
-            counts.append(0)
             continue
-        n = int(sel.sum())
-        step_token = score.token if rw is None else (rw * score.token_rows).mean()
-        loss = loss + step_weights[j - 1] * step_token
+        loss = loss + step_weights[j - 1] * mean(score.token_rows, rw, j)
+        reported[j - 1] = float(mean(score.token_rows.detach(), None, j))
         if score.feature_rows is not None:
-            step_feature = score.feature if rw is None else (rw * score.feature_rows).mean()
-            loss = loss + (feature_weight[j - 1] if isinstance(feature_weight, list) else feature_weight) * step_feature
+            weight = feature_weight[j - 1] if isinstance(feature_weight, list) else feature_weight
+            loss = loss + weight * mean(score.feature_rows, rw, j)
             if j == 1:
-                feature = score.feature.detach()
-        step_loss.append(float(score.token.detach()))
-        hits.append(score.topk_correct[0])
-        counts.append(n)
-        if j == 1:
-            topk, token = score.topk_correct, score.token.detach()
-    return LossOutput(loss, feature, token, counts[0], topk, hits, counts, step_loss)
+                reported[k] = float(mean(score.feature_rows.detach(), None, 1))
+    reported[k + 1] = reported[0]
+    if shards is not None:  # every rank backpropagates the record's loss; the reported means are the record's
+        loss = shards.total(loss)
+        dist_sum(reported, shards.group)
+    step_loss = [float(x) if n else 0.0 for x, n in zip(reported[:k].tolist(), counts)]
+    return LossOutput(loss, reported[k].clone(), reported[k + 1].clone(), counts[0], topk, hits, counts, step_loss)
 
 
 def dpace_row_weights(weighting: DPace, sels: list[torch.Tensor], scores: list, rows: torch.Tensor | None
@@ -182,6 +194,11 @@ def topk_hits(head_logits: torch.Tensor, target_top: torch.Tensor) -> torch.Tens
     top3 = head_logits.topk(min(3, head_logits.shape[-1]), dim=-1).indices  # [n, <=3]
     hit = top3 == target_top[:, None]  # [n, <=3]
     return torch.stack([hit[:, :k].any(-1).sum() for k in (1, 2, 3)]).cpu()
+
+
+def dist_sum(t: torch.Tensor, group) -> None:
+    """t summed in place over `group`'s ranks."""
+    dist.all_reduce(t, group=group)
 
 
 class ChunkedTokenLoss(torch.autograd.Function):

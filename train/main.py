@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import ArgumentParser, UserError, one_line, one_line_errors
+from eagle.head_kinds import text_config
 from eagle.run_lock import run_lock
 from recipes import add_print_config, command_config, layout, list_recipes
 from recipes.schema import describe_recipe_keys
@@ -51,6 +52,7 @@ from train.head_kinds import training_kind
 from train.live_tau import LiveTau
 from train.loss import LossOutput
 from train.plan import check_run_memory, print_run_plan
+from train.sequence_parallel import UlyssesShards, check_sequence_parallel, sequence_groups
 from train.stream import StreamRecords
 from train.tracking import Tracker
 
@@ -225,8 +227,12 @@ class Trainer:
         train_idx, limit = apply_long_records(t.long_records, positions, lengths, train_idx, max_length)
         eval_idx, _ = apply_long_records(t.long_records, positions, lengths, eval_idx, max_length)
         self.train_set, self.eval_set = Subset(self.source, train_idx, limit), Subset(self.source, eval_idx, limit)
+        tc = text_config(self.target_config)
+        check_sequence_parallel(t, self.part, ctx.world_size, tc.num_attention_heads,
+                                getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
+        sp = t.sequence_parallel_size  # the ranks of a sequence-parallel group train the same micro-batches
         self.plan = MicroBatchPlan(self.train_set.lengths, t.micro_batch_size, cfg.seed, t.batching, t.group_size,
-                                   ctx.world_size, ctx.rank, t.grad_accum)
+                                   ctx.world_size // sp, ctx.rank // sp, t.grad_accum)
         self.total_steps = t.max_steps or max(1, int(t.epochs * self.plan.per_epoch) // t.grad_accum)
         self.say(f"target {self.target_path} ({t.mode}); {len(self.train_set)} train / {len(self.eval_set)} eval "
                  f"records; {self.plan.per_epoch} micro-batches per epoch per rank x {ctx.world_size} ranks; "
@@ -274,6 +280,13 @@ class Trainer:
             (self.train_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
         self.engine, _, _, _ = deepspeed.initialize(
             model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=ds_config)
+        self.shards = None  # sequence parallelism: this rank's group and span of each record
+        if t.sequence_parallel_size > 1:
+            c = head.config
+            self.shards = UlyssesShards(sequence_groups(t.sequence_parallel_size, ctx.world_size, ctx.rank),
+                                        c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            self.say(f"sequence parallelism: each record split over {t.sequence_parallel_size} ranks (DeepSpeed "
+                     f"Ulysses), {ctx.world_size // t.sequence_parallel_size} data-parallel group(s)")
         seed_everything(cfg.seed * 1000 + 1 + ctx.rank)  # a stream per rank, restored on resume (input noise has its own)
 
     def plan_resume(self, ds_config: dict) -> None:
@@ -426,7 +439,7 @@ class Trainer:
         at an accumulation boundary. None: skipped (a non-finite loss on some rank)."""
         t, state = self.t, self.state
         features = self.frozen.features(batch).to(self.dtype)  # [B, T, W] the target's states the head reads
-        out = self.part.loss(self.engine, features, batch, self.frozen.lm_head, key, self.cfg.seed)
+        out = self.part.loss(self.engine, features, batch, self.frozen.lm_head, key, self.cfg.seed, self.shards)
         self.micro += 1
         if not all_ranks_finite(out.loss, self.ctx.world_size):
             self.skip_non_finite()
@@ -479,7 +492,8 @@ class Trainer:
     def record(self, out: LossOutput, batch, elapsed: float, cpu: float) -> None:
         """Add a trained micro-batch to the run's totals and the log window."""
         state, window, n = self.state, self.window, out.positions
-        state["tokens"] += batch.num_tokens
+        tokens = batch.num_tokens if self.shards is None or self.shards.rank == 0 else 0  # a group's record once
+        state["tokens"] += tokens
         state["train_time"] += elapsed
         state["train_cpu"] += cpu
         window["loss"] += float(out.loss.detach()) * n
@@ -492,7 +506,7 @@ class Trainer:
         for j, (hits, cnt) in enumerate(zip(out.step_hits[:steps], out.step_counts[:steps]), start=1):
             window[f"step{j}_hits"] += hits
             window[f"step{j}_n"] += cnt
-        window["tokens"] += batch.num_tokens
+        window["tokens"] += tokens
         window["time"] += elapsed
 
     def log_window(self, bar) -> None:
