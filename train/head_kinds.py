@@ -151,8 +151,11 @@ class TrainingKind:
         k = self.steps
         halo = slice(lo, min(hi + k - 1, T + pad))
 
-        def span(x: torch.Tensor, where: slice) -> torch.Tensor:
-            return F.pad(x, (0, 0, 0, pad) if x.dim() == 3 else (0, pad))[:, where].contiguous()
+        def span(x: torch.Tensor, where: slice) -> torch.Tensor:  # [B, where, ...]: the rows past T are zeros
+            part, short = x[:, min(where.start, T):min(where.stop, T)], where.stop - max(where.start, T)
+            if short <= 0:
+                return part.contiguous()
+            return F.pad(part, (0, 0, 0, short) if x.dim() == 3 else (0, short))
 
         rows = self.rows(hi - lo, micro, s.inputs.device)  # lo is a multiple of the stride: the 1-rank rows' offset
         targets = self.targets(engine.module, span(s.final, halo), lm_head, k)

@@ -385,7 +385,14 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
     mem.append(Item("micro-batch features", n_tok * s.hidden * s.cache_row * (4 + cb),
                     f"{B} x {T} tokens, fp32 + compute dtype", "train.micro_batch_size / data.max_length", FWD_BWD))
     part = training_class(s.kind)
-    rows = part.unrolled_rows(s, n_tok)
+    # train.sequence_parallel_size n: each rank holds the whole record's features as loaded, then its 1/n span of
+    # them and of every step's rows (its attention: the whole record's rows for 1/n of the heads, the same bytes)
+    sp = t.sequence_parallel_size
+    n_rank = math.ceil(n_tok / sp)
+    if sp > 1:
+        mem.append(Item("sequence-parallel span", n_rank * s.hidden * s.cache_row * cb,
+                        f"1/{sp} of the record's features (compute dtype)", "train.sequence_parallel_size", FWD_BWD))
+    rows = part.unrolled_rows(s, n_rank)
     # steps >= 2 read on average (1 + 1/chunks) / 2 of the T step-1 keys; under head.sliding_window W, a block of
     # WINDOW_QUERY_BLOCK rows (every ttt_row_stride-th index) reads W - 1 + its span keys (eagle/sliding_window.py)
     window = window_size(head_options(cfg.head))
@@ -397,11 +404,12 @@ def memory_items(cfg, hw: Hardware, shape: Shape) -> list[Item]:
         act += rows[0] * 2 * s.kv_heads * s.head_dim * cb
     transient = backward_transient_bytes_per_token(s, cb) * sum(rows)
     steps = "" if s.ttt_steps == 1 else f" x {s.ttt_steps} unrolled steps (steps >= 2 at 1/{s.ttt_row_stride} of the rows)"
-    mem.append(Item("head activations", act - transient, f"{B} x {T} tokens{steps}",
+    per_rank = f", 1/{sp} per rank" if sp > 1 else ""
+    mem.append(Item("head activations", act - transient, f"{B} x {T} tokens{steps}{per_rank}",
                     "train.micro_batch_size / data.max_length", FWD_BWD))
     mem.append(Item("backward transients", transient, "SwiGLU gate/up gradients",
                     "train.micro_batch_size / data.max_length", BWD))
-    mem += [Item(*item) for item in part.loss_memory(t, s, n_tok, cb)]
+    mem += [Item(*item) for item in part.loss_memory(t, s, n_rank, cb)]
     # DeepSpeed buffers (ZeRO-1/2: contiguous-gradient reduce bucket(s), all-gather bucket; ZeRO-3: prefetch)
     if t.zero_stage in (1, 2):
         red_dtype = 4 if (t.zero_stage == 1 or precision == "fp32") else cb
@@ -488,7 +496,8 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     plan.traffic = traffic_items(cfg, hw, P)
     if plan.traffic:
         records = n_tokens / data.tokens_per_record
-        opt_steps = t.epochs * records * (1 - t.eval_fraction) / (t.micro_batch_size * t.grad_accum * world)
+        opt_steps = t.epochs * records * (1 - t.eval_fraction) / (t.micro_batch_size * t.grad_accum * world
+                                                                   / t.sequence_parallel_size)
         per_step = sum(i.bytes for i in plan.traffic)
         plan.time.append(Item("training: inter-node traffic", per_step * opt_steps / (hw.net_gbps * 1e9 / 8),
                               f"~{opt_steps:,.0f} steps x {per_step / GB:.2f} GB at {hw.net_gbps:g} Gb/s per node (not "
