@@ -10,7 +10,10 @@ steps, window --window, token loss chunked by 256); the record's features are ra
 (every rank holds the whole record as loaded, as DeepSpeed's UlyssesSPDataLoaderAdapter does). Prints one JSON line
 per run: each rank's measured growth of peak RSS over the step (MB), the plan's per-rank step (`planned_step_mb`:
 head activations, backward transients, token-loss logits and checkpoints, the span copy), the step's seconds and
-tokens/s (the record's tokens over the step's wall time).
+tokens/s (the record's tokens over the step's wall time). --tensors: also the step's tensors, per rank: what
+autograd saves for backward (saved_tensors_hooks, unique storages: `saved_mb`) and the peak of live op outputs
+(a TorchDispatchMode counting each new storage until it is freed: `live_peak_mb`); slower, its seconds are not
+the step's.
 """
 from __future__ import annotations
 
@@ -21,10 +24,14 @@ import resource
 import subprocess
 import sys
 import time
+import weakref
+from contextlib import ExitStack
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig
 
 from eagle.eagle3 import Eagle3Head
@@ -54,6 +61,38 @@ def planned_step(cfg, target: LlamaConfig) -> float:
     return max(phase_bytes(items).values()) / 2**20
 
 
+class TensorCounter(TorchDispatchMode):
+    """Bytes of the storages ops create, live until freed (`peak`), and the storages autograd saves (`saved`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen, self.saved = 0, 0, set(), {}
+
+    def _freed(self, key: int, n: int) -> None:
+        self.live -= n
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.seen:
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._freed, key, storage.nbytes())
+                    self.peak = max(self.peak, self.live)
+        return out
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
 class Engine:
     """What the training kind calls: the head (forward) and `module`, as DeepSpeed's engine offers them."""
 
@@ -64,7 +103,7 @@ class Engine:
         return self.module(*args, **kwargs)
 
 
-def one_run(length: int, window: int) -> dict | None:
+def one_run(length: int, window: int, tensors: bool = False) -> dict | None:
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     shards = None
     if ranks > 1:
@@ -86,12 +125,19 @@ def one_run(length: int, window: int) -> dict | None:
         dist.barrier()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     start = time.perf_counter()
-    part.loss(Engine(head), features, batch, lm_head, 0, 0, shards).loss.backward()
+    counter = TensorCounter() if tensors else None
+    with ExitStack() as stack:
+        if counter is not None:
+            stack.enter_context(counter.hooks())
+            stack.enter_context(counter)
+        part.loss(Engine(head), features, batch, lm_head, 0, 0, shards).loss.backward()
     if ranks > 1:
         dist.barrier()
     seconds = time.perf_counter() - start
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     mine = {"growth_mb": round(growth, 1), "rss_before_mb": round(base, 1)}
+    if counter is not None:
+        mine.update(saved_mb=round(sum(counter.saved.values()) / 2**20, 1), live_peak_mb=round(counter.peak / 2**20, 1))
     every = [mine]
     if ranks > 1:
         every = [None] * ranks
@@ -105,7 +151,9 @@ def one_run(length: int, window: int) -> dict | None:
     return {"length": length, "ranks": ranks, "window": window, "planned_step_mb": round(plan, 1),
             "measured_growth_mb": [r["growth_mb"] for r in every], "rss_before_mb": [r["rss_before_mb"] for r in every],
             "plan_error": round(plan / worst - 1, 4), "seconds": round(seconds, 2),
-            "tokens_per_s": round(length / seconds), "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
+            "tokens_per_s": round(length / seconds), "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+            **({"saved_mb": [r["saved_mb"] for r in every], "live_peak_mb": [r["live_peak_mb"] for r in every]}
+               if tensors else {})}
 
 
 def main(argv=None) -> int:
@@ -114,10 +162,11 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--window", type=int, default=256, help="head.sliding_window.size (0 = full attention)")
+    p.add_argument("--tensors", action="store_true", help="also count the step's saved and live tensors (slower)")
     p.add_argument("--one", type=int, nargs=2, metavar=("LENGTH", "WINDOW"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        out = one_run(*args.one)
+        out = one_run(*args.one, tensors=args.tensors)
         if out is not None:
             print(json.dumps(out), flush=True)
         return 0
@@ -126,7 +175,8 @@ def main(argv=None) -> int:
             launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                             "--nproc_per_node", str(ranks)]
             proc = subprocess.run([*launcher, "-m", "benchmarks.sequence_parallel_memory", "--one", str(length),
-                                   str(args.window)], capture_output=True, text=True)
+                                   str(args.window)] + (["--tensors"] if args.tensors else []),
+                                  capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             print(lines[-1] if lines else json.dumps({"length": length, "ranks": ranks,
                                                       "error": proc.stderr.strip().splitlines()[-1:]}), flush=True)
