@@ -19,6 +19,7 @@ from test_train_helpers import REPO, assert_same_training, overrides, save_targe
 from test_train_multiproc import EAGLE3, free_port
 from tiny_models import tiny_llama
 from train.head_kinds import training_kind
+from train.plan import Hardware, memory_items, plan_shape
 from train.sequence_parallel import sequence_parallel_problem
 
 WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
@@ -76,6 +77,25 @@ def test_a_padded_micro_batch_is_refused():
     s = SimpleNamespace(next_ids=ids[:, 1:], attention_mask=torch.ones(2, 8))
     with pytest.raises(ValueError, match="one unpadded record per micro-batch, got 2 records"):
         part.sharded_loss(None, s, None, None, 0, SimpleNamespace(size=2))
+
+
+def test_the_plan_counts_a_ranks_span():
+    """train.plan per rank under sequence parallelism: the step's rows (head activations, backward transients, the
+    token loss) are the span's (1/n of the record, the 1-rank items' 1/n within rounding of the span), the span copy
+    is added, and what every rank holds whole (the record's features as loaded, the frozen weights) is unchanged."""
+    target = tiny_llama(num_layers=4).config
+
+    def items(n: int) -> dict[str, float]:
+        cfg = load_config(None, ["head.kind=eagle3", "head.aux_layers=[1,2,3]", "head.ttt_steps=3",
+                                 "data.max_length=16384", "train.micro_batch_size=1", "train.precision=fp32",
+                                 "train.loss_chunk=256", f"train.sequence_parallel_size={n}"])
+        return {i.name: i.bytes for i in memory_items(cfg, Hardware(host=True), plan_shape(cfg, target))}
+
+    one, two = items(1), items(2)
+    for name in ("head activations", "backward transients", "token-loss checkpoints"):
+        assert two[name] == pytest.approx(one[name] / 2, rel=0.01), name
+    assert "sequence-parallel span" in two and "sequence-parallel span" not in one
+    assert two["micro-batch features"] == one["micro-batch features"]
 
 
 @pytest.fixture(scope="module")
