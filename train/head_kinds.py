@@ -619,7 +619,8 @@ class DFlashTraining(TrainingKind):
         """(context states [b, T, K H], final states [b, T, H])."""
         return self.kind.head_inputs(features, self.hidden), features[..., -self.hidden:]
 
-    def loss(self, engine, features, batch, lm_head, micro: int, seed: int = 0) -> LossOutput:
+    def loss(self, engine, features, batch, lm_head, micro: int, seed: int = 0, shards=None) -> LossOutput:
+        # shards: always None here (sequence_parallel = False: train.sequence_parallel_size > 1 is refused first)
         t = self.t
         inputs, final = self.parts(features, batch)
         gen = torch.Generator(features.device).manual_seed((seed * 1_000_003 + micro) % 2**63)
