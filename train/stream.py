@@ -51,11 +51,11 @@ EVAL_SHARD, REST_SHARD = "eval.safetensors", "rest.safetensors"
 REQUEST = register(StateFile(
     "request.json", "STREAM_DIR", writer="train/stream.py",
     schema={"run": str, "step_size": int, "micro_batch_size": int, "seed": int, "batching": str, "group_size": int,
-            "window_bytes": int, "epochs": str, "train": [int], "eval": [int], "limit": int, "start": int,
+            "window_steps": int, "window_cap_bytes": int, "epochs": str, "train": [int], "eval": [int], "limit": int, "start": int,
             "end": int, "world_size": int, "tokenized": str, "order?": [int]},
     rebuild="delete the stream directory and rerun the training command (it writes the request again)",
     example={"run": "x", "step_size": 1, "micro_batch_size": 1, "seed": 0, "batching": "grouped", "group_size": 1,
-             "window_bytes": 1, "epochs": "recapture", "train": [0], "eval": [], "limit": 8, "start": 0, "end": 1,
+             "window_steps": 8, "window_cap_bytes": 0, "epochs": "recapture", "train": [0], "eval": [], "limit": 8, "start": 0, "end": 1,
              "world_size": 1, "tokenized": "t.jsonl"}))
 STREAM_META = register(StateFile(
     "stream.json", "STREAM_DIR", writer="train/stream_producer.py", schema={"meta": dict, "dtype": str, "run": str},
@@ -120,7 +120,11 @@ class StreamOrder:
         # longest records) no longer fits beside it. The held-out records are kept in their order while they fit
         # (the rest are not evaluated in stream mode); the train shards share the rest of the window, so the
         # held-out shard + the train shards on disk <= the window (a window below one step is exceeded by that step).
-        window, mbs = request["window_bytes"], request["micro_batch_size"]
+        mbs = request["micro_batch_size"]
+        mean_record = sum(self.record_bytes(n) for n in self.lengths) / max(1, len(self.lengths))
+        self.step_bytes = request["step_size"] * mbs * mean_record  # the mean optimizer step's features
+        self.window_bytes = window = window_bytes(request["window_steps"], request["window_cap_bytes"],
+                                                  self.step_bytes)
         step = sum(self.record_bytes(n) for n in sorted(self.lengths, reverse=True)[:request["step_size"] * mbs])
         budget = min(window // 2, window - step) if window > step else window // 2
         self.eval_bytes, self.eval_kept = 0, []
@@ -138,7 +142,7 @@ class StreamOrder:
         # takes `stride` global positions (m = epoch x stride + position), the longer of the two epochs' lengths
         self.reordered = tuple(request.get("order") or ())
         self.stride = stream_stride(self.plan, request.get("order"))
-        self.shard_target = max(1, (request["window_bytes"] - self.eval_bytes) // 4)  # ~4 shards: one read, others ahead
+        self.shard_target = max(1, (window - self.eval_bytes) // 4)  # ~4 shards: one read, others ahead
         self._epoch: tuple[int, list, list] | None = None
 
     def record_bytes(self, n: int) -> int:
@@ -179,6 +183,14 @@ class StreamOrder:
         batches, _ = self.epoch(a // self.stride)
         off = (a // self.stride) * self.stride
         return [i for bt in batches[a - off:b - off] for i in bt]
+
+
+def window_bytes(steps: int, cap_bytes: int, step_bytes: float) -> int:
+    """The stream window (bytes): `steps` optimizer steps of features of the mean step (`step_bytes`: G x
+    micro_batch_size mean records), at most `cap_bytes` (train.stream_window_mb; 0 = no cap). The one formula the
+    trainer, the producer and the plan use."""
+    w = max(1, int(steps * step_bytes))
+    return min(w, cap_bytes) if cap_bytes > 0 else w
 
 
 def stream_stride(plan: MicroBatchPlan, order: list | None) -> int:
@@ -272,8 +284,10 @@ class StreamRecords:
             (self.sdir / "consumed").mkdir(parents=True, exist_ok=True)
             request = {"run": new_run_token(), "step_size": plan.step_size, "micro_batch_size": t.micro_batch_size,
                        "seed": int(cfg.seed), "batching": t.batching, "group_size": t.group_size,
-                       "window_bytes": int(t.stream_window_mb * 2**20), "epochs": t.stream_epochs,
-                       "train": [int(i) for i in train_set.indices], "eval": [int(i) for i in eval_set.indices],
+                       "window_steps": int(t.stream_window_steps),
+                       "window_cap_bytes": int(t.stream_window_mb * 2**20), "epochs": t.stream_epochs,
+                       "train": [int(i) for i in train_set.indices],
+                       "eval": [int(i) for i in eval_set.indices][: t.eval_max_records or None],  # what is evaluated
                        "limit": int(train_set.max_length or max(self.lengths)), "start": start,
                        "end": end, "world_size": ctx.world_size,
                        "tokenized": str(Path(self.tok.path).resolve())}
@@ -332,7 +346,8 @@ class StreamRecords:
         p = self.producer_stats()
         return {"trainer_wait_s": trainer_wait, "producer_wait_s": p["wait_s"], "producer_capture_s": p["capture_s"],
                 "producer_records": p["records"], "producer_records_per_s": p["records"] / max(p["capture_s"], 1e-9),
-                "window_peak_bytes": p["peak_bytes"], "window_bytes": self.request["window_bytes"],
+                "window_peak_bytes": p["peak_bytes"], "window_bytes": self.order.window_bytes,
+                "window_steps": self.request["window_steps"],
                 "bottleneck": "producer (scale the engine)" if trainer_wait > p["wait_s"] else "trainer (scale the ranks)"}
 
     def start(self, request: dict) -> None:

@@ -126,7 +126,7 @@ class Producer:
             sweep(self.sdir, self.request, self.order.per_epoch)  # what every rank is past goes before measuring
             used = shard_bytes_on_disk(self.shards)
             trains = any(p.name.startswith("m") for p in self.shards.glob("m*.safetensors"))
-            if not trains or used + size <= self.request["window_bytes"]:
+            if not trains or used + size <= self.order.window_bytes:
                 break
             low = min_marker(self.sdir, self.request["world_size"], self.run)
             if span is not None and span[0] <= low < span[1]:
@@ -148,7 +148,7 @@ class Producer:
                 raise
             free = shutil.disk_usage(self.shards).free / 2**20
             raise StreamError(f"disk full writing stream shard {path} ({free:.0f} MiB free): free space or lower "
-                              "train.stream_window_mb, then rerun the same command (nothing consumed is lost; "
+                              "train.stream_window_steps (or cap it: train.stream_window_mb), then rerun the same command (nothing consumed is lost; "
                               "this shard is captured again)") from None
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], shard_bytes_on_disk(self.shards))
 
