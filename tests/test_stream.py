@@ -106,6 +106,62 @@ def test_the_held_out_shard_counts_against_the_window(toy, tmp_path, dist_ctx):
     assert 0 < s_st["stream"]["window_peak_bytes"] <= window_mb * 2**20
 
 
+def test_the_default_window_is_counted_in_optimizer_steps(toy, tmp_path, dist_ctx):
+    """No train.stream_window_mb: the window is train.stream_window_steps (default 8) mean optimizer steps of
+    features (G x micro_batch_size records of the train records' mean size), below the whole cache here, and the
+    peak on disk stays within it; training is untouched (the offline head, bit for bit)."""
+    from data_prep.feature_cache import bytes_per_token
+    from data_prep.feature_shard import RECORD_HEADER_BYTES
+    from recipes import load_config
+    from train.main import train
+
+    assert load_config("tiny").train.stream_window_steps == 8 and load_config("tiny").train.stream_window_mb == 0
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    train(off, dist_ctx)
+    st = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_window_steps=3")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    sdir = tmp_path / "st" / "train" / "stream"
+    request = json.loads((sdir / "request.json").read_text())
+    hidden = json.loads((sdir / "stream.json").read_text())["meta"]["hidden_size"]
+    per_token = bytes_per_token(hidden, st.data.cache_dtype)
+    per_record = [min(len(toy["records"][i]["input_ids"]), request["limit"]) * per_token + RECORD_HEADER_BYTES
+                  for i in request["train"]]
+    assert request["step_size"] == 1 and request["micro_batch_size"] == 4  # 1 rank x grad_accum 1
+    step = 4 * sum(per_record) / len(per_record)
+    stream = s_st["stream"]
+    assert stream["window_steps"] == 3 and stream["window_bytes"] == int(3 * step)
+    cache = sum(p.stat().st_size for p in (tmp_path / "off" / "data" / "features" / "shards").glob("*.safetensors"))
+    assert 0 < stream["window_peak_bytes"] <= stream["window_bytes"] < cache
+
+
+def test_several_producers_stream_the_offline_head(toy, tmp_path, dist_ctx):
+    """train.stream_producers=2: shard k is producer k mod 2's, both capture, the shards land in the order's
+    sequence within the window, and the head is the offline one bit for bit."""
+    from train.main import train
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    train(off, dist_ctx)
+    window_mb = 0.03
+    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}",
+                "train.stream_producers=2")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "head streamed by 2 producers differs from offline"
+    sdir = tmp_path / "st" / "train" / "stream"
+    beats = [json.loads((sdir / name).read_text()) for name in ("producer.json", "producer-1.json")]
+    assert all(beat["records"] > 0 for beat in beats) and beats[0]["pid"] != beats[1]["pid"]
+    stream = s_st["stream"]
+    assert stream["producers"] == 2 and stream["producer_records"] == sum(beat["records"] for beat in beats)
+    need = STEPS * 4 + s_st["eval_records"]
+    assert need <= stream["producer_records"] <= need + 8  # nothing captured twice
+    assert 0 < stream["window_peak_bytes"] <= window_mb * 2**20
+    assert not list((sdir / "shards").glob("*.safetensors*"))
+
+
 @pytest.mark.slow
 def test_keep_mode_rereads_epoch_one(toy, tmp_path, dist_ctx):
     from train.main import train

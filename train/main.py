@@ -512,7 +512,9 @@ class Trainer:
         self.tracker.log(logs, self.step)
         waits = {}
         if self.t.mode == "stream":  # who waits for whom: this rank for the producer, the producer for the window
-            waits = {"wait_s": f"{self.source.wait_s:.0f}", "producer_wait_s": f"{self.source.producer_stats()['wait_s']:.0f}"}
+            beats = self.source.producer_stats()  # the producers' mean wait
+            waits = {"wait_s": f"{self.source.wait_s:.0f}",
+                     "producer_wait_s": f"{sum(b['wait_s'] for b in beats) / len(beats):.0f}"}
         bar.set_postfix(loss=f"{logs['train/loss']:.3f}", top1=f"{logs['train/top1']:.3f}",
                         tok_s=f"{logs['train/tokens_per_s']:.0f}", **waits)
         self.window = dict.fromkeys(self.window, 0)
