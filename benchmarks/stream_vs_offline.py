@@ -12,7 +12,7 @@ file, tokenized with the target's tokenizer (its BOS added), cut to data.max_len
 (train.corpus_cache's records without --continue-with-target), written to {out}/tokenized.jsonl. Both runs read the
 same file. Offline: data prep's cache stage function (`cache_shard`, one forward per record) into
 {out}/offline/data/features, then `train/main.py` offline; stream: `train/main.py train.mode=stream` once at the
-recipe's default window, then once per --window-steps / --window-mb given. --ranks N runs both trainings under
+recipe's default window, then once per --window-steps / --window-mb / --producers given. --ranks N runs both trainings under
 torchrun on N ranks (the capture stays one process, as the stream's one producer). Every run is a subprocess
 (`nice -n 19` from the caller) so wall time includes its start-up.
 """
@@ -82,6 +82,8 @@ def main() -> int:
                    help="also a stream run at train.stream_window_steps=N (repeatable)")
     p.add_argument("--window-mb", type=float, action="append", default=[],
                    help="also a stream run with the window capped at train.stream_window_mb=X (repeatable)")
+    p.add_argument("--producers", type=int, action="append", default=[],
+                   help="also a stream run at the default window with train.stream_producers=N (repeatable)")
     p.add_argument("--no-default-window", action="store_true", help="skip the run at the recipe's default window")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
@@ -111,7 +113,8 @@ def main() -> int:
     head = load_file(str(out / "offline" / "head" / "model.safetensors"))
     windows = ([("default", [])] if not args.no_default_window else []) \
         + [(f"{n}steps", [f"train.stream_window_steps={n}"]) for n in args.window_steps] \
-        + [(f"{mb:g}mb", [f"train.stream_window_mb={mb}"]) for mb in args.window_mb]
+        + [(f"{mb:g}mb", [f"train.stream_window_mb={mb}"]) for mb in args.window_mb] \
+        + [(f"{n}producers", [f"train.stream_producers={n}"]) for n in args.producers]
     result["streams"] = []
     for label, window in windows:
         d = out / f"stream-{label}"
