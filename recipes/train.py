@@ -29,7 +29,7 @@ EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 @dataclass
 class TrainSettings:
     # --- data
-    mode: str = "offline"  # offline = features from the data_prep cache; online = the frozen target computes them in the loop; stream = a producer process captures them as training consumes them (train/stream.py), the disk holding at most train.stream_window_mb
+    mode: str = "offline"  # offline = features from the data_prep cache; online = the frozen target computes them in the loop; stream = a producer process captures them as training consumes them (train/stream.py), the disk holding at most the window (train.stream_window_steps)
     cache_dir: str = ""  # offline feature cache; "" = {output_dir}/data/features
     verify_cache: str = "sha256"  # sha256 = hash every cache shard at start | size = check sizes only (huge caches)
     tokenized: str = ""  # online mode: tokenised conversations (jsonl); "" = {output_dir}/data/tokenized.jsonl
@@ -40,8 +40,10 @@ class TrainSettings:
     group_size: int = 32  # micro-batches per length-sorted bucket (larger = less padding, coarser shuffling)
     num_workers: int = 2  # DataLoader processes reading + collating ahead of the GPU; 0 = in the training process
     # --- stream mode (train/stream.py, train/stream_producer.py)
-    stream_window_mb: float = 1024.0  # the streamed features on disk at most (MiB); the producer waits when it is full
+    stream_window_steps: int = 8  # the window: the streamed features on disk (held-out shard included) at most this many optimizer steps' worth (the mean step: world_size x grad_accum x micro_batch_size records); the producer waits when it is full. It scales with the run: look-ahead to hide the engine's jitter, never the cache (8 steps of a 70B EAGLE-3 run on 8 ranks x 2 x 2 records of 2k tokens are ~25 GB; of the default target, 1 rank, ~1.7 MB)
+    stream_window_mb: float = 0.0  # optional cap on that window (MiB); 0 = no cap
     stream_producer: str = "hf"  # hf = the recipe's target under transformers, in a process rank 0 starts; vllm = that process starts a vLLM capture server (data.engine_python) and captures as data.feature_source=vllm (train/stream_capture.py)
+    stream_producers: int = 1  # producer processes rank 0 starts (each its own target copy / vLLM server, on data.device): shard k of the order is producer k mod N's, written in the order's sequence, so the head is the same bit for bit; scale it when the producer is the bottleneck
     stream_epochs: str = "recapture"  # recapture = every epoch is captured again (the window stays bounded) | keep = epoch 1 is kept and re-read (a whole cache on disk)
     stream_timeout_s: float = 120.0  # a producer silent this long (no heartbeat) is dead: one error line
     stream_dir: str = ""  # where the window lives; "" = {output_dir}/train/stream (a filesystem every rank sees)
@@ -118,8 +120,11 @@ def validate_train_sections(cfg) -> None:
     """Check the values of the train/logging/export sections (keys are checked by the schema)."""
     t, lg, ex = cfg.train, cfg.logging, cfg.export
     check(t.mode in MODES, "train.mode", t.mode, f"expected one of {MODES}")
-    check(t.stream_window_mb > 0, "train.stream_window_mb", t.stream_window_mb, "expected > 0 (MiB)")
+    check(t.stream_window_steps >= 1, "train.stream_window_steps", t.stream_window_steps, "expected >= 1 optimizer step")
+    check(math.isfinite(t.stream_window_mb) and t.stream_window_mb >= 0, "train.stream_window_mb", t.stream_window_mb,
+          "expected 0 (no cap) or a cap > 0 in MiB")
     check(t.stream_producer in STREAM_PRODUCERS, "train.stream_producer", t.stream_producer, f"expected one of {STREAM_PRODUCERS}")
+    check(t.stream_producers >= 1, "train.stream_producers", t.stream_producers, "expected >= 1 producer process")
     check(t.stream_epochs in STREAM_EPOCHS, "train.stream_epochs", t.stream_epochs, f"expected one of {STREAM_EPOCHS}")
     check(t.stream_timeout_s > 0, "train.stream_timeout_s", t.stream_timeout_s, "expected > 0 seconds")
     check(t.verify_cache in ("sha256", "size"), "train.verify_cache", t.verify_cache, "expected 'sha256' or 'size'")

@@ -257,6 +257,7 @@ READERS = {
     "STREAM_DIR/request.json": lambda d: __import__("train.stream").stream.read_request(d),
     "STREAM_DIR/stream.json": _spec_loader("STREAM_DIR/stream.json"),
     "STREAM_DIR/producer.json": _spec_loader("STREAM_DIR/producer.json"),
+    "STREAM_DIR/producer-P.json": _spec_loader("STREAM_DIR/producer-P.json"),
     "STREAM_DIR/producer.error": _spec_loader("STREAM_DIR/producer.error"),
     "STREAM_DIR/consumed/RANK.json": _spec_loader("STREAM_DIR/consumed/RANK.json"),
     "STREAM_DIR/vllm/server.json": _spec_loader("STREAM_DIR/vllm/server.json"),

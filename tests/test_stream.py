@@ -106,6 +106,62 @@ def test_the_held_out_shard_counts_against_the_window(toy, tmp_path, dist_ctx):
     assert 0 < s_st["stream"]["window_peak_bytes"] <= window_mb * 2**20
 
 
+def test_the_default_window_is_counted_in_optimizer_steps(toy, tmp_path, dist_ctx):
+    """No train.stream_window_mb: the window is train.stream_window_steps (default 8) mean optimizer steps of
+    features (G x micro_batch_size records of the train records' mean size), below the whole cache here, and the
+    peak on disk stays within it; training is untouched (the offline head, bit for bit)."""
+    from data_prep.feature_cache import bytes_per_token
+    from data_prep.feature_shard import RECORD_HEADER_BYTES
+    from recipes import load_config
+    from train.main import train
+
+    assert load_config("tiny").train.stream_window_steps == 8 and load_config("tiny").train.stream_window_mb == 0
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    train(off, dist_ctx)
+    st = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_window_steps=3")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    sdir = tmp_path / "st" / "train" / "stream"
+    request = json.loads((sdir / "request.json").read_text())
+    hidden = json.loads((sdir / "stream.json").read_text())["meta"]["hidden_size"]
+    per_token = bytes_per_token(hidden, st.data.cache_dtype)
+    per_record = [min(len(toy["records"][i]["input_ids"]), request["limit"]) * per_token + RECORD_HEADER_BYTES
+                  for i in request["train"]]
+    assert request["step_size"] == 1 and request["micro_batch_size"] == 4  # 1 rank x grad_accum 1
+    step = 4 * sum(per_record) / len(per_record)
+    stream = s_st["stream"]
+    assert stream["window_steps"] == 3 and stream["window_bytes"] == int(3 * step)
+    cache = sum(p.stat().st_size for p in (tmp_path / "off" / "data" / "features" / "shards").glob("*.safetensors"))
+    assert 0 < stream["window_peak_bytes"] <= stream["window_bytes"] < cache
+
+
+def test_several_producers_stream_the_offline_head(toy, tmp_path, dist_ctx):
+    """train.stream_producers=2: shard k is producer k mod 2's, both capture, the shards land in the order's
+    sequence within the window, and the head is the offline one bit for bit."""
+    from train.main import train
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    train(off, dist_ctx)
+    window_mb = 0.03
+    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}",
+                "train.stream_producers=2")
+    s_st = train(st, dist_ctx)
+    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
+    assert all((a[k] == b[k]).all() for k in a), "head streamed by 2 producers differs from offline"
+    sdir = tmp_path / "st" / "train" / "stream"
+    beats = [json.loads((sdir / name).read_text()) for name in ("producer.json", "producer-1.json")]
+    assert all(beat["records"] > 0 for beat in beats) and beats[0]["pid"] != beats[1]["pid"]
+    stream = s_st["stream"]
+    assert stream["producers"] == 2 and stream["producer_records"] == sum(beat["records"] for beat in beats)
+    need = STEPS * 4 + s_st["eval_records"]
+    assert need <= stream["producer_records"] <= need + 8  # nothing captured twice
+    assert 0 < stream["window_peak_bytes"] <= window_mb * 2**20
+    assert not list((sdir / "shards").glob("*.safetensors*"))
+
+
 @pytest.mark.slow
 def test_keep_mode_rereads_epoch_one(toy, tmp_path, dist_ctx):
     from train.main import train
@@ -184,7 +240,8 @@ def test_full_disk_is_one_line_and_leaves_no_partial_shard(toy, tmp_path, monkey
     sdir = layout.stream_dir(cfg)
     (sdir / "consumed").mkdir(parents=True)
     write_request(sdir, {"run": "r1", "step_size": 1, "micro_batch_size": 4, "seed": int(cfg.seed),
-                         "batching": "grouped", "group_size": 32, "window_bytes": 2**14, "epochs": "recapture",
+                         "batching": "grouped", "group_size": 32, "window_steps": 8, "window_cap_bytes": 2**14,
+                         "epochs": "recapture",
                          "train": list(range(36)), "eval": [36, 37], "limit": 512, "start": 0, "end": 9,
                          "world_size": 1, "tokenized": str(toy["tok"])})
     (sdir / "recipe.yaml").write_text(__import__("recipes").config_yaml(cfg))
@@ -258,6 +315,76 @@ def test_two_torchrun_ranks_consume_the_stream_as_they_read_the_cache(toy, tmp_p
     assert {p.name for p in (sdir / "consumed").iterdir()} == {"rank0.json", "rank1.json"}
     assert not list((sdir / "shards").glob("*.safetensors"))
     assert summary["world_size"] == 2 and 0 < summary["stream"]["window_peak_bytes"] <= 0.06 * 2**20
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the trainer process of global rank `rank` among the children of torchrun's agent `launcher_pid`."""
+    from pathlib import Path
+
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return int(child)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("rank,tag", [(1, "step-00000002"), (0, "step-00000004")])
+def test_kill_of_one_rank_of_two_reruns_to_the_offline_head(toy, tmp_path, rank, tag):
+    """kill -9 of ONE rank of a 2-rank stream run under torchrun (rank 1 after the first checkpoint, rank 0 -- the
+    producer's parent -- after the second): torchrun ends the other rank, the orphaned producer exits on its own, and
+    the same command again resumes from the last checkpoint and trains the 2-rank offline head bit for bit (nothing
+    lost, nothing twice), capturing less than a whole run."""
+    import socket
+
+    def torchrun(out, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                str(REPO / "train" / "main.py"), "--recipe", "tiny",
+                *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5",
+                           "train.checkpoint_every=2", *extra, steps=6)]
+
+    off = config(toy, tmp_path / "off")
+    offline_cache(off, toy["records"])
+    done = subprocess.run(torchrun(tmp_path / "off"), env=subprocess_env(), capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = tmp_path / "st"
+    stream = ("train.mode=stream", "train.stream_window_mb=0.06", "train.stream_timeout_s=30")
+    proc = subprocess.Popen(torchrun(out, *stream), env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    latest = out / "train" / "checkpoints" / "latest"
+    deadline = time.time() + 400
+    while time.time() < deadline and not (latest.exists() and latest.read_text().strip() >= tag):
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        time.sleep(0.02)
+    victim = rank_pid(proc.pid, rank)
+    assert victim is not None, "no trainer process of that rank under torchrun"
+    beat = json.loads((out / "train" / "stream" / "producer.json").read_text())
+    os.kill(victim, 9)
+    assert proc.wait(timeout=120) != 0  # torchrun ends the surviving rank and fails
+    from train.stream import alive
+
+    deadline = time.time() + 60
+    while alive(beat["pid"]) and time.time() < deadline:  # the orphaned producer sees its trainer gone
+        time.sleep(0.05)
+    assert not alive(beat["pid"]), "the producer outlived its trainer"
+    rerun = subprocess.run(torchrun(out, *stream), env=subprocess_env(), capture_output=True, text=True, timeout=600,
+                           cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert "resumed from" in rerun.stdout
+    a, b = head_weights(tmp_path / "off"), head_weights(out)
+    assert all((a[k] == b[k]).all() for k in a), "the resumed 2-rank streamed head differs from the 2-rank offline head"
+    summary = json.loads((out / "train" / "summary.json").read_text())
+    assert summary["stream"]["producer_records"] < 6 * 8 + summary["eval_records"]  # the consumed part is not redone
+    assert not list((out / "train" / "stream" / "shards").glob("*.safetensors"))
 
 
 def offline_vllm_cache(cfg, records, engine_python: str, work) -> None:
@@ -348,7 +475,7 @@ def test_a_resume_on_another_global_batch_finds_every_micro_batch_in_its_shard(t
         order = [0, old_g]
         stride = stream_stride(plan, order)
         request = {"step_size": new_g, "micro_batch_size": 4, "seed": 0, "batching": "grouped", "group_size": 2,
-                   "window_bytes": 40_000, "limit": 64, "order": order, "start": consumed}
+                   "window_steps": 1000, "window_cap_bytes": 40_000, "limit": 64, "order": order, "start": consumed}
         so = StreamOrder(request, lengths, per_token=32)
         wanted = [(e * stride + p, b) for e, start in ((0, consumed), (1, 0), (2, 0))
                   for p, b in plan.segment(e, start, old_g if e == 0 else None)]

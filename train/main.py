@@ -252,7 +252,10 @@ class Trainer:
                                    self.cfg.target.quantization)
         if len(self.source.eval_indices) < len(self.eval_set):  # the held-out shard is bounded by the window
             self.say(f"stream: {len(self.source.eval_indices)} of {len(self.eval_set)} held-out records evaluated "
-                     f"(their shard stays on disk: at most half of train.stream_window_mb={self.t.stream_window_mb:g})")
+                     f"(their shard stays on disk: at most half of the window, {self.source.order.window_bytes / 2**20:.2f} "
+                     f"MiB = train.stream_window_steps={self.t.stream_window_steps}"
+                     + (f" capped at train.stream_window_mb={self.t.stream_window_mb:g}" if self.t.stream_window_mb else "")
+                     + ")")
             self.eval_set = Subset(self.source, self.source.eval_indices, self.eval_set.max_length)
 
     def setup_model(self) -> None:
@@ -523,7 +526,9 @@ class Trainer:
         self.tracker.log(logs, self.step)
         waits = {}
         if self.t.mode == "stream":  # who waits for whom: this rank for the producer, the producer for the window
-            waits = {"wait_s": f"{self.source.wait_s:.0f}", "producer_wait_s": f"{self.source.producer_stats()['wait_s']:.0f}"}
+            beats = self.source.producer_stats()  # the producers' mean wait
+            waits = {"wait_s": f"{self.source.wait_s:.0f}",
+                     "producer_wait_s": f"{sum(b['wait_s'] for b in beats) / len(beats):.0f}"}
         bar.set_postfix(loss=f"{logs['train/loss']:.3f}", top1=f"{logs['train/top1']:.3f}",
                         tok_s=f"{logs['train/tokens_per_s']:.0f}", **waits)
         self.window = dict.fromkeys(self.window, 0)
@@ -595,7 +600,8 @@ class Trainer:
             s = summary["stream"]
             self.say(f"stream: trainer waited {s['trainer_wait_s']:.1f} s, producer waited {s['producer_wait_s']:.1f} s "
                      f"({s['producer_records_per_s']:.1f} records/s captured), window peak "
-                     f"{s['window_peak_bytes'] / 2**20:.1f} of {s['window_bytes'] / 2**20:.0f} MiB; bottleneck: "
+                     f"{s['window_peak_bytes'] / 2**20:.2f} of {s['window_bytes'] / 2**20:.2f} MiB "
+                     f"({s['window_steps']} steps); bottleneck: "
                      f"{s['bottleneck']}")
         if self.stopped_early:
             self.say(f"stopped after step {self.step} (train.stop_after={t.stop_after}); rerun the same command to resume")

@@ -51,6 +51,7 @@ from omegaconf import OmegaConf
 from data_prep.default_target import built_default_target, default_target_config
 from data_prep.docstring_corpus import default_conversations
 from data_prep.feature_cache import bytes_per_token, merge_manifests
+from data_prep.feature_shard import RECORD_HEADER_BYTES
 from data_prep.target import load_target_config, resolve_target_path
 from eagle.cli_errors import ArgumentParser, bounded, one_line_errors
 from eagle.sliding_window import WINDOW_QUERY_BLOCK, window_size
@@ -62,6 +63,7 @@ from recipes.head import check_head_fits_target, head_options, section_kind
 from train.distributed import import_deepspeed
 from train.ds_config import deepspeed_config
 from train.head_kinds import training_class
+from train.stream import window_bytes
 
 GB = 1e9
 
@@ -492,7 +494,7 @@ def build_plan(cfg, hw: Hardware, shape: Shape | None = None, tokens: int | None
     plan.time.append(Item("training", train_s, f"{t.epochs:g} epochs; {head_flops / 1e9:.2g} GFLOP/token (the head "
                                                "kind's train_flops_per_token)"))
     if t.mode == "stream":
-        plan.stream = stream_lines(cfg, hw, s, n_tokens, head_flops)
+        plan.stream = stream_lines(cfg, hw, s, n_tokens, data.tokens_per_record, head_flops)
     plan.traffic = traffic_items(cfg, hw, P)
     if plan.traffic:
         records = n_tokens / data.tokens_per_record
@@ -568,18 +570,24 @@ def data_size(cfg) -> DataSize:
                     "text) or pass --tokens", caches=True)
 
 
-def stream_lines(cfg, hw: Hardware, s: Shape, n_tokens: int, head_flops: float) -> list[str]:
+def stream_lines(cfg, hw: Hardware, s: Shape, n_tokens: int, tokens_per_record: int, head_flops: float) -> list[str]:
     """train.mode=stream (train/stream.py): the window's disk against the cache it replaces, the producer's memory,
     and per GPU the tokens/s the engine captures (a prefill, 2 x active params per token) and the trainer trains
-    (the head's FLOPs per token), so which side needs more GPUs."""
+    (the head's FLOPs per token), so which side needs more GPUs. The window is train/stream.py `window_bytes` of the
+    mean step (world x grad_accum x micro_batch_size records of the data's mean length)."""
     t = cfg.train
     bpt = bytes_per_token(s.hidden * s.cache_row, cfg.data.cache_dtype)
     cache = bpt * n_tokens
-    window = t.stream_window_mb * 2**20
+    records = hw.world * t.grad_accum * t.micro_batch_size
+    step = records * (min(tokens_per_record, cfg.data.max_length) * bpt + RECORD_HEADER_BYTES)
+    window = window_bytes(t.stream_window_steps, int(t.stream_window_mb * 2**20), step)
     held = cache if t.stream_epochs == "keep" else min(window, cache)
+    cap = f", capped at train.stream_window_mb={t.stream_window_mb:g}" if t.stream_window_mb else ""
     lines = [f"stream window (disk)                 {_gb(held)}  "
-             + (f"train.stream_window_mb={t.stream_window_mb:g} = {window / max(cache, 1):.1%} of the "
-                f"{cache / GB:.2f} GB {cfg.data.cache_dtype} cache (every epoch captured again)"
+             + (f"{window / 2**20:,.2f} MiB = {window / max(cache, 1):.1%} of the {cache / GB:.2f} GB "
+                f"{cfg.data.cache_dtype} cache: train.stream_window_steps={t.stream_window_steps} steps of {records} "
+                f"records x ~{tokens_per_record:,} tokens ({step / 2**20:,.2f} MiB each){cap}, held-out shard "
+                "included; every epoch captured again"
                 if t.stream_epochs != "keep" else "train.stream_epochs=keep: epoch 1 stays on disk, the whole cache"),
              f"stream producer memory               {_gb(s.target_params * DTYPE_BYTES[cfg.target.dtype] + window / 4)}  "
              f"the target in {cfg.target.dtype} + one shard being written (a quarter of the window), its own process"]

@@ -13,6 +13,7 @@ Files of the stream directory (train.stream_dir, default {output_dir}/train/stre
                           the window, and `start` (the global micro-batch the resumed checkpoint needs first)
     stream.json           the producer: the features' meta (target, hidden size, layers, dtype)
     producer.json         the producer's heartbeat (every second): its state, wait and capture seconds, peak bytes
+    producer-P.json       producer P's (P >= 1, train.stream_producers > 1: shard k of the order is producer k mod N's)
     producer.error        the producer's one error line, when it failed
     consumed/rankR.json   rank R needs no micro-batch before `next` any more
     done.json             rank 0, at the end: the producer exits
@@ -51,11 +52,11 @@ EVAL_SHARD, REST_SHARD = "eval.safetensors", "rest.safetensors"
 REQUEST = register(StateFile(
     "request.json", "STREAM_DIR", writer="train/stream.py",
     schema={"run": str, "step_size": int, "micro_batch_size": int, "seed": int, "batching": str, "group_size": int,
-            "window_bytes": int, "epochs": str, "train": [int], "eval": [int], "limit": int, "start": int,
-            "end": int, "world_size": int, "tokenized": str, "order?": [int]},
+            "window_steps": int, "window_cap_bytes": int, "epochs": str, "train": [int], "eval": [int], "limit": int, "start": int,
+            "end": int, "world_size": int, "tokenized": str, "order?": [int], "producers?": int},
     rebuild="delete the stream directory and rerun the training command (it writes the request again)",
     example={"run": "x", "step_size": 1, "micro_batch_size": 1, "seed": 0, "batching": "grouped", "group_size": 1,
-             "window_bytes": 1, "epochs": "recapture", "train": [0], "eval": [], "limit": 8, "start": 0, "end": 1,
+             "window_steps": 8, "window_cap_bytes": 0, "epochs": "recapture", "train": [0], "eval": [], "limit": 8, "start": 0, "end": 1,
              "world_size": 1, "tokenized": "t.jsonl"}))
 STREAM_META = register(StateFile(
     "stream.json", "STREAM_DIR", writer="train/stream_producer.py", schema={"meta": dict, "dtype": str, "run": str},
@@ -68,6 +69,9 @@ HEARTBEAT = register(StateFile(
     rebuild="delete it; the producer writes it again every second", when_missing="the producer has not started",
     example={"time": 0.0, "pid": 1, "state": "capturing", "wait_s": 0.0, "capture_s": 0.0, "records": 0, "tokens": 0,
              "peak_bytes": 0, "run": "x"}))
+PEER_HEARTBEAT = register(StateFile(
+    "producer-P.json", "STREAM_DIR", writer="train/stream_producer.py", schema=HEARTBEAT.schema,
+    rebuild=HEARTBEAT.rebuild, when_missing="that producer has not started", example=HEARTBEAT.example))
 PRODUCER_ERROR = register(StateFile(
     "producer.error", "STREAM_DIR", writer="train/stream_producer.py", schema=str, format="text",
     check=lambda v: None if v.startswith("error: ") and "\n" not in v else "expected one line 'error: ...'",
@@ -80,6 +84,16 @@ CONSUMED = register(StateFile(
 DONE = register(StateFile(
     "done.json", "STREAM_DIR", writer="train/stream.py", schema={"run": str},
     rebuild="delete it", when_missing="training is still running", example={"run": "x"}))
+
+
+def heartbeat_file(sdir: Path, index: int) -> tuple[Path, StateFile]:
+    """Producer `index`'s heartbeat: producer.json for the first (the only one by default), producer-P.json else."""
+    return (Path(sdir) / "producer.json", HEARTBEAT) if index == 0 else (Path(sdir) / f"producer-{index}.json",
+                                                                         PEER_HEARTBEAT)
+
+
+def read_heartbeat(sdir: Path, index: int) -> dict | None:
+    return read_json_state(*heartbeat_file(sdir, index))
 
 
 class StreamError(UserError, RuntimeError):
@@ -120,7 +134,11 @@ class StreamOrder:
         # longest records) no longer fits beside it. The held-out records are kept in their order while they fit
         # (the rest are not evaluated in stream mode); the train shards share the rest of the window, so the
         # held-out shard + the train shards on disk <= the window (a window below one step is exceeded by that step).
-        window, mbs = request["window_bytes"], request["micro_batch_size"]
+        mbs = request["micro_batch_size"]
+        mean_record = sum(self.record_bytes(n) for n in self.lengths) / max(1, len(self.lengths))
+        self.step_bytes = request["step_size"] * mbs * mean_record  # the mean optimizer step's features
+        self.window_bytes = window = window_bytes(request["window_steps"], request["window_cap_bytes"],
+                                                  self.step_bytes)
         step = sum(self.record_bytes(n) for n in sorted(self.lengths, reverse=True)[:request["step_size"] * mbs])
         budget = min(window // 2, window - step) if window > step else window // 2
         self.eval_bytes, self.eval_kept = 0, []
@@ -138,7 +156,7 @@ class StreamOrder:
         # takes `stride` global positions (m = epoch x stride + position), the longer of the two epochs' lengths
         self.reordered = tuple(request.get("order") or ())
         self.stride = stream_stride(self.plan, request.get("order"))
-        self.shard_target = max(1, (request["window_bytes"] - self.eval_bytes) // 4)  # ~4 shards: one read, others ahead
+        self.shard_target = max(1, (window - self.eval_bytes) // 4)  # ~4 shards: one read, others ahead
         self._epoch: tuple[int, list, list] | None = None
 
     def record_bytes(self, n: int) -> int:
@@ -179,6 +197,14 @@ class StreamOrder:
         batches, _ = self.epoch(a // self.stride)
         off = (a // self.stride) * self.stride
         return [i for bt in batches[a - off:b - off] for i in bt]
+
+
+def window_bytes(steps: int, cap_bytes: int, step_bytes: float) -> int:
+    """The stream window (bytes): `steps` optimizer steps of features of the mean step (`step_bytes`: G x
+    micro_batch_size mean records), at most `cap_bytes` (train.stream_window_mb; 0 = no cap). The one formula the
+    trainer, the producer and the plan use."""
+    w = max(1, int(steps * step_bytes))
+    return min(w, cap_bytes) if cap_bytes > 0 else w
 
 
 def stream_stride(plan: MicroBatchPlan, order: list | None) -> int:
@@ -232,7 +258,7 @@ class StreamRecords:
     def __init__(self, tokenized, sdir: Path, timeout_s: float, rank: int, producer=None):
         self.tok, self.sdir, self.timeout_s, self.rank = tokenized, Path(sdir), timeout_s, rank
         self.ids, self.lengths = tokenized.ids, tokenized.lengths
-        self.producer = producer  # rank 0's Popen of the producer (a dead child is seen at once), else None
+        self.producers = [producer] if producer is not None else []  # rank 0's Popens (a dead child is seen at once)
         self.order: StreamOrder | None = None
         self.request: dict | None = None
         self.wait_s = 0.0  # seconds this rank waited for the producer
@@ -267,25 +293,31 @@ class StreamRecords:
         end = total_steps * plan.step_size if order is None else stride * math.ceil(t.epochs)  # an upper bound
         if ctx.is_main:
             self.wait_for_old_producer()
-            for stale in ("producer.error", "done.json", "producer.json"):
+            for stale in ("producer.error", "done.json", *(p.name for p in self.sdir.glob("producer*.json"))):
                 (self.sdir / stale).unlink(missing_ok=True)
             (self.sdir / "consumed").mkdir(parents=True, exist_ok=True)
             request = {"run": new_run_token(), "step_size": plan.step_size, "micro_batch_size": t.micro_batch_size,
                        "seed": int(cfg.seed), "batching": t.batching, "group_size": t.group_size,
-                       "window_bytes": int(t.stream_window_mb * 2**20), "epochs": t.stream_epochs,
-                       "train": [int(i) for i in train_set.indices], "eval": [int(i) for i in eval_set.indices],
+                       "window_steps": int(t.stream_window_steps),
+                       "window_cap_bytes": int(t.stream_window_mb * 2**20), "epochs": t.stream_epochs,
+                       "train": [int(i) for i in train_set.indices],
+                       "eval": [int(i) for i in eval_set.indices][: t.eval_max_records or None],  # what is evaluated
                        "limit": int(train_set.max_length or max(self.lengths)), "start": start,
                        "end": end, "world_size": ctx.world_size,
                        "tokenized": str(Path(self.tok.path).resolve())}
             if order is not None:  # absent otherwise: a same-batch resume keeps the shards of the same order
                 request["order"] = order
+            if t.stream_producers > 1:  # absent otherwise: one producer, the order identity of earlier runs
+                request["producers"] = int(t.stream_producers)
             write_request(self.sdir, request)
             (self.sdir / "recipe.yaml").write_text(config_yaml(cfg))
-            log = open(self.sdir / "producer.log", "ab")
-            self.producer = subprocess.Popen(
-                [sys.executable, "-m", "train.stream_producer", "--recipe", str(self.sdir / "recipe.yaml"),
-                 "--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            log.close()
+            for index in range(int(t.stream_producers)):
+                log = open(self.sdir / ("producer.log" if index == 0 else f"producer-{index}.log"), "ab")
+                self.producers.append(subprocess.Popen(
+                    [sys.executable, "-m", "train.stream_producer", "--recipe", str(self.sdir / "recipe.yaml"),
+                     "--parent-pid", str(os.getpid()), "--index", str(index)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                log.close()
         if ctx.world_size > 1:
             barrier()
         self.start(read_request(self.sdir))
@@ -293,15 +325,18 @@ class StreamRecords:
     def wait_for_old_producer(self) -> None:
         """One producer per stream directory: the one an earlier (killed) trainer started exits once it sees its
         trainer gone, at the latest after the shard it is capturing; wait for that before starting a new one."""
-        beat = read_json_state(self.sdir / "producer.json", HEARTBEAT)
-        if beat is None or beat["pid"] == os.getpid():
-            return
         tic = time.perf_counter()
-        while alive(beat["pid"]):
-            if time.perf_counter() - tic > self.timeout_s:
-                raise StreamError(f"the stream producer of an earlier run (pid {beat['pid']}) still runs on "
-                                  f"{self.sdir} after train.stream_timeout_s={self.timeout_s:g} s: end it, then rerun")
-            time.sleep(POLL_S)
+        for path in sorted(self.sdir.glob("producer*.json")):
+            index = 0 if path.name == "producer.json" else int(path.stem.split("-")[1])
+            beat = read_heartbeat(self.sdir, index)
+            if beat is None or beat["pid"] == os.getpid():
+                continue
+            while alive(beat["pid"]):
+                if time.perf_counter() - tic > self.timeout_s:
+                    raise StreamError(f"the stream producer of an earlier run (pid {beat['pid']}) still runs on "
+                                      f"{self.sdir} after train.stream_timeout_s={self.timeout_s:g} s: end it, then "
+                                      "rerun")
+                time.sleep(POLL_S)
 
     def stop(self, finished: bool) -> None:
         """The end of this rank's run (or its failure): rank 0 says done and ends the producer it started."""
@@ -309,30 +344,37 @@ class StreamRecords:
             self.finish()
             if self.request["world_size"] > 1:
                 barrier()  # the producer stops once every rank has read its last shard
-        if self.producer is None:
+        if not self.producers:
             return
         if self.request is not None:
             try:
                 mark_done(self.sdir, self.request["run"])
             except OSError:
                 pass
-        try:
-            self.producer.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.producer.kill()
-            self.producer.wait()
-        self.producer = None
+        for producer in self.producers:
+            try:
+                producer.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                producer.kill()
+                producer.wait()
+        self.producers = []
         if finished:  # every rank has read everything: the held-out and kept shards go too
             for p in (self.sdir / "shards").glob("*.safetensors"):
                 p.unlink(missing_ok=True)
 
     def summary(self, world_size: int) -> dict:
-        """Who waited for whom: the trainer's wait (mean over ranks) and the producer's, with its throughput."""
+        """Who waited for whom: the trainer's wait (mean over ranks) and the producers' (mean over producers), with
+        their throughput (records/s: the sum of each producer's records over its capture seconds)."""
         trainer_wait = all_reduce_sum([self.wait_s])[0] / world_size
-        p = self.producer_stats()
+        beats = self.producer_stats()
+        p = {k: sum(b[k] for b in beats) for k in ("wait_s", "capture_s", "records", "tokens")}
+        p["wait_s"] /= len(beats)
+        p["peak_bytes"] = max(b["peak_bytes"] for b in beats)
         return {"trainer_wait_s": trainer_wait, "producer_wait_s": p["wait_s"], "producer_capture_s": p["capture_s"],
-                "producer_records": p["records"], "producer_records_per_s": p["records"] / max(p["capture_s"], 1e-9),
-                "window_peak_bytes": p["peak_bytes"], "window_bytes": self.request["window_bytes"],
+                "producer_records": p["records"], "producers": len(beats),
+                "producer_records_per_s": sum(b["records"] / max(b["capture_s"], 1e-9) for b in beats),
+                "window_peak_bytes": p["peak_bytes"], "window_bytes": self.order.window_bytes,
+                "window_steps": self.request["window_steps"],
                 "bottleneck": "producer (scale the engine)" if trainer_wait > p["wait_s"] else "trainer (scale the ranks)"}
 
     def start(self, request: dict) -> None:
@@ -357,17 +399,20 @@ class StreamRecords:
         err = read_text_state(self.sdir / "producer.error", PRODUCER_ERROR)
         if err:
             raise StreamError(f"stream producer failed: {err.removeprefix('error: ')}")
-        if self.producer is not None and self.producer.poll() is not None:
-            raise StreamError(f"stream producer (pid {self.producer.pid}) exited with code {self.producer.returncode} "
-                              "before training had all its features; rerun the same command to resume (nothing "
-                              "consumed is captured again)")
-        beat = read_json_state(self.sdir / "producer.json", HEARTBEAT)
-        if beat is None or (self.request and beat["run"] != self.request["run"]):
-            return  # not started yet: the timeout below counts
-        silent = time.time() - beat["time"]
-        if silent > self.timeout_s:
-            raise StreamError(f"stream producer (pid {beat['pid']}) silent for {silent:.0f} s > train.stream_timeout_s="
-                              f"{self.timeout_s:g}: it is dead or hung; rerun the same command to resume")
+        for producer in self.producers:
+            if producer.poll() is not None:
+                raise StreamError(f"stream producer (pid {producer.pid}) exited with code {producer.returncode} "
+                                  "before training had all its features; rerun the same command to resume (nothing "
+                                  "consumed is captured again)")
+        for index in range(self.request.get("producers", 1) if self.request else 1):
+            beat = read_heartbeat(self.sdir, index)
+            if beat is None or (self.request and beat["run"] != self.request["run"]):
+                continue  # not started yet: the timeout of wait_for counts
+            silent = time.time() - beat["time"]
+            if silent > self.timeout_s:
+                raise StreamError(f"stream producer (pid {beat['pid']}) silent for {silent:.0f} s > "
+                                  f"train.stream_timeout_s={self.timeout_s:g}: it is dead or hung; rerun the same "
+                                  "command to resume")
 
     def wait_for(self, ready, what: str):
         """ready() until it is not None, counting the wait; StreamError when the producer is dead or never came."""
@@ -395,7 +440,7 @@ class StreamRecords:
         next need."""
         order = self.order
         write_marker(self.sdir, self.rank, m, self.request["run"])
-        if m >= self.request["end"] and self.producer is not None:
+        if m >= self.request["end"] and self.producers:
             # skipped (non-finite) micro-batches moved the data past the planned end: rank 0 asks for more (every
             # rank skips together, so the others need the same shards)
             self.request = {**self.request, "end": m + 16 * order.G}
@@ -432,9 +477,10 @@ class StreamRecords:
                               "stream directory holds another run's shards; delete it and rerun")
         return self._shard[1][rid]
 
-    def producer_stats(self) -> dict:
-        beat = read_json_state(self.sdir / "producer.json", HEARTBEAT) or {}
-        return {k: beat.get(k, 0) for k in ("wait_s", "capture_s", "records", "tokens", "peak_bytes")}
+    def producer_stats(self) -> list[dict]:
+        """Every producer's last heartbeat numbers (zeros for one that never beat)."""
+        beats = [read_heartbeat(self.sdir, i) or {} for i in range(self.request.get("producers", 1))]
+        return [{k: b.get(k, 0) for k in ("wait_s", "capture_s", "records", "tokens", "peak_bytes")} for b in beats]
 
 
 def alive(pid: int) -> bool:

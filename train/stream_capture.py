@@ -55,7 +55,7 @@ def features_meta(cfg, target_path: str, config) -> tuple[dict, list[int] | None
 class HFCapture:
     what = "the target under transformers"
 
-    def __init__(self, cfg, sdir: Path):
+    def __init__(self, cfg, sdir: Path, index: int = 0):
         self.cfg = cfg
 
     def open(self) -> dict:
@@ -74,8 +74,8 @@ class HFCapture:
 class VLLMCapture:
     what = "a vLLM capture server"
 
-    def __init__(self, cfg, sdir: Path):
-        self.cfg, self.work = cfg, Path(sdir) / "vllm"
+    def __init__(self, cfg, sdir: Path, index: int = 0):  # producer `index` (train.stream_producers): its own server
+        self.cfg, self.work = cfg, Path(sdir) / ("vllm" if index == 0 else f"vllm-{index}")
         self.server: VLLMServer | None = None
 
     def open(self) -> dict:
@@ -146,8 +146,8 @@ class VLLMCapture:
 CAPTURES = {"hf": HFCapture, "vllm": VLLMCapture}  # train.stream_producer -> its capture (recipes/train.py names them)
 
 
-def capture_for(cfg, sdir: Path):
-    return CAPTURES[cfg.train.stream_producer](cfg, sdir)
+def capture_for(cfg, sdir: Path, index: int = 0):
+    return CAPTURES[cfg.train.stream_producer](cfg, sdir, index)
 
 
 __all__ = ["SERVER_STATE", "CAPTURES", "HFCapture", "VLLMCapture", "capture_for", "features_meta"]

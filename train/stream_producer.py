@@ -30,8 +30,8 @@ from eagle.state_files import read_json_state, write_json_state, write_text_stat
 from recipes import add_print_config, command_config, layout
 from train.data import TokenizedRecords
 from train.stream_capture import capture_for
-from train.stream import (EVAL_SHARD, HEARTBEAT, HEARTBEAT_S, POLL_S, PRODUCER_ERROR, REST_SHARD, STREAM_META,
-                          StreamError, StreamOrder, is_done, min_marker, read_request, shard_bytes_on_disk,
+from train.stream import (EVAL_SHARD, HEARTBEAT_S, POLL_S, PRODUCER_ERROR, REST_SHARD, STREAM_META, StreamError,
+                          StreamOrder, heartbeat_file, is_done, min_marker, read_request, shard_bytes_on_disk,
                           shard_name, sweep)
 
 
@@ -43,9 +43,10 @@ def order_identity(request: dict, meta: dict, dtype: str) -> str:
 
 
 class Producer:
-    def __init__(self, cfg, sdir: Path, parent_pid: int | None = None):
-        self.cfg, self.sdir, self.parent_pid = cfg, Path(sdir), parent_pid
+    def __init__(self, cfg, sdir: Path, parent_pid: int | None = None, index: int = 0):
+        self.cfg, self.sdir, self.parent_pid, self.index = cfg, Path(sdir), parent_pid, index
         self.request = read_request(self.sdir)
+        self.producers = int(self.request.get("producers", 1))  # shard k of the order is producer k mod N's
         self.run = self.request["run"]
         self.shards = self.sdir / "shards"
         self.stats = {"wait_s": 0.0, "capture_s": 0.0, "records": 0, "tokens": 0, "peak_bytes": 0}
@@ -54,8 +55,9 @@ class Producer:
 
     # ------------------------------------------------------------------ heartbeat
     def beat(self) -> None:
-        write_json_state(self.sdir / "producer.json", {"time": time.time(), "pid": os.getpid(), "state": self.state,
-                                                        "run": self.run, **self.stats}, HEARTBEAT)
+        path, spec = heartbeat_file(self.sdir, self.index)
+        write_json_state(path, {"time": time.time(), "pid": os.getpid(), "state": self.state, "run": self.run,
+                                **self.stats}, spec)
 
     def _beating(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -71,21 +73,29 @@ class Producer:
     def setup(self) -> None:
         cfg = self.cfg
         self.tok = TokenizedRecords(self.request["tokenized"], cfg.data.max_length)
-        self.capture = capture_for(cfg, self.sdir)
+        self.capture = capture_for(cfg, self.sdir, self.index)
         self.state = "loading (" + self.capture.what + ")"
         meta = self.capture.open()
         self.dtype = cfg.data.cache_dtype
         self.segments = segments_of(meta)
         self.per_token = bytes_per_token(meta["hidden_size"], self.dtype, self.segments)
-        ident = order_identity(self.request, meta, self.dtype)
-        old = read_json_state(self.sdir / "stream.json", STREAM_META)
-        if old is not None and old.get("meta", {}).get("order") != ident and self.shards.is_dir():
-            shutil.rmtree(self.shards)  # another recipe's or data's shards
-        self.shards.mkdir(parents=True, exist_ok=True)
-        for tmp in self.shards.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)  # a write a kill interrupted
-        write_json_state(self.sdir / "stream.json", {"meta": {**meta, "order": ident}, "dtype": self.dtype,
-                                                     "run": self.run}, STREAM_META)
+        if self.index == 0:  # the first producer owns the directory: the others wait for its stream.json
+            ident = order_identity(self.request, meta, self.dtype)
+            old = read_json_state(self.sdir / "stream.json", STREAM_META)
+            if old is not None and old.get("meta", {}).get("order") != ident and self.shards.is_dir():
+                shutil.rmtree(self.shards)  # another recipe's or data's shards
+            self.shards.mkdir(parents=True, exist_ok=True)
+            for tmp in self.shards.glob("*.tmp"):
+                tmp.unlink(missing_ok=True)  # a write a kill interrupted
+            write_json_state(self.sdir / "stream.json", {"meta": {**meta, "order": ident}, "dtype": self.dtype,
+                                                         "run": self.run}, STREAM_META)
+        else:
+            self.state = "waiting (for producer 0's stream.json)"
+            while not self.trainer_gone():
+                old = read_json_state(self.sdir / "stream.json", STREAM_META)
+                if old is not None and old["run"] == self.run:
+                    break
+                time.sleep(POLL_S)
         self.order = StreamOrder(self.request, [self.tok.lengths[i] for i in self.request["train"]], self.per_token,
                                  [self.tok.lengths[i] for i in self.request["eval"]])
         self.limit = self.request["limit"]
@@ -111,34 +121,29 @@ class Producer:
         self.stats["tokens"] += int(ids.shape[0])
         return rec["id"], ids.to(torch.int32), stored.contiguous(), mask.to(torch.uint8), scales
 
-    def write(self, name: str, indices: list[int], window: bool = True, span: tuple[int, int] | None = None) -> None:
+    def write(self, name: str, indices: list[int], window: bool = True, span: tuple[int, int] | None = None,
+              after: tuple[int, int] | None = None) -> None:
         """Capture records `indices` (into the tokenized records) and write them as shard `name`, after waiting for
         room in the window (when `window`; a window holding no train shard always takes the next one, and so does the
         shard `span` = [a, b) that the slowest rank waits for: after a resume, shards kept from the killed run may fill
-        the window ahead of the one the checkpoint needs first)."""
+        the window ahead of the one the checkpoint needs first). With several producers, `after` = the shard before
+        this one in the order (another producer's): this one is captured meanwhile, and written once that one is on
+        disk or consumed and there is room again, so the window fills in the order's sequence and stays bounded."""
         path = self.shards / name
         if path.exists():
             return  # kept from an earlier run of the same order: not captured again
         size = sum(self.order.record_bytes(self.tok.lengths[i]) for i in indices)
-        tic = time.perf_counter()
-        self.state = "waiting (window full)"
-        while window and not self.trainer_gone():
-            sweep(self.sdir, self.request, self.order.per_epoch)  # what every rank is past goes before measuring
-            used = shard_bytes_on_disk(self.shards)
-            trains = any(p.name.startswith("m") for p in self.shards.glob("m*.safetensors"))
-            if not trains or used + size <= self.request["window_bytes"]:
-                break
-            low = min_marker(self.sdir, self.request["world_size"], self.run)
-            if span is not None and span[0] <= low < span[1]:
-                break
-            time.sleep(POLL_S)
-        self.stats["wait_s"] += time.perf_counter() - tic
+        if window:
+            self.wait_for_room(size, span)
         if self.trainer_gone():
             return
         self.state = "capturing"
         tic = time.perf_counter()
         records = self.records(indices)
         self.stats["capture_s"] += time.perf_counter() - tic
+        if window and after is not None:
+            self.wait_for_turn(after)
+            self.wait_for_room(size, span)
         if self.trainer_gone():  # killed meanwhile: a rerun's producer owns the directory now
             return
         try:
@@ -148,20 +153,47 @@ class Producer:
                 raise
             free = shutil.disk_usage(self.shards).free / 2**20
             raise StreamError(f"disk full writing stream shard {path} ({free:.0f} MiB free): free space or lower "
-                              "train.stream_window_mb, then rerun the same command (nothing consumed is lost; "
+                              "train.stream_window_steps (or cap it: train.stream_window_mb), then rerun the same command (nothing consumed is lost; "
                               "this shard is captured again)") from None
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], shard_bytes_on_disk(self.shards))
+
+    def wait_for_room(self, size: int, span: tuple[int, int] | None) -> None:
+        tic = time.perf_counter()
+        self.state = "waiting (window full)"
+        while not self.trainer_gone():
+            sweep(self.sdir, self.request, self.order.per_epoch)  # what every rank is past goes before measuring
+            used = shard_bytes_on_disk(self.shards)
+            trains = any(p.name.startswith("m") for p in self.shards.glob("m*.safetensors"))
+            if not trains or used + size <= self.order.window_bytes:
+                break
+            low = min_marker(self.sdir, self.request["world_size"], self.run)
+            if span is not None and span[0] <= low < span[1]:
+                break
+            time.sleep(POLL_S)
+        self.stats["wait_s"] += time.perf_counter() - tic
+
+    def wait_for_turn(self, before: tuple[int, int]) -> None:
+        """Until shard `before` (another producer's) is on disk or every rank is past it."""
+        tic = time.perf_counter()
+        self.state = "waiting (for the shard before, another producer's)"
+        while not self.trainer_gone():
+            if (self.shards / shard_name(*before)).exists() or \
+                    min_marker(self.sdir, self.request["world_size"], self.run) >= before[1]:
+                break
+            time.sleep(POLL_S)
+        self.stats["wait_s"] += time.perf_counter() - tic
 
     def produce(self) -> None:
         req, order = self.request, self.order
         train = req["train"]
-        if order.eval_kept:  # held out: read at every evaluation, kept; at most half the window (StreamOrder)
+        first = self.index == 0  # the held-out and the rest shard are the first producer's
+        if order.eval_kept and first:  # held out: read at every evaluation, kept; at most half the window (StreamOrder)
             self.write(EVAL_SHARD, [req["eval"][k] for k in order.eval_kept], window=False)
         a, _ = order.next_shard(req["start"])
-        m = a
+        m, k, before = a, 0, None  # k: the shard's place in the order from the start; before: the one before it
         while not self.trainer_gone():
             if req["epochs"] == "keep" and m >= order.per_epoch:
-                if order.rest():
+                if order.rest() and first:
                     self.write(REST_SHARD, [train[i] for i in order.rest()], window=False)
                 break
             if m >= req["end"]:
@@ -174,9 +206,11 @@ class Producer:
             if a >= req["end"]:
                 m = a
                 continue
-            self.write(shard_name(a, b), [train[i] for i in order.records_of(a, b)],
-                       window=req["epochs"] != "keep", span=(a, b))  # keep: epoch 0 stays whole on disk (a cache), never deleted
-            m = b
+            if k % self.producers == self.index:
+                self.write(shard_name(a, b), [train[i] for i in order.records_of(a, b)],
+                           window=req["epochs"] != "keep", span=(a, b),  # keep: epoch 0 stays whole on disk, never deleted
+                           after=before if self.producers > 1 else None)
+            m, k, before = b, k + 1, (a, b)
         self.state = "idle (all captured)"
         while not self.trainer_gone():  # the last shards are read: the heartbeat keeps saying it is alive
             sweep(self.sdir, self.request, self.order.per_epoch)
@@ -207,12 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", required=True)
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the trainer) is gone")
+    p.add_argument("--index", type=int, default=0, help="this producer's number of train.stream_producers (it writes "
+                   "shards k with k mod N = index)")
     add_print_config(p)
     args = p.parse_args(argv)
     cfg = command_config(args)
     sdir = layout.stream_dir(cfg)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    producer = Producer(cfg, sdir, args.parent_pid)
+    producer = Producer(cfg, sdir, args.parent_pid, args.index)
     try:
         producer.run_all()
     except BaseException as e:
