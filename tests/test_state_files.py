@@ -93,6 +93,7 @@ NOT_STATE = {
     "benchmarks/paired_decode.py": (3, "reads the runs to measure (an input it never writes), prints and writes results for people"),
     "benchmarks/quantized_states.py": (1, "results for people"),
     "benchmarks/window_memory.py": (2, "one measurement per child process, printed as a JSON line for its parent"),
+    "benchmarks/sequence_parallel_memory.py": (2, "one measurement per rank, printed as a JSON line for its parent"),
     "benchmarks/long_context_questions.py": (1, "writes the shipped question set (package data, never read back here)"),
     "engine/vllm_side/dflash_k_norm.py": (1, "the engine-side self-test's answer, printed for the caller"),
     "engine/quantized_target.py": (2, "a digest's input (the copy's key) and the copy's record for people: only its "
