@@ -172,7 +172,7 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
         return p
     sc.add_argument("--concurrency", default="1,4,16,64", help="requests in flight, comma-separated")
     sc.add_argument("--ks", default=None, help="draft lengths, comma-separated, 0 = no speculation (default: 0 .. "
-                                               "the head's tree depth)")
+                                               "the head's tree depth; a DFlash head: 0 .. block_size - 1)")
     sc.add_argument("--min-prompts", type=bounded(int, at_least=1), default=16,
                     help="requests per concurrency level at least (4 x C otherwise, capped at the distinct prompts)")
     return p
