@@ -3,8 +3,8 @@ project's decoder, greedy, 1 thread, interleaved per prompt, every output checke
 run tau, tokens/s, speed-up over vanilla with a bootstrap 95% CI (2000 resamples of the prompts), P(accept >= d) per
 position, draft ms per round (docs/results/dflash.md).
 
-    python -m benchmarks.paired_decode OPENINGS.txt FIRST N RUNS.json [RAW.json] [--vs LABEL]
-    # RUNS: [[label, head_dir, DecodingConfig kwargs]]; --vs: each run's paired ratio vs that run too
+    python -m benchmarks.paired_decode OPENINGS.txt FIRST N RUNS.json [RAW.json] [--vs LABEL[,LABEL...]]
+    # RUNS: [[label, head_dir, DecodingConfig kwargs]]; --vs: each run's paired ratio vs those runs too
 """
 import argparse
 import json
@@ -21,13 +21,17 @@ ap.add_argument("first", type=int)
 ap.add_argument("n", type=int)
 ap.add_argument("runs", help="JSON file: [[label, head_dir, DecodingConfig kwargs], ...]")
 ap.add_argument("raw", nargs="?", default="", help="write the per-prompt records here (JSON)")
-ap.add_argument("--vs", default="", help="also give every run's paired tokens/s ratio vs this run's label, with its CI")
+ap.add_argument("--vs", default="", help="also give every run's paired tokens/s ratio vs these runs' labels "
+                                        "(comma-separated), with its CI")
 args = ap.parse_args()
 torch.set_num_threads(1)
 T = os.environ.get("TARGET", "../shared/models/stories260K")
 tok = AutoTokenizer.from_pretrained(T)
 paras = [p.strip() for p in open(args.text).read().split("\n\n") if p.strip()][args.first:args.first + args.n]
 runs = json.loads(open(args.runs).read())
+unknown = [v for v in args.vs.split(",") if v and v not in {label for label, _, _ in runs}]
+if unknown:
+    ap.error(f"--vs {unknown[0]!r}: no run of {args.runs} has that label")
 models = {}
 for label, head_dir, dec in runs:
     models[label] = (EaModel.from_pretrained(T, head_dir, torch_dtype=torch.float32), DecodingConfig(**dec))
@@ -62,12 +66,12 @@ for label in models:
         ratio.append(float(tps[i].sum() / van[i].sum()))
     ratio.sort()
     vs = {}
-    if args.vs and args.vs != label:
-        ref = torch.tensor([x["new"] / x["s"] for x in res[args.vs]])
+    for other in [v for v in args.vs.split(",") if v and v != label]:
+        ref = torch.tensor([x["new"] / x["s"] for x in res[other]])
         rv = sorted(float(tps[i].sum() / ref[i].sum())
                     for i in (torch.randint(0, len(r), (len(r),), generator=g) for _ in range(2000)))
-        vs = {f"vs_{args.vs}": round(float(tps.sum() / ref.sum()), 3), f"vs_{args.vs}_ci95": [round(rv[50], 3),
-                                                                                             round(rv[1949], 3)]}
+        vs.update({f"vs_{other}": round(float(tps.sum() / ref.sum()), 3),
+                   f"vs_{other}_ci95": [round(rv[50], 3), round(rv[1949], 3)]})
     print(json.dumps({"label": label, "tau": round(new / rounds, 3), "tok_s": round(float(tps.mean()), 1),
                       "speedup_vs_vanilla": round(float(tps.sum() / van.sum()), 3),
                       "ci95": [round(ratio[50], 3), round(ratio[1949], 3)],

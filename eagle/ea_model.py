@@ -126,6 +126,8 @@ class EaModel(nn.Module):
         # tree-score maps fitted for this head, one per sampling setting (tree_config.json "calibration"); the
         # dynamic tree uses the one matching the decoding setting when `decoding.calibrate` is on
         self.calibrations: list[ScoreCalibration] = []
+        # the deepest draft position the head has a distribution for (None = any; DFlash: block_size - 1)
+        self.draft_positions = ea_layer.config.options.draft_positions
 
     # ------------------------------------------------------------------ construction
     @classmethod

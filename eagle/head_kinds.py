@@ -197,6 +197,12 @@ class KindOptions:
         return {}
 
     @property
+    def draft_positions(self) -> int | None:
+        """The deepest draft position the head has a distribution for (a tree node's depth, a chain's length); None =
+        any (the autoregressive kinds, P-EAGLE's mask rows). Decoding, calibration and autotune stay within it."""
+        return None
+
+    @property
     def row_stride(self) -> int:
         """Steps >= 2 run at every n-th position only."""
         return int(getattr(self, self.stride_key)) if self.stride_key else 1
@@ -654,6 +660,11 @@ class DFlashOptions(KindOptions):
     @property
     def drafted(self) -> int:
         """Tokens one block drafts (block_size - 1)."""
+        return self.block_size - 1
+
+    @property
+    def draft_positions(self) -> int:
+        """A block's rows 1..block_size - 1 are the only draft distributions (eagle/block_draft.py)."""
         return self.block_size - 1
 
     @property

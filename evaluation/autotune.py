@@ -193,8 +193,11 @@ def max_tree_nodes(depth: int, top_k: int) -> int:
     return 1 + top_k + depth * top_k * top_k
 
 
-def grid(total_tokens: list[int], depths: list[int], top_ks: list[int], base: DecodingConfig) -> tuple[list[DecodingConfig], list[dict]]:
-    """Valid dynamic-tree settings of the grid, and the skipped ones with the reason."""
+def grid(total_tokens: list[int], depths: list[int], top_ks: list[int], base: DecodingConfig,
+         draft_positions: int | None = None) -> tuple[list[DecodingConfig], list[dict]]:
+    """Valid dynamic-tree settings of the grid, and the skipped ones with the reason. `draft_positions`: the deepest
+    draft position the head has a distribution for (EaModel.draft_positions; None = any): a dynamic tree of depth d
+    expands d + 1 positions (EAGLE-2's), so deeper settings are skipped."""
     keep, skipped = [], []
     for tt, d, k in itertools.product(total_tokens, depths, top_ks):
         cfg = dataclasses.replace(base, mode="dynamic", total_token=tt, depth=d, top_k=k)
@@ -202,6 +205,10 @@ def grid(total_tokens: list[int], depths: list[int], top_ks: list[int], base: De
             cfg.validate()
         except ValueError as e:
             skipped.append({"total_token": tt, "depth": d, "top_k": k, "reason": str(e)})
+            continue
+        if draft_positions is not None and d + 1 > draft_positions:
+            skipped.append({"total_token": tt, "depth": d, "top_k": k,
+                            "reason": f"depth {d} expands {d + 1} draft positions; the head drafts {draft_positions}"})
             continue
         if tt > max_tree_nodes(d, k):
             skipped.append({"total_token": tt, "depth": d, "top_k": k,
@@ -326,6 +333,15 @@ def autotune_tree(model, prompts: list[list[int]], configs: list[DecodingConfig]
     result.best = dataclasses.replace(configs[0], mode="dynamic", total_token=best.total_token, depth=best.depth,
                                       top_k=best.top_k)
     return result
+
+
+def covered_tree(base: DecodingConfig, depths: list[int], top_ks: list[int],
+                 draft_positions: int | None = None) -> tuple[int, int]:
+    """(node depth, top_k) of the coverage tree `fit_tree_calibration` decodes first: the largest dynamic tree decoded
+    with the map (the bench's `base` and the tuning grid's depths / top_ks; depth d expands d + 1 positions), no
+    deeper than the head drafts (`draft_positions`, EaModel.draft_positions; None = any), as `grid` skips."""
+    depth = max(base.depth, *depths) + 1
+    return (min(depth, draft_positions) if draft_positions is not None else depth), max(base.top_k, *top_ks)
 
 
 def fit_tree_calibration(model, prompts: list[list[int]], base: DecodingConfig, gen: GenerationArgs, *,

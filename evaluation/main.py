@@ -54,7 +54,7 @@ from eagle.head_kinds import text_config
 from eagle.hub_ids import looks_local
 from eagle.sampling import SamplingParams
 from eagle.score_calibration import ScoreCalibration
-from evaluation.autotune import autotune_tree, fit_tree_calibration, grid
+from evaluation.autotune import autotune_tree, covered_tree, fit_tree_calibration, grid
 from evaluation.calibration import calibrate, coverage_warning
 from evaluation.chat_format import ChatFormat
 from evaluation.engine_runs import ENGINES
@@ -172,7 +172,7 @@ def command_parser(command: str, named: bool = True) -> ArgumentParser:
         return p
     sc.add_argument("--concurrency", default="1,4,16,64", help="requests in flight, comma-separated")
     sc.add_argument("--ks", default=None, help="draft lengths, comma-separated, 0 = no speculation (default: 0 .. "
-                                               "the head's tree depth)")
+                                               "the head's tree depth; a DFlash head: 0 .. block_size - 1)")
     sc.add_argument("--min-prompts", type=bounded(int, at_least=1), default=16,
                     help="requests per concurrency level at least (4 x C otherwise, capped at the distinct prompts)")
     return p
@@ -406,8 +406,9 @@ def calibrate_tree(s: Setup, held_out: list) -> ScoreCalibration | None:
     log.info("calibration: fitting the tree-score map on %d held-out prompts, %d passes, T=%g", len(prompts),
              ev.calibration_passes, s.gen.temperature)
     try:
-        # the coverage tree spans the largest tree decoded with this map: the bench's 60/5/10 and the tuning grid
-        cover = (max(s.base_decoding.depth, *ev.tune_depths) + 1, max(s.base_decoding.top_k, *ev.tune_top_ks))
+        # the coverage tree spans the largest tree decoded with this map: the bench's 60/5/10 and the tuning grid,
+        # no deeper than the head drafts (a DFlash block's block_size - 1 positions: autotune's grid stops there too)
+        cover = covered_tree(s.base_decoding, list(ev.tune_depths), list(ev.tune_top_ks), s.models["A"].draft_positions)
         cal = fit_tree_calibration(s.models["A"], prompts, s.base_decoding, s.gen, passes=int(ev.calibration_passes),
                                    cover=cover,
                                    fitted_on={"question_ids": [q.question_id for q in held_out[: len(prompts)]]})
@@ -433,7 +434,8 @@ def autotune(s: Setup, questions: list) -> int:
                if len(p) + gen.max_new_tokens <= gen.max_length]
     if not prompts:
         raise ValueError(f"no tuning prompt fits max_length {gen.max_length} with {gen.max_new_tokens} new tokens")
-    configs, skipped = grid(list(ev.tune_total_tokens), list(ev.tune_depths), list(ev.tune_top_ks), s.base_decoding)
+    configs, skipped = grid(list(ev.tune_total_tokens), list(ev.tune_depths), list(ev.tune_top_ks), s.base_decoding,
+                            s.models["A"].draft_positions)
     log.info("autotune: %d settings x %d prompts x %d repeats (%d grid points skipped)", len(configs), len(prompts),
              ev.tune_repeats, len(skipped))
     result = autotune_tree(s.models["A"], prompts, configs, gen, finalists=ev.tune_finalists,

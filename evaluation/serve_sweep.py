@@ -65,6 +65,14 @@ def parse_int_list(text: str, what: str, minimum: int = 0) -> list[int]:
     return values
 
 
+def default_ks(model) -> list[int]:
+    """The draft lengths swept when --ks is not given: 0 .. the head's depth (its tuned tree's when autotune saved
+    one, else the recipe's decoding.depth); a head with a bounded block (DFlash: `EaModel.draft_positions` =
+    block_size - 1) 0 .. its last position, the block it was trained on, whatever its tree's depth."""
+    last = model.draft_positions if model.draft_positions is not None else int(model.decoding.depth)
+    return list(range(0, int(last) + 1))
+
+
 def prompts_per_level(concurrency: int, available: int, minimum: int) -> int:
     """Requests sent at one concurrency level: four waves of C (the first and last are partly empty), at least
     `minimum`, at most the distinct prompts available (a repeated prompt would measure the cache, not the model)."""
@@ -333,8 +341,8 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
     engine_python = engine_python or sys.executable
     engine_format = engine_format or "vllm"
     check_engine(engine_python)
-    if ks is None:  # 0 .. the head's depth (its tuned tree's when autotune saved one, else the recipe's decoding.depth)
-        ks = list(range(0, int(s.models["A"].decoding.depth) + 1))
+    if ks is None:
+        ks = default_ks(s.models["A"])
     texts = [q.turns[0] for q in questions]
     fits = [t for t in texts if len(s.fmt.first_prompt(t)) + s.gen.max_new_tokens <= s.gen.max_length]
     if not fits:

@@ -114,3 +114,43 @@ def test_the_k_norm_self_test_runs_under_the_engine(vllm_python):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == (0 if report["per_layer_k_norm"] else 1)
     assert report["per_layer_k_norm"] or report["max_error_vs_layer0_weight"] < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "vllm"])
+def test_hub_stages_a_dflash_head_in_this_projects_folder_and_vllms(target, tmp_path, fmt):
+    """Hub staging (export/hub.py push_to_hub, dry run): this project's folder as it is, or vLLM's DFlashDraftModel
+    folder (target-layer ids shifted, the only key naming them); the DFlash card with vLLM's method and the recipe."""
+    from export.hub import push_to_hub
+    from recipes import load_config
+
+    head = saved_head(target, tmp_path)
+    target.save_pretrained(tmp_path / "target")
+    cfg = load_config("tiny-dflash", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
+                                      "export.repo_id=someone/dflash-x"])
+    result = push_to_hub(cfg, head, dry_run=True, fmt=fmt)
+    staging = Path(result["staging"])
+    assert staging == tmp_path / "run" / ("hub_upload" if fmt == "eagle" else f"hub_upload-{fmt}")
+    assert {"README.md", "config.json", "model.safetensors", "recipe.yaml"} <= set(result["files"])
+    staged = json.loads((staging / "config.json").read_text())
+    if fmt == "vllm":
+        assert staged["architectures"] == ["DFlashDraftModel"] and staged["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+        assert "eagle_aux_hidden_state_layer_ids" not in json.dumps(staged)
+    else:
+        assert staged == json.loads((head / "config.json").read_text())  # the head folder, unchanged
+        assert (staging / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
+    card = (staging / "README.md").read_text()
+    assert "# DFlash (block drafting) draft" in card and '"method": "dflash"' in card and "dflash" in card.split("---")[1]
+    assert "tiny-dflash" in (staging / "recipe.yaml").read_text()
+
+
+def test_hub_staging_in_sglang_format_is_refused_in_one_line(target, tmp_path):
+    from export.hub import push_to_hub
+    from recipes import load_config
+
+    head = saved_head(target, tmp_path)
+    target.save_pretrained(tmp_path / "target")
+    cfg = load_config("tiny-dflash", [f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}",
+                                      "export.repo_id=someone/dflash-x"])
+    with pytest.raises(EngineFormatError, match="SGLang 0.5.23 has no DFlash loader") as e:
+        push_to_hub(cfg, head, dry_run=True, fmt="sglang")
+    assert "\n" not in str(e.value) and not (tmp_path / "run" / "hub_upload-sglang").exists()

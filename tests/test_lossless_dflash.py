@@ -15,6 +15,8 @@ from eagle import DecodingConfig, EaModel
 from eagle.head_config import head_config_from_target
 from eagle.head_kinds import DFLASH
 from eagle.score_calibration import ScoreCalibration, pick_calibration
+from evaluation.autotune import covered_tree, fit_tree_calibration, grid
+from evaluation.runner import GenerationArgs
 from statistical_rule import assert_same_law
 from test_sampling import NEW, SETTINGS, VOCAB, chi_square_against, exact_joint
 from tiny_models import first_divergence_report, hf_greedy, random_prompts, single_thread, tiny_target  # noqa: F401
@@ -108,6 +110,34 @@ def test_calibrated_dynamic_tree_is_lossless():
         assert torch.equal(ref, plain.eagenerate(prompt, max_new_tokens=NEW_TOKENS))
         assert model.drafter.forwards > 0
     assert pick_calibration(model.calibrations, 0.0, 1.0, 0) is not None  # greedy decoding ranks by the map
+
+
+def test_autotune_fits_the_map_over_the_whole_block_and_its_grid_stops_at_the_block():
+    """`autotune`'s calibration for a DFlash head (evaluation/main.py calibrate_tree -> fit_tree_calibration): the
+    coverage tree reaches the block's last position (block_size - 1), never past it (that has no distribution), every
+    (depth, rank) cell gets nodes, the grid skips trees deeper than the block with the reason, and the calibrated
+    tree decodes losslessly. The autoregressive kinds' coverage is unchanged (draft_positions None)."""
+    target, prompts, refs, _, good_head = setup()
+    model = EaModel(target, good_head, DecodingConfig(mode="dynamic", total_token=16, depth=3, top_k=4))
+    assert model.draft_positions == BLOCK - 1
+    cover = covered_tree(model.decoding, [3, 4, 5, 6, 7], [2, 4], model.draft_positions)
+    assert cover == (BLOCK - 1, 4) and covered_tree(model.decoding, [3, 7], [2, 4], None) == (8, 4)
+    configs, skipped = grid([10, 16], [3, 4, 5], [2, 4], model.decoding, model.draft_positions)
+    block = [x for x in skipped if "draft positions" in x["reason"]]
+    assert {c.depth for c in configs} == {3, 4} and len(block) == 4 and {x["depth"] for x in block} == {5}
+    assert all(x["reason"] == f"depth 5 expands 6 draft positions; the head drafts {BLOCK - 1}" for x in block)
+    gen = GenerationArgs(max_new_tokens=NEW_TOKENS, max_length=256)
+    cal = fit_tree_calibration(model, [p[0].tolist() for p in prompts[:6]], model.decoding, gen, passes=2,
+                               cover=cover, progress=False)
+    cells = cal.fitted_on["coverage"]["nodes"]  # [depth][rank] nodes whose parent was accepted
+    assert len(cells) == BLOCK - 1 and all(len(row) == 4 for row in cells) and cells[-1][0] > 0
+    assert model.calibrations == [cal]
+    for prompt, ref in zip(prompts[6:], refs[6:]):
+        out, stats = model.eagenerate(prompt, max_new_tokens=NEW_TOKENS, return_stats=True)
+        assert torch.equal(ref, out) and all(r.node_score is not None for r in stats.rounds)
+    with pytest.raises(ValueError, match=f"drafts head.block_size - 1 = {BLOCK - 1}"):  # what the bound keeps away
+        fit_tree_calibration(model, [prompts[0][0].tolist()], model.decoding, gen, passes=1, cover=(BLOCK, 4),
+                             progress=False)
 
 
 def test_a_tree_deeper_than_the_block_is_refused_in_one_line():

@@ -166,6 +166,18 @@ def test_sweep_picks_the_fastest_k_per_level_and_says_when_speculation_loses(tmp
     assert plot(points, tmp_path / "p.png", "t").stat().st_size > 1000
 
 
+def test_sweep_default_ks_cover_a_dflash_block_whatever_its_tree_depth():
+    """--ks unset: 0 .. the tree depth, except a head with a bounded block (EaModel.draft_positions: DFlash's
+    block_size - 1), swept over its whole block (vLLM runs 1 + k block rows; k <= block_size - 1 is the export's check)."""
+    from types import SimpleNamespace
+
+    from evaluation.serve_sweep import default_ks
+
+    assert default_ks(SimpleNamespace(draft_positions=None, decoding=SimpleNamespace(depth=5))) == [0, 1, 2, 3, 4, 5]
+    assert default_ks(SimpleNamespace(draft_positions=7, decoding=SimpleNamespace(depth=5))) == list(range(8))
+    assert default_ks(SimpleNamespace(draft_positions=3, decoding=SimpleNamespace(depth=5))) == [0, 1, 2, 3]
+
+
 def test_sweep_inputs():
     assert parse_int_list("16, 1,4,4", "--concurrency", minimum=1) == [1, 4, 16]
     with pytest.raises(ValueError, match="--ks: expected comma-separated integers"):

@@ -1,5 +1,6 @@
 """The trainer under 2-process launchers on CPU (gloo): torchrun (default suite) and the deepspeed launcher (slow),
-for both head kinds (EAGLE-2 on the 2-layer toy, EAGLE-3 on a 4-layer toy with an aux-layer cache)."""
+for the head kinds (EAGLE-2 on the 2-layer toy, EAGLE-3 on a 4-layer toy with an aux-layer cache; DFlash's exact
+resume on another number of ranks on a 4-layer toy with its multi-layer cache)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,8 @@ from test_train_helpers import REPO, assert_same_training, overrides, save_targe
 
 EAGLE3 = ("head.kind=eagle3", "head.aux_layers=[1,2,3]", "head.draft_vocab_size=100", "head.ttt_steps=3",
           "head.ttt_row_stride=2")  # as tests/test_train.py: steps 2-3 at every other position
+DFLASH = ("head.kind=dflash", "head.target_layers=[1,2,3]", "head.block_size=4", "head.draft_layers=2",
+          "head.anchors=4", "train.token_weight=1.0", "train.noise=none")  # as tests/test_train_dflash.py
 
 pytestmark = pytest.mark.multiproc
 
@@ -43,6 +46,15 @@ def toy3(tmp_path_factory):
     target = save_target(root / "target", num_layers=4)
     return {"kind": "eagle3", "target": target, "cache": write_cache(root / "cache", target, n=48, layers=[1, 2, 3, 4]),
             "extra": EAGLE3}
+
+
+@pytest.fixture(scope="module")
+def toydf(tmp_path_factory):
+    """A 4-layer toy target + a DFlash cache (target layers 1, 2, 3 + the final state)."""
+    root = tmp_path_factory.mktemp("toydf")
+    target = save_target(root / "target", num_layers=4)
+    return {"kind": "dflash", "target": target, "cache": write_cache(root / "cache", target, n=48, layers=[1, 2, 3, 4]),
+            "extra": DFLASH}
 
 
 @pytest.fixture(params=["eagle2", "eagle3"])
@@ -74,12 +86,15 @@ def test_two_ranks_with_torchrun_zero2_bf16(toy, tmp_path):
     assert load_file(out / "head" / "model.safetensors")["fc.weight"].abs().sum() > 0
 
 
-def test_zero0_checkpoint_of_two_ranks_resumes_on_one(toy2, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle2", "dflash"])
+def test_zero0_checkpoint_of_two_ranks_resumes_on_one(request, kind, tmp_path):
     """The shipped stories260k recipe's stage: a ZeRO-0 checkpoint written by 2 torchrun ranks resumes under plain
     `python` (1 rank, the global batch kept by train.grad_accum=2) with no universal conversion (its one model-states
     file holds the whole optimizer state), and its checkpoint and head equal an uninterrupted 1-rank run's up to
     rounding (tests/test_train_helpers.py: assert_same_training says why not bit for bit). Every stage x direction:
-    tests/test_train_multinode.py (slow)."""
+    tests/test_train_multinode.py (slow). DFlash too: its anchors are drawn from (seed, micro-batch), so the records
+    rank 1 trained get the same blocks when the 1-rank run accumulates them."""
+    toy = request.getfixturevalue("toy2" if kind == "eagle2" else "toydf")
     plain = [sys.executable]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     common = ("train.zero_stage=0", "train.precision=fp32", "train.checkpoint_every=2")
@@ -88,7 +103,7 @@ def test_zero0_checkpoint_of_two_ranks_resumes_on_one(toy2, tmp_path):
             (plain, tmp_path / "resized", ("train.grad_accum=2",))]
     logs = []
     for launcher, out, extra in runs:
-        proc = launch(launcher, toy2, out, *common, *extra)
+        proc = launch(launcher, toy, out, *common, *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
         logs.append(f"$ {' '.join(launcher[-4:])} {' '.join(extra)}\n{proc.stdout[-1500:]}")
     assert "written by 2 ranks under ZeRO stage 0" in proc.stdout and "continued on 1" in proc.stdout
