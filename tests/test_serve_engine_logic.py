@@ -283,7 +283,7 @@ FAKE_VLLM = '''#!{python}
 """vLLM's CLI as serve-sweep runs it, without vLLM: `vllm serve` answers /health, or exits before it is ready when
 the mode file names its k ("*": every k); `vllm bench serve` writes a result whose tokens/s grow with k. Every start
 is logged."""
-import json, sys
+import json, os, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 args = sys.argv[1:]
 if args[:1] == ["-c"]:
@@ -296,6 +296,9 @@ if command == "serve":
         f.write(f"serve k{{k}}\\n")
     with open({log!r} + ".models", "a") as f:  # the folder served (serve's first argument)
         f.write(args[3] + "\\n")
+    if not os.path.isdir(args[3]):  # vLLM reads it from its own working folder (else: "Repo id must be in the form")
+        print(f"OSError: Repo id must be in the form 'namespace/repo_name': {{args[3]!r}}", flush=True)
+        sys.exit(1)
     failing = open({mode!r}).read().split()
     if "*" in failing or k in failing:
         print("RuntimeError: the engine could not allocate its KV cache", flush=True)
@@ -394,7 +397,8 @@ def test_a_failed_serve_sweep_rerun_keeps_the_last_sweep_and_a_rerun_resumes(tmp
 def test_serve_sweep_serves_the_recipes_quantized_target(tmp_path, monkeypatch, quantization):
     """`serve-sweep ... target.quantization=int4` starts every vLLM server on the target's dequantized float copy
     (engine/quantized_target.py, under $EAGLE_HOME; its weights the in-memory quantized model's) and its reports say
-    so; with `none` the target itself is served and the reports name no quantization."""
+    so; with `none` the target itself is served and the reports name no quantization. The report folder is relative
+    (`--out run/eval`) and the engine, started in the sweep's folder, still finds the (padded) model it is given."""
     from engine.quantized_target import CACHE_SUBDIR
     from evaluation.main import main
 
@@ -406,8 +410,9 @@ def test_serve_sweep_serves_the_recipes_quantized_target(tmp_path, monkeypatch, 
     random_head(target).save_pretrained(head)
     (tmp_path / "q.txt").write_text("Once upon a time\n")
     engine, _, starts = fake_vllm(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a relative --out: vLLM runs in another folder and is given absolute paths
     code = main(["serve-sweep", "--base", str(tmp_path / "t"), "--head", str(head), "--questions", str(tmp_path / "q.txt"),
-                 "--engine-python", engine, "--out", str(tmp_path / "run" / "eval"), "--concurrency", "1", "--ks", "0,2",
+                 "--engine-python", engine, "--out", "run/eval", "--concurrency", "1", "--ks", "0,2",
                  "eval.max_new_tokens=8", "target.dtype=float32", f"target.quantization={quantization}"])
     assert code == 0
     models = Path(f"{starts}.models").read_text().split()
