@@ -354,7 +354,9 @@ def serve_sweep(setup, questions: list, engine_python: str | None, concurrency: 
 def measure_sweep(s, fits: list[str], engine_python: str, engine_format: str, concurrency: list[int], ks: list[int],
                   min_prompts: int, startup_timeout_s: float) -> int:
     """`serve_sweep`'s measurements, in the partial folder, then moved into place."""
-    out, stage = s.out_dir / SERVE_SWEEP_DIR, s.out_dir / SERVE_SWEEP_PARTIAL
+    # absolute: vLLM runs in the stage folder (engine/engine_process.py start_engine), so a relative --out would name
+    # the models, prompts and results it is given from the wrong folder
+    out, stage = (s.out_dir / SERVE_SWEEP_DIR).resolve(), (s.out_dir / SERVE_SWEEP_PARTIAL).resolve()
     chat = s.fmt.name == "chat_template"
     template = str(s.cfg.target.chat_template) if chat and s.cfg.target.chat_template else None
     progress = resumable(stage, sweep_settings(s, engine_python, engine_format, template, max(concurrency), fits,

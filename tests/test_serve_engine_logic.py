@@ -17,6 +17,7 @@ from evaluation.serve_check_sampling import acceptance, compare, per_prompt_coun
 from evaluation.serve_sweep import (best_k, markdown, parse_int_list, plot, prompts_per_level, read_bench_result,
                                     recommendation_lines, sharegpt_dataset)
 from eagle.head_kinds import HEAD_KINDS, PEAGLE
+from eagle.quantization import quant_method
 from eagle.peagle import PeagleHead
 from engine.vllm_side.generate import fixed_expand
 from export.engine_formats import EngineFormatError
@@ -294,7 +295,7 @@ FAKE_VLLM = '''#!{python}
 """vLLM's CLI as serve-sweep runs it, without vLLM: `vllm serve` answers /health, or exits before it is ready when
 the mode file names its k ("*": every k); `vllm bench serve` writes a result whose tokens/s grow with k. Every start
 is logged."""
-import json, sys
+import json, os, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 args = sys.argv[1:]
 if args[:1] == ["-c"]:
@@ -305,6 +306,11 @@ if command == "serve":
     k = str(spec.get("num_speculative_tokens", 0)) + ("s" if "num_speculative_tokens_per_batch_size" in spec else "")
     with open({log!r}, "a") as f:
         f.write(f"serve k{{k}}\\n")
+    with open({log!r} + ".models", "a") as f:  # the folder served (serve's first argument)
+        f.write(args[3] + "\\n")
+    if not os.path.isdir(args[3]):  # vLLM reads it from its own working folder (else: "Repo id must be in the form")
+        print(f"OSError: Repo id must be in the form 'namespace/repo_name': {{args[3]!r}}", flush=True)
+        sys.exit(1)
     failing = open({mode!r}).read().split()
     if "*" in failing or k in failing:
         print("RuntimeError: the engine could not allocate its KV cache", flush=True)
@@ -397,3 +403,43 @@ def test_a_failed_serve_sweep_rerun_keeps_the_last_sweep_and_a_rerun_resumes(tmp
     assert report["best"][0]["best_k"] == 2 and not (eval_dir / "serve_sweep.partial").exists()
     assert {"sweep.json", "sweep.md", "throughput.png", "speculative_config.json"} <= set(files_of(sweep_dir))
     assert not (sweep_dir / "progress.json").exists() and not (sweep_dir / "models").exists()
+
+
+@pytest.mark.parametrize("quantization", ["int4", "none"])
+def test_serve_sweep_serves_the_recipes_quantized_target(tmp_path, monkeypatch, quantization):
+    """`serve-sweep ... target.quantization=int4` starts every vLLM server on the target's dequantized float copy
+    (engine/quantized_target.py, under $EAGLE_HOME; its weights the in-memory quantized model's) and its reports say
+    so; with `none` the target itself is served and the reports name no quantization. The report folder is relative
+    (`--out run/eval`) and the engine, started in the sweep's folder, still finds the (padded) model it is given."""
+    from engine.quantized_target import CACHE_SUBDIR
+    from evaluation.main import main
+
+    monkeypatch.setenv("EAGLE_HOME", str(tmp_path / "home"))
+    target = tiny_target("llama", vocab_size=258, eos_token_id=1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
+    head = tmp_path / "run" / "head"
+    random_head(target).save_pretrained(head)
+    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    engine, _, starts = fake_vllm(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a relative --out: vLLM runs in another folder and is given absolute paths
+    code = main(["serve-sweep", "--base", str(tmp_path / "t"), "--head", str(head), "--questions", str(tmp_path / "q.txt"),
+                 "--engine-python", engine, "--out", "run/eval", "--concurrency", "1", "--ks", "0,2",
+                 "eval.max_new_tokens=8", "target.dtype=float32", f"target.quantization={quantization}"])
+    assert code == 0
+    models = Path(f"{starts}.models").read_text().split()
+    assert len(models) == 3  # k = 0, k = 2, the schedule
+    report = json.loads((tmp_path / "run" / "eval" / "serve_sweep" / "sweep.json").read_text())
+    md = (tmp_path / "run" / "eval" / "serve_sweep" / "sweep.md").read_text()
+    copies = tmp_path / "home" / CACHE_SUBDIR
+    if quantization == "none":
+        assert not copies.exists() and "served_target" not in report and "Target served as" not in md
+        assert all(Path(m).name == "t" or Path(m).name.startswith("t-head_dim") for m in models), models
+        return
+    [copy] = copies.iterdir()  # made once, served by every start (padded beside the sweep when vLLM needs it)
+    assert all(Path(m).name.startswith(copy.name) for m in models), (models, copy.name)
+    want = quant_method(quantization).quantize_weight(target.model.layers[0].mlp.up_proj.weight)
+    got = type(target).from_pretrained(copy, dtype=torch.float32).model.layers[0].mlp.up_proj.weight
+    assert torch.equal(got, want)
+    assert report["served_target"] == f"quantization={quantization} (dequantized float copy)"
+    assert f"Target served as `quantization={quantization} (dequantized float copy)`" in md
