@@ -84,9 +84,9 @@ class LongSize:
 
 
 SIZES_LONG = {
-    # CPU cost measured in docs/results/long-context.md (the stages' row tokens x steps x rows decide it)
+    # 330 CPU-s on 1 thread (docs/results/long-context.md "The long-context target"); rows of 20k tokens cost ~40 CPU-s a step
     "default": LongSize(base="default", max_positions=32768,
-                        stages=((1024, 40, 4), (4096, 12, 1), (16384, 3, 1)), lr=2e-3, recall_every=4,
+                        stages=((1024, 60, 4), (4096, 24, 1), (20480, 4, 1)), lr=2e-3, recall_every=4,
                         eval_docs=1, eval_edges=(1024, 4096, 16384)),
     # for tests: a few seconds on the default target's test size
     "test": LongSize(base="test", max_positions=4096, stages=((96, 3, 2), (384, 2, 1)), lr=3e-3, recall_every=2,
