@@ -119,11 +119,11 @@ def ensure_default_target(cache_dir: str | Path | None = None, *, size: str = "d
             return target
         if target.exists():
             print(f"[quickstart] {target} was built with other settings or is incomplete: rebuilding", file=sys.stdout)
-        _remove_stale_tmp_dirs(target)
+        remove_stale_tmp_dirs(target)
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             build_default_target(tmp, preset, seed=seed, fingerprint=fingerprint, progress=progress)
-            _replace_dir(tmp, target)
+            replace_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -180,7 +180,7 @@ def _matches(target: Path, fingerprint: dict) -> bool:
     return info.get("fingerprint") == fingerprint
 
 
-def _remove_stale_tmp_dirs(target: Path) -> None:
+def remove_stale_tmp_dirs(target: Path) -> None:
     # leftovers of interrupted builds (we hold the lock, so no live build owns them)
     for p in target.parent.glob(f".{target.name}.tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
@@ -188,7 +188,7 @@ def _remove_stale_tmp_dirs(target: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def replace_dir(src: Path, dst: Path) -> None:
     """Move a finished build into place; an existing (stale) folder is renamed away first, then deleted."""
     old = None
     if dst.exists():

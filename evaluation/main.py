@@ -81,8 +81,9 @@ COMMANDS = {  # name -> what it does (its --help); bench runs when no command is
     "autotune": "the fastest EAGLE-2 tree (total_token x depth x top_k grid of eval.tune_*) on a few prompts; writes "
                 "tree_config.json beside the head (used by the `tuned` method)",
     "chi2": "losslessness at temperature > 0: speculative vs vanilla sampling distributions (eval.chi2_*)",
-    "serve-check": "the head inside a serving engine (vLLM) vs this project's decoder: acceptance per position, at T = 0 "
-                   "and T > 0, and the method trap (evaluation/serve_check.py)",
+    "serve-check": "the head inside a serving engine (vLLM) vs this project's decoder: acceptance per position "
+                   "at T = 0 (also per context-length bucket, eval.context_buckets) and T > 0, and the method trap "
+                   "(evaluation/serve_check.py)",
     "serve-sweep": "the best draft length per concurrency level in the engine (vLLM's bench serve): tokens/s, latency, "
                    "acceptance, plot and recommendation (evaluation/serve_sweep.py)",
 }

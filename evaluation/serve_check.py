@@ -18,8 +18,11 @@
 4. This project's decoder runs the same prompts with the same chain of k (`DecodingConfig(mode="chain")`).
 Reported: outputs identical per prompt (engine speculative vs engine plain, engine vs ours), the engine's
 mean acceptance length (1 + accepted / drafts) and per-position acceptance (accepted at position i / drafts)
-next to ours, and their ratio. Fails (exit 1) when any engine output changes with speculation or the mean
-acceptance length or any position's acceptance differs by more than `--tolerance` (relative). Greedy decoding is
+next to ours, and their ratio, also per bucket of prompt tokens (`eval.context_buckets`, the buckets evaluation
+reports; from vLLM's per-request counts): a draft served with another attention window than it was trained with
+agrees on short prompts and parts at long ones. Fails (exit 1) when any engine output changes with speculation or
+the mean acceptance length (overall or in any bucket) or any position's acceptance differs by more than
+`--tolerance` (relative). Greedy decoding is
 deterministic on both sides, so the tolerance only absorbs floating-point near-ties.
 
 A draft-length schedule (`--speculative-config FILE`: serve-sweep's speculative_config.json, vLLM's
@@ -54,6 +57,7 @@ from eagle.quantization import NONE
 from engine.head_dim_pad import pad_head
 from engine.quantized_target import engine_target, served_label
 from evaluation import serve_check_sampling
+from evaluation.context_buckets import bucket_labels, bucket_of
 from evaluation.engine_runs import ENGINES, ServeCheckError, engine_runs
 from evaluation.head_health import acceptance_warning, warn
 from export.head_kinds import ExportKind, check_vllm_method, export_kind, served_kind, write_engine_head
@@ -84,6 +88,45 @@ class Acceptance:
     def from_rounds(cls, accept_lengths: list[int], k: int) -> "Acceptance":
         return cls(len(accept_lengths), sum(accept_lengths), [sum(a > i for a in accept_lengths) for i in range(k)])
 
+    @classmethod
+    def pooled(cls, parts: list["Acceptance"], k: int) -> "Acceptance":
+        """The counts of several prompts' acceptances added up (positions past a part's list count 0)."""
+        return cls(sum(a.num_drafts for a in parts), sum(a.num_accepted for a in parts),
+                   [sum(a.accepted_per_pos[i] if i < len(a.accepted_per_pos) else 0 for a in parts) for i in range(k)])
+
+    @classmethod
+    def from_engine_request(cls, r: dict, k: int) -> "Acceptance":
+        """One request's acceptance from the engine's per-request counts ({"num_drafts", "accepted_per_pos"},
+        engine/vllm_side/generate.py): accepted tokens = the sum over positions."""
+        per_pos = list(r["accepted_per_pos"])[:k]
+        per_pos += [0] * (k - len(per_pos))
+        return cls(int(r["num_drafts"]), sum(per_pos), per_pos)
+
+
+def by_context(prompts: list[list[int]], engine_requests: list[dict | None], ours: list[Acceptance], k: int,
+               edges: list[int], tolerance: float) -> list[dict]:
+    """Engine vs project acceptance per bucket of prompt tokens (eval.context_buckets, labelled as
+    evaluation/context_buckets.py labels them): each bucket's requests pooled on both sides, the ratio of mean
+    acceptance lengths and whether it is within `tolerance`. Buckets without prompts are left out."""
+    missing = [i for i, r in enumerate(engine_requests) if r is None]
+    if missing:
+        raise ServeCheckError(f"the engine returned no per-request acceptance for prompts {missing[:5]}: the "
+                              "per-context-length comparison needs it (vLLM's per_request_spec_decode_metrics)")
+    rows = []
+    for label in bucket_labels(edges):
+        idx = [i for i, p in enumerate(prompts) if bucket_of(len(p), edges) == label]
+        if not idx:
+            continue
+        e = Acceptance.pooled([Acceptance.from_engine_request(engine_requests[i], k) for i in idx], k)
+        o = Acceptance.pooled([ours[i] for i in idx], k)
+        ratio = e.mean_length / o.mean_length
+        rows.append({"bucket": label, "prompts": len(idx), "prompt_tokens": [min(len(prompts[i]) for i in idx),
+                                                                               max(len(prompts[i]) for i in idx)],
+                     "engine": {**dataclasses.asdict(e), "mean_length": e.mean_length, "per_position": e.per_position()},
+                     "project": {**dataclasses.asdict(o), "mean_length": o.mean_length, "per_position": o.per_position()},
+                     "ratio": ratio, "within_tolerance": abs(ratio - 1.0) <= tolerance})
+    return rows
+
 
 def strip_stop(ids: list[int], stops: list[int]) -> list[int]:
     """Generated ids without a trailing stop token (engines differ in whether they return it)."""
@@ -91,10 +134,11 @@ def strip_stop(ids: list[int], stops: list[int]) -> list[int]:
 
 
 def project_run(model, prompts: list[list[int]], k: int, max_new_tokens: int, max_length: int, eos: list[int]):
-    """This project's decoder on the prompts: (vanilla outputs, chain outputs, chain Acceptance, seconds)."""
+    """This project's decoder on the prompts: (vanilla outputs, chain outputs, chain Acceptance, seconds, the chain
+    Acceptance of each prompt)."""
     device = next(model.base_model.parameters()).device
     chain = DecodingConfig(mode="chain", chain_length=k).validate()
-    vanilla, spec, lengths = [], [], []
+    vanilla, spec, per_prompt = [], [], []
     start = time.perf_counter()
     with torch.inference_mode():
         for p in prompts:
@@ -103,8 +147,8 @@ def project_run(model, prompts: list[list[int]], k: int, max_new_tokens: int, ma
             vanilla.append(model.naivegenerate(ids, **kw)[0, len(p):].tolist())
             out, stats = model.eagenerate(ids, decoding=chain, return_stats=True, **kw)
             spec.append(out[0, len(p):].tolist())
-            lengths += [r.accept_length for r in stats.rounds]
-    return vanilla, spec, Acceptance.from_rounds(lengths, k), time.perf_counter() - start
+            per_prompt.append(Acceptance.from_rounds([r.accept_length for r in stats.rounds], k))
+    return vanilla, spec, Acceptance.pooled(per_prompt, k), time.perf_counter() - start, per_prompt
 
 
 def prepare_engine_models(target_path: str, head_path: str, engine: str, engine_format: str, work: Path,
@@ -286,7 +330,7 @@ def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_confi
     gen = s.gen
     eos = list(gen.eos_token_id or [])
     ours = project_run(s.models["A"], prompts, k, gen.max_new_tokens, gen.max_length, eos)
-    ours_vanilla, ours_chain, ours_acc, ours_s = ours
+    ours_vanilla, ours_chain, ours_acc, ours_s, ours_per_prompt = ours
     equivalence = None
     if padded:
         equivalence = padded_equivalence(ours, s.models["A"].base_model.dtype, target, str(work / "head_padded"),
@@ -312,8 +356,11 @@ def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_confi
     position_ratios = [e / o if o else (1.0 if e == o else float("inf"))
                        for e, o in zip(engine_acc.per_position(), ours_acc.per_position())]
     identical = sum(r["engine_spec_vs_plain"] for r in per_prompt)
+    context = [] if not m["num_drafts"] else by_context(  # a schedule with k = 0 at batch size 1 drafts nothing
+        prompts, spec["per_request"], ours_per_prompt, k, [int(e) for e in s.cfg.eval.context_buckets], tolerance)
     passed = (identical == len(prompts) and abs(ratio - 1.0) <= tolerance
-              and all(abs(r - 1.0) <= tolerance for r in position_ratios))
+              and all(abs(r - 1.0) <= tolerance for r in position_ratios)
+              and all(b["within_tolerance"] for b in context))
     return {
         "engine_version": result.get("vllm_version"), "temperature": 0.0, "padded_equivalence": equivalence,
         "identical_outputs": identical, "per_prompt": per_prompt,
@@ -322,6 +369,7 @@ def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_confi
         "project_acceptance": {**dataclasses.asdict(ours_acc), "mean_length": ours_acc.mean_length,
                                "per_position": ours_acc.per_position()},
         "ratio": ratio, "position_ratios": position_ratios, "tolerance": tolerance, "passed": passed,
+        "context_buckets": [int(e) for e in s.cfg.eval.context_buckets], "by_context": context,
         "seconds": {"project_decode": ours_s, "engine_load_plain": plain["load_s"],
                     "engine_generate_plain": plain["generate_s"], "engine_load_speculative": spec["load_s"],
                     "engine_generate_speculative": spec["generate_s"]},
@@ -357,10 +405,31 @@ def markdown(r: dict) -> str:
               + " ".join(f"{x:.4f}" for x in r["position_ratios"]) + f" (tolerance +-{r['tolerance']:.2%}).",
               f"Time: {r['seconds']['total']:.0f} s in all (engine generate {r['seconds']['engine_generate_plain']:.1f} s "
               f"plain, {r['seconds']['engine_generate_speculative']:.1f} s speculative).", ""]
+    lines += context_markdown(r)
     bad = [x["prompt"] for x in r["per_prompt"] if not x["engine_spec_vs_plain"]]
     if bad:
         lines += [f"Prompts whose engine output changed with speculation: {bad}", ""]
     return "\n".join(lines)
+
+
+def context_markdown(r: dict) -> list[str]:
+    """The per-context-length table (lines), when the prompts fall in more than one bucket of eval.context_buckets."""
+    rows = r.get("by_context") or []
+    if len(rows) < 2:
+        return []
+    k = r["num_speculative_tokens"]
+    lines = [f"By context length (prompt tokens, eval.context_buckets={r['context_buckets']}): mean acceptance "
+             "length and per-position acceptance, engine / this project, each bucket's requests pooled.", "",
+             "| bucket | prompts | prompt tokens | engine | this project | ratio | "
+             + " | ".join(f"pos {i + 1} engine / ours" for i in range(k)) + " |",
+             "|---|---|---|---|---|---|" + "---|" * k]
+    for b in rows:
+        e, o = b["engine"], b["project"]
+        lo, hi = b["prompt_tokens"]
+        lines.append(f"| {b['bucket']} | {b['prompts']} | {lo}-{hi} | {e['mean_length']:.3f} | {o['mean_length']:.3f} "
+                     f"| {b['ratio']:.4f}{'' if b['within_tolerance'] else ' (outside tolerance)'} | "
+                     + " | ".join(f"{x:.3f} / {y:.3f}" for x, y in zip(e["per_position"], o["per_position"])) + " |")
+    return lines + [""]
 
 
 def schedule_markdown(r: dict) -> str:

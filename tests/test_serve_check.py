@@ -203,3 +203,29 @@ def test_serve_check_without_the_engine_says_how_to_get_it(tmp_path):
     rc = main(["serve-check", "--base", str(tmp_path / "t"), "--head", str(tmp_path / "h"), "--questions",
                str(tmp_path / "q.txt"), "--engine-python", str(fake), "--out", str(tmp_path / "e")])
     assert rc == 2
+
+
+def test_acceptance_by_context_bucket_pools_each_buckets_requests():
+    """serve-check's per-context-length comparison: the engine's per-request counts and ours pooled per bucket of
+    prompt tokens; a bucket whose engine acceptance parts from ours (a window served as full attention) is flagged."""
+    from evaluation.serve_check import by_context, context_markdown
+
+    prompts = [[1] * 10, [1] * 30, [1] * 40, [1] * 200]
+    k = 2
+    ours = [Acceptance(4, 4, [3, 1]), Acceptance(5, 2, [2, 0]), Acceptance(3, 3, [2, 1]), Acceptance(10, 10, [6, 4])]
+    engine = [{"num_drafts": 4, "accepted_per_pos": [3, 1]}, {"num_drafts": 5, "accepted_per_pos": [2, 0]},
+              {"num_drafts": 3, "accepted_per_pos": [2, 1]}, {"num_drafts": 10, "accepted_per_pos": [2]}]
+    rows = by_context(prompts, engine, ours, k, [32, 128], tolerance=0.05)
+    assert [r["bucket"] for r in rows] == ["<32", "32-128", "128+"]
+    assert [r["prompts"] for r in rows] == [2, 1, 1]
+    assert rows[0]["prompt_tokens"] == [10, 30]
+    assert rows[0]["engine"]["num_drafts"] == 9 and rows[0]["engine"]["accepted_per_pos"] == [5, 1]
+    assert rows[0]["engine"]["mean_length"] == pytest.approx(1 + 6 / 9) == rows[0]["project"]["mean_length"]
+    assert [r["within_tolerance"] for r in rows] == [True, True, False]
+    assert rows[2]["ratio"] == pytest.approx((1 + 2 / 10) / (1 + 10 / 10))
+    assert rows[2]["engine"]["accepted_per_pos"] == [2, 0]  # positions the engine did not report count 0
+    md = "\n".join(context_markdown({"by_context": rows, "num_speculative_tokens": k, "context_buckets": [32, 128]}))
+    assert "| 128+ | 1 | 200-200 | 1.200 | 2.000 | 0.6000 (outside tolerance) | 0.200 / 0.600 | 0.000 / 0.400 |" in md
+    assert context_markdown({"by_context": rows[:1], "num_speculative_tokens": k, "context_buckets": [32]}) == []
+    with pytest.raises(Exception, match="no per-request acceptance for prompts \\[1\\]"):
+        by_context(prompts, [engine[0], None, *engine[2:]], ours, k, [32, 128], tolerance=0.05)

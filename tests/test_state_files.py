@@ -104,6 +104,9 @@ NOT_STATE = {
     "benchmarks/real_shape.py": (3, "benchmark inputs (the target's config.json, phases.jsonl) and results"),
     "benchmarks/real_shape_decode.py": (1, "results for people"),
     "benchmarks/thinking_target.py": (4, "writes the benchmark target's prompt sets and a summary for people"),
+    "benchmarks/long_context_target.py": (7, "a fingerprint's JSON round trip (tuples as lists), the base target's "
+                                             "tokenizer_config.json (an input) rewritten with the long max length, the "
+                                             "long documents for people and data prep (inputs), a printed summary"),
 }
 JSON_CALLS = {"load", "loads", "dump", "dumps"}
 
@@ -245,6 +248,8 @@ READERS = {
     "CACHE_DIR/parts/PART.json": _parts,
     "CACHE_DIR/manifest.json": _spec_loader("CACHE_DIR/manifest.json"),
     "DEFAULT_TARGET_DIR/default_target.json": _build_info,
+    "LONG_CONTEXT_TARGET_DIR/long_context_target.json":
+        lambda d: __import__("benchmarks.long_context_target").long_context_target.read_long_build_info(d),
     "REGENERATED_DIR/settings.json": _settings,
     "OUTPUT_DIR/data/report.json": _spec_loader("OUTPUT_DIR/data/report.json"),
     "EVAL_DIR/report.json": _eval_report,
