@@ -357,7 +357,7 @@ def greedy_check(s, prompts, k, engine, engine_python, work, request, spec_confi
                        for e, o in zip(engine_acc.per_position(), ours_acc.per_position())]
     identical = sum(r["engine_spec_vs_plain"] for r in per_prompt)
     context = [] if not m["num_drafts"] else by_context(  # a schedule with k = 0 at batch size 1 drafts nothing
-        prompts, spec["per_request"], ours_per_prompt, k, [int(e) for e in s.cfg.eval.context_buckets], tolerance)
+        prompts, spec.get("per_request") or [None] * len(prompts), ours_per_prompt, k, [int(e) for e in s.cfg.eval.context_buckets], tolerance)
     passed = (identical == len(prompts) and abs(ratio - 1.0) <= tolerance
               and all(abs(r - 1.0) <= tolerance for r in position_ratios)
               and all(b["within_tolerance"] for b in context))

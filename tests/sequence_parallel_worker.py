@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
-
-from float_tolerance import LAYER_REDUCTIONS, assert_same_function  # noqa: E402
-from recipes import load_config  # noqa: E402
-from tiny_models import random_head, tiny_llama  # noqa: E402
-from train.head_kinds import training_kind  # noqa: E402
-from train.sequence_parallel import UlyssesShards, check_sequence_parallel, sequence_groups  # noqa: E402
+from float_tolerance import LAYER_REDUCTIONS, assert_same_function
+from recipes import load_config
+from tiny_models import random_head, tiny_llama
+from train.head_kinds import training_kind
+from train.sequence_parallel import UlyssesShards, check_sequence_parallel, sequence_groups
 
 STEPS = 3
 

@@ -338,7 +338,9 @@ def test_serve_check_warns_when_the_engine_never_accepts(nan_eval, tmp_path, cap
         metrics = {"num_drafts": 12, "num_accepted_tokens": 0, "accepted_per_pos": [0] * 4}
         return {"vllm_version": "fake", "runs": {
             "plain": {"outputs": outs, "load_s": 0.0, "generate_s": 0.0},
-            "speculative": {"outputs": outs, "metrics": metrics, "load_s": 0.0, "generate_s": 0.0}}}
+            "speculative": {"outputs": outs, "metrics": metrics,
+                            "per_request": [{"num_drafts": 12 if i == 0 else 0, "accepted_per_pos": [0] * 4}
+                                            for i in range(len(outs))], "load_s": 0.0, "generate_s": 0.0}}}
 
     monkeypatch.setattr(engine_runs, "engine_run", engine_run)
     with caplog.at_level(logging.WARNING):

@@ -5,6 +5,7 @@ head, the chunked token loss); the trainer on 2 ranks equals the 1-rank run, and
 the refusals are one line each."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,13 @@ from train.sequence_parallel import sequence_parallel_problem
 WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
 
 
+def worker_env() -> dict:
+    """The trainer subprocess environment, with tests/ importable too (the worker imports its helpers by name)."""
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env["PYTHONPATH"]])
+    return env
+
+
 def torchrun(n: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
             str(free_port())]
@@ -42,7 +50,7 @@ CASES = [("eagle3", 37, 2, 0, 1, 16), pytest.param(("eagle3", 37, 1, 0, 2, 0), m
 def test_split_record_equals_whole_record(case):
     """The worker (tests/sequence_parallel_worker.py) asserts loss, step-1 token loss and every gradient (averaged
     over the ranks, as DeepSpeed does) against the 1-rank computation in float64, and the counts / hits exactly."""
-    proc = subprocess.run([*torchrun(), str(WORKER), *map(str, case)], env=subprocess_env(), capture_output=True,
+    proc = subprocess.run([*torchrun(), str(WORKER), *map(str, case)], env=worker_env(), capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "OK " in proc.stdout, proc.stdout[-2000:]
