@@ -189,21 +189,26 @@ def assert_offline_head(toy, tmp_path, out) -> None:
 
 
 @pytest.mark.slow
-def test_dead_producer_is_one_line_and_a_rerun_resumes(toy, tmp_path):
-    """kill -9 of the producer mid-run: the trainer stops with one line within train.stream_timeout_s; the same
-    command then resumes from the checkpoint and trains the offline head, bit for bit."""
+@pytest.mark.parametrize("tag", ["", "step-00000006"])  # before the first checkpoint; at step 6 of 12
+def test_dead_producer_is_one_line_and_a_rerun_resumes(toy, tmp_path, tag):
+    """kill -9 of the producer at two points (after 4 captured records; at the trainer's checkpoint `tag`): the trainer stops with one line within
+    train.stream_timeout_s; the same command then resumes from the last checkpoint (or the start) and trains the
+    offline head, bit for bit."""
     out = tmp_path / "st"
     args = [sys.executable, str(REPO / "train" / "main.py"), "--recipe", "tiny",
             *overrides(toy["target"], out, f"train.tokenized={toy['tok']}", "train.eval_every=5", "train.mode=stream",
                        "train.stream_window_mb=0.01", "train.checkpoint_every=2", "train.stream_timeout_s=20",
                        steps=STEPS)]
     proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    beat = out / "train" / "stream" / "producer.json"
+    beat, latest = out / "train" / "stream" / "producer.json", out / "train" / "checkpoints" / "latest"
     deadline = time.time() + 120
-    while time.time() < deadline:  # the producer has written some shards: kill it
-        if beat.exists() and json.loads(beat.read_text() or "{}").get("records", 0) >= 12:
+    while time.time() < deadline:  # the producer has written some shards (and the trainer checkpointed `tag`)
+        if beat.exists() and json.loads(beat.read_text() or "{}").get("records", 0) >= 4 and (
+                not tag or (latest.exists() and latest.read_text().strip() >= tag)):
             break
         time.sleep(0.05)
+    else:
+        pytest.fail(f"the producer never reported 4 captured records (or no checkpoint {tag!r})")
     pid = json.loads(beat.read_text())["pid"]
     subprocess.run(["kill", "-9", str(pid)], check=True)
     _, err = proc.communicate(timeout=120)
