@@ -32,23 +32,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import shutil
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 
-from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, default_cache_dir,
+from data_prep.default_target import (CONVERSATIONS_FILE, QUESTIONS_FILE, SIZES, build_cached, default_cache_dir,
                                       ensure_default_target, heldout_conversations, read_build_info,
-                                      remove_stale_tmp_dirs, replace_dir, sharegpt_to_messages, train_model)
+                                      read_build_state, sharegpt_to_messages, train_model)
 from data_prep.docstring_corpus import default_conversations
-from eagle.state_files import StateFile, StateFileError, read_json_state, register, write_json_state
+from eagle.state_files import StateFile, register, write_json_state
 from evaluation.context_buckets import bucket_labels, bucket_of
 
 FORMAT_VERSION = 1  # bump when the build changes: cached long-context targets of another version are rebuilt
@@ -111,39 +108,15 @@ def ensure_long_context_target(cache_dir: str | Path | None = None, *, size: str
     fingerprint = {"format_version": FORMAT_VERSION, "size": size, "seed": seed, **asdict(preset),
                    "base": read_build_info(base)["fingerprint"]}
     fingerprint = json.loads(json.dumps(fingerprint))  # tuples as lists: what the file holds when read back
-    target = long_context_target_dir(cache_dir, size)
-    if not rebuild and _matches(target, fingerprint):
-        return target
-    with FileLock(str(target.parent / f".{target.name}.lock")):
-        if not rebuild and _matches(target, fingerprint):  # another process built it while we waited
-            return target
-        if target.exists():
-            print(f"[long-context target] {target} was built with other settings or is incomplete: rebuilding")
-        remove_stale_tmp_dirs(target)
-        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            build_long_context_target(base, tmp, preset, seed=seed, fingerprint=fingerprint, progress=progress)
-            replace_dir(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_cached(long_context_target_dir(cache_dir, size), fingerprint, REQUIRED_FILES, BUILD_INFO,
+                        lambda tmp: build_long_context_target(base, tmp, preset, seed=seed, fingerprint=fingerprint,
+                                                              progress=progress),
+                        rebuild=rebuild, label="long-context target")
 
 
 def read_long_build_info(target: str | Path) -> dict:
     """The fingerprint and build summary of a built long-context target."""
-    info = read_json_state(Path(target) / BUILD_INFO_FILE, BUILD_INFO)
-    if info is None:
-        raise StateFileError(f"{Path(target) / BUILD_INFO_FILE}: missing; {BUILD_INFO.rebuild}")
-    return info
-
-
-def _matches(target: Path, fingerprint: dict) -> bool:
-    if not all((target / f).is_file() for f in REQUIRED_FILES):
-        return False
-    try:
-        return read_long_build_info(target).get("fingerprint") == fingerprint
-    except (OSError, StateFileError):  # damaged: the caller says "incomplete: rebuilding"
-        return False
+    return read_build_state(target, BUILD_INFO)
 
 
 # ------------------------------------------------------------------------------------------------- documents

@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -110,19 +111,29 @@ def ensure_default_target(cache_dir: str | Path | None = None, *, size: str = "d
     steps: override the preset's optimizer steps; rebuild: build even if a matching cache exists.
     """
     preset, fingerprint = _preset(size, steps, seed)
-    target = default_target_dir(cache_dir, size)
+    return build_cached(default_target_dir(cache_dir, size), fingerprint, REQUIRED_FILES, BUILD_INFO,
+                        lambda tmp: build_default_target(tmp, preset, seed=seed, fingerprint=fingerprint,
+                                                         progress=progress),
+                        rebuild=rebuild, label="quickstart")
+
+
+def build_cached(target: Path, fingerprint: dict, required: tuple[str, ...], info: StateFile,
+                 build: Callable[[Path], None], *, rebuild: bool, label: str) -> Path:
+    """`target` as built for `fingerprint`: reused when complete (every `required` file there, the build's state
+    file `info` recording that fingerprint), else `build(tmp)` into a temporary sibling under a lock and moved into
+    place whole, so an interrupted build never leaves a half folder where a good one was."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    if not rebuild and _matches(target, fingerprint):
+    if not rebuild and build_matches(target, fingerprint, required, info):
         return target
     with FileLock(str(target.parent / f".{target.name}.lock")):
-        if not rebuild and _matches(target, fingerprint):  # another process built it while we waited
+        if not rebuild and build_matches(target, fingerprint, required, info):  # built by another process meanwhile
             return target
         if target.exists():
-            print(f"[quickstart] {target} was built with other settings or is incomplete: rebuilding", file=sys.stdout)
+            print(f"[{label}] {target} was built with other settings or is incomplete: rebuilding", file=sys.stdout)
         remove_stale_tmp_dirs(target)
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            build_default_target(tmp, preset, seed=seed, fingerprint=fingerprint, progress=progress)
+            build(tmp)
             replace_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -143,7 +154,7 @@ def built_default_target(cache_dir: str | Path | None = None, size: str = "defau
     """The default target's folder when a complete build of the current recipe is there, else None. Never builds:
     for commands that only read what exists (train.plan)."""
     target = default_target_dir(cache_dir, size)
-    return target if _matches(target, _preset(size, None, 0)[1]) else None
+    return target if build_matches(target, _preset(size, None, 0)[1], REQUIRED_FILES, BUILD_INFO) else None
 
 
 def default_target_config(preset: TargetSize = SIZES["default"], tokenizer=None):
@@ -164,20 +175,25 @@ def default_target_config(preset: TargetSize = SIZES["default"], tokenizer=None)
 
 def read_build_info(target: str | Path) -> dict:
     """The fingerprint and training summary (losses, params, seconds, sample answer) of a built target."""
-    info = read_json_state(Path(target) / BUILD_INFO_FILE, BUILD_INFO)
-    if info is None:
-        raise StateFileError(f"{Path(target) / BUILD_INFO_FILE}: missing; {BUILD_INFO.rebuild}")
-    return info
+    return read_build_state(target, BUILD_INFO)
 
 
-def _matches(target: Path, fingerprint: dict) -> bool:
-    if not all((target / f).is_file() for f in REQUIRED_FILES):
+def read_build_state(target: str | Path, info: StateFile) -> dict:
+    """A cached build's state file `info` (written last: its fingerprint and summary); missing = one line."""
+    state = read_json_state(Path(target) / info.name, info)
+    if state is None:
+        raise StateFileError(f"{Path(target) / info.name}: missing; {info.rebuild}")
+    return state
+
+
+def build_matches(target: Path, fingerprint: dict, required: tuple[str, ...], info: StateFile) -> bool:
+    """Whether `target` is a complete build (every `required` file) whose state file records `fingerprint`."""
+    if not all((target / f).is_file() for f in required):
         return False
     try:
-        info = read_build_info(target)
+        return read_build_state(target, info).get("fingerprint") == fingerprint
     except (OSError, StateFileError):  # damaged: the caller says "incomplete: rebuilding"
         return False
-    return info.get("fingerprint") == fingerprint
 
 
 def remove_stale_tmp_dirs(target: Path) -> None:
