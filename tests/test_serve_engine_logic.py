@@ -348,6 +348,18 @@ def files_of(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def write_sweep_inputs(tmp_path: Path) -> tuple:
+    """A serve-sweep's inputs under tmp_path: the tiny target t/ (char tokenizer), a random head run/head and one
+    question q.txt; returns (target model, head folder)."""
+    target = tiny_target("llama", vocab_size=258, eos_token_id=1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
+    head = tmp_path / "run" / "head"
+    random_head(target).save_pretrained(head)
+    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    return target, head
+
+
 def test_a_failed_serve_sweep_rerun_keeps_the_last_sweep_and_a_rerun_resumes(tmp_path, capsys):
     """A finished sweep in the eval folder (what the model card and the Hub upload ship), then serve-sweep reruns:
     with an engine that fails to start, one error line and the sweep is unchanged, byte for byte; with one that
@@ -355,12 +367,7 @@ def test_a_failed_serve_sweep_rerun_keeps_the_last_sweep_and_a_rerun_resumes(tmp
     the same settings measures only what is missing (k = 0 is not served again), then replaces the sweep whole."""
     from evaluation.main import main
 
-    target = tiny_target("llama", vocab_size=258, eos_token_id=1)
-    target.save_pretrained(tmp_path / "t")
-    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
-    head = tmp_path / "run" / "head"
-    random_head(target).save_pretrained(head)
-    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    _, head = write_sweep_inputs(tmp_path)
     eval_dir = tmp_path / "run" / "eval"
     sweep_dir = eval_dir / "serve_sweep"
     sweep_dir.mkdir(parents=True)
@@ -415,12 +422,7 @@ def test_serve_sweep_serves_the_recipes_quantized_target(tmp_path, monkeypatch, 
     from evaluation.main import main
 
     monkeypatch.setenv("EAGLE_HOME", str(tmp_path / "home"))
-    target = tiny_target("llama", vocab_size=258, eos_token_id=1)
-    target.save_pretrained(tmp_path / "t")
-    char_tokenizer(with_template=False).save_pretrained(tmp_path / "t")
-    head = tmp_path / "run" / "head"
-    random_head(target).save_pretrained(head)
-    (tmp_path / "q.txt").write_text("Once upon a time\n")
+    target, head = write_sweep_inputs(tmp_path)
     engine, _, starts = fake_vllm(tmp_path)
     monkeypatch.chdir(tmp_path)  # a relative --out: vLLM runs in another folder and is given absolute paths
     code = main(["serve-sweep", "--base", str(tmp_path / "t"), "--head", str(head), "--questions", str(tmp_path / "q.txt"),
