@@ -67,17 +67,24 @@ def head_weights(out):
     return load_file(str(out / "head" / "model.safetensors"))
 
 
-def test_streamed_run_equals_offline_bit_for_bit_within_a_bounded_window(toy, tmp_path, dist_ctx):
+def stream_beside_offline(toy, tmp_path, ctx, *stream_overrides: str) -> tuple[dict, dict, object]:
+    """An offline run (off/: the cache, then training) and a stream run (st/, `stream_overrides`) of the same recipe;
+    asserts the streamed head is the offline head bit for bit. Returns both summaries and the stream run's config."""
     from train.main import train
 
     off = config(toy, tmp_path / "off")
     offline_cache(off, toy["records"])
-    s_off = train(off, dist_ctx)
-    window_mb = 0.03  # ~31 KiB: half of the toy's ~60 KiB per epoch
-    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}")
-    s_st = train(st, dist_ctx)
+    s_off = train(off, ctx)
+    st = config(toy, tmp_path / "st", "train.mode=stream", *stream_overrides)
+    s_st = train(st, ctx)
     a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    return s_off, s_st, st
+
+
+def test_streamed_run_equals_offline_bit_for_bit_within_a_bounded_window(toy, tmp_path, dist_ctx):
+    window_mb = 0.03  # ~31 KiB: half of the toy's ~60 KiB per epoch
+    s_off, s_st, _ = stream_beside_offline(toy, tmp_path, dist_ctx, f"train.stream_window_mb={window_mb}")
     assert s_st["eval"] == s_off["eval"] and s_st["train_tokens"] == s_off["train_tokens"]
     stream = s_st["stream"]
     assert 0 < stream["window_peak_bytes"] <= window_mb * 2**20
@@ -92,16 +99,8 @@ def test_the_held_out_shard_counts_against_the_window(toy, tmp_path, dist_ctx):
     """A window too small for all held-out records beside one optimizer step: the held-out shard keeps the first
     ones that fit (a line says how many), the train shards share the rest, and the peak on disk stays <= the window;
     training itself is untouched (the offline head, bit for bit)."""
-    from train.main import train
-
-    off = config(toy, tmp_path / "off")
-    offline_cache(off, toy["records"])
-    s_off = train(off, dist_ctx)
     window_mb = 0.027  # ~28 KiB: the longest step (4 records, ~22 KiB) + not all 4 held-out records (~9 KiB)
-    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}")
-    s_st = train(st, dist_ctx)
-    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
-    assert all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    s_off, s_st, _ = stream_beside_offline(toy, tmp_path, dist_ctx, f"train.stream_window_mb={window_mb}")
     assert 0 < s_st["eval_records"] < s_off["eval_records"]
     assert 0 < s_st["stream"]["window_peak_bytes"] <= window_mb * 2**20
 
@@ -113,16 +112,9 @@ def test_the_default_window_is_counted_in_optimizer_steps(toy, tmp_path, dist_ct
     from data_prep.feature_cache import bytes_per_token
     from data_prep.feature_shard import RECORD_HEADER_BYTES
     from recipes import load_config
-    from train.main import train
 
     assert load_config("tiny").train.stream_window_steps == 8 and load_config("tiny").train.stream_window_mb == 0
-    off = config(toy, tmp_path / "off")
-    offline_cache(off, toy["records"])
-    train(off, dist_ctx)
-    st = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_window_steps=3")
-    s_st = train(st, dist_ctx)
-    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
-    assert all((a[k] == b[k]).all() for k in a), "streamed head differs from offline"
+    _, s_st, st = stream_beside_offline(toy, tmp_path, dist_ctx, "train.stream_window_steps=3")
     sdir = tmp_path / "st" / "train" / "stream"
     request = json.loads((sdir / "request.json").read_text())
     hidden = json.loads((sdir / "stream.json").read_text())["meta"]["hidden_size"]
@@ -140,17 +132,9 @@ def test_the_default_window_is_counted_in_optimizer_steps(toy, tmp_path, dist_ct
 def test_several_producers_stream_the_offline_head(toy, tmp_path, dist_ctx):
     """train.stream_producers=2: shard k is producer k mod 2's, both capture, the shards land in the order's
     sequence within the window, and the head is the offline one bit for bit."""
-    from train.main import train
-
-    off = config(toy, tmp_path / "off")
-    offline_cache(off, toy["records"])
-    train(off, dist_ctx)
     window_mb = 0.03
-    st = config(toy, tmp_path / "st", "train.mode=stream", f"train.stream_window_mb={window_mb}",
-                "train.stream_producers=2")
-    s_st = train(st, dist_ctx)
-    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
-    assert all((a[k] == b[k]).all() for k in a), "head streamed by 2 producers differs from offline"
+    _, s_st, _ = stream_beside_offline(toy, tmp_path, dist_ctx, f"train.stream_window_mb={window_mb}",
+                                       "train.stream_producers=2")
     sdir = tmp_path / "st" / "train" / "stream"
     beats = [json.loads((sdir / name).read_text()) for name in ("producer.json", "producer-1.json")]
     assert all(beat["records"] > 0 for beat in beats) and beats[0]["pid"] != beats[1]["pid"]
@@ -164,15 +148,7 @@ def test_several_producers_stream_the_offline_head(toy, tmp_path, dist_ctx):
 
 @pytest.mark.slow
 def test_keep_mode_rereads_epoch_one(toy, tmp_path, dist_ctx):
-    from train.main import train
-
-    off = config(toy, tmp_path / "off")
-    offline_cache(off, toy["records"])
-    train(off, dist_ctx)
-    st = config(toy, tmp_path / "st", "train.mode=stream", "train.stream_epochs=keep")
-    s_st = train(st, dist_ctx)
-    a, b = head_weights(tmp_path / "off"), head_weights(tmp_path / "st")
-    assert all((a[k] == b[k]).all() for k in a)
+    _, s_st, _ = stream_beside_offline(toy, tmp_path, dist_ctx, "train.stream_epochs=keep")
     assert s_st["stream"]["producer_records"] == N_RECORDS  # each record captured once
 
 
