@@ -49,12 +49,9 @@ def toy3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def toydf(tmp_path_factory):
-    """A 4-layer toy target + a DFlash cache (target layers 1, 2, 3 + the final state)."""
-    root = tmp_path_factory.mktemp("toydf")
-    target = save_target(root / "target", num_layers=4)
-    return {"kind": "dflash", "target": target, "cache": write_cache(root / "cache", target, n=48, layers=[1, 2, 3, 4]),
-            "extra": DFLASH}
+def toydf(toy3):
+    """The EAGLE-3 toy's target and cache (target layers 1, 2, 3 + the final state: what a DFlash head reads too)."""
+    return {**toy3, "kind": "dflash", "extra": DFLASH}
 
 
 @pytest.fixture(params=["eagle2", "eagle3"])
